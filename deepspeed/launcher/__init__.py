@@ -1,0 +1,5 @@
+"""The `deepspeed` launcher: upstream's command line, torch's elastic agent (torchrun) underneath.
+
+`runner` turns the command line into one `python -m torch.distributed.run` command per node;
+`launch_shim` runs inside each worker to add upstream's `--local_rank` argument and environment.
+"""

@@ -1,0 +1,1 @@
+"""Training runtime: the engine, config parsing, precision, ZeRO and checkpoints."""

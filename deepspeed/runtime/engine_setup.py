@@ -1,0 +1,149 @@
+"""Builders the engine calls once at construction: basic optimizer, ZeRO wrapper, LR scheduler."""
+
+from typing import Optional
+
+import torch
+
+from deepspeed.runtime.config import DeepSpeedConfig
+
+ADAM_OPTIMIZERS = ("adam", "adamw")
+MUON_OPTIMIZER = "muon"
+
+UNTESTED_OPTIMIZER_MESSAGE = ('You are using an untested ZeRO Optimizer. Please add <"zero_allow_untested_optimizer": '
+                              'true> in the configuration file to use it.')
+
+
+def model_dtype_of(config: DeepSpeedConfig) -> torch.dtype:
+    if config.fp16_enabled:
+        return torch.float16
+    if config.bfloat16_enabled:
+        return torch.bfloat16
+    return torch.float32
+
+
+def _zero_supported_types() -> tuple:
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+    return (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, MuonWithAuxAdam)
+
+
+def build_basic_optimizer(engine, client_optimizer, model_parameters) -> Optional[torch.optim.Optimizer]:
+    """The unwrapped optimizer: the client's, or one built from the config's `optimizer` section.
+
+    Raises:
+        ValueError: the model has no trainable parameters.
+        AssertionError: upstream's untested-optimizer rule under ZeRO.
+    """
+    config = engine._config
+    engine._client_optimizer = client_optimizer is not None
+    trainable = [p for p in engine.module.parameters() if p.requires_grad]
+    if not trainable and (client_optimizer is not None or config.optimizer_name is not None):
+        raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False); "
+                         "DeepSpeed needs at least one parameter to optimize")
+    if isinstance(client_optimizer, torch.optim.Optimizer):
+        optimizer = client_optimizer
+    elif client_optimizer is not None:
+        optimizer = client_optimizer(model_parameters if model_parameters is not None else trainable)
+    elif config.optimizer_name is not None:
+        optimizer = _optimizer_from_config(engine, model_parameters if model_parameters is not None else trainable)
+    else:
+        if config.zero_optimization_stage >= 1:
+            raise AssertionError(f"zero stage {config.zero_optimization_stage} requires an optimizer")
+        return None
+    optimizer.param_groups[:] = [g for g in optimizer.param_groups if len(g["params"]) > 0]
+    _check_no_duplicate_params(engine, optimizer)
+    if config.zero_optimization_stage >= 1 and type(optimizer) not in _zero_supported_types():
+        if not config.zero_allow_untested_optimizer:
+            raise AssertionError(UNTESTED_OPTIMIZER_MESSAGE)
+    return optimizer
+
+
+def _optimizer_from_config(engine, params) -> torch.optim.Optimizer:
+    config = engine._config
+    name = config.optimizer_name
+    kwargs = dict(config.optimizer_params or {})
+    if name in ADAM_OPTIMIZERS:
+        kwargs.pop("torch_adam", None)
+        adam_w_mode = kwargs.pop("adam_w_mode", True)
+        cls = torch.optim.AdamW if (name == "adamw" or adam_w_mode) else torch.optim.Adam
+        return cls(params, **kwargs)
+    if name == MUON_OPTIMIZER:
+        from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam, muon_param_groups
+        named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+        return MuonWithAuxAdam(muon_param_groups(named, kwargs))
+    torch_name = "SGD" if name == "sgd" else name
+    return getattr(torch.optim, torch_name)(params, **kwargs)
+
+
+def _check_no_duplicate_params(engine, optimizer) -> None:
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    seen = set()
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) in seen:
+                raise ValueError(f"Parameter with name: {names.get(id(param), '<unnamed>')} occurs multiple times "
+                                 "in optimizer.param_groups. Make sure it only appears once to prevent undefined "
+                                 "behavior.")
+            seen.add(id(param))
+
+
+def build_zero_optimizer(engine, basic_optimizer):
+    """Wrap the basic optimizer in DeepSpeedZeroOptimizer (all stages 0-2, all precisions)."""
+    from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer, ZeroOptions
+
+    config = engine._config
+    if config.zero_optimization_stage > 2:
+        raise ValueError(f"zero_optimization.stage {config.zero_optimization_stage} is not supported by this fork "
+                         "yet; expected 0, 1 or 2")
+    model_dtype = model_dtype_of(config)
+    zero = config.zero_config
+    fp16 = config.float16_config
+    options = ZeroOptions(
+        stage=config.zero_optimization_stage,
+        model_dtype=model_dtype,
+        accum_dtype=config.grad_accum_dtype or model_dtype,
+        comm_dtype=config.communication_data_type or model_dtype,
+        reduce_scatter=zero.reduce_scatter,
+        overlap_comm=bool(zero.overlap_comm),
+        contiguous_gradients=zero.contiguous_gradients,
+        reduce_bucket_size=int(zero.reduce_bucket_size),
+        clip_grad=config.gradient_clipping,
+        check_overflow=_checks_overflow(config),
+        average=config.gradient_allreduce_op == "mean",
+    )
+    dynamic = config.fp16_enabled and fp16.loss_scale == 0
+    loss_scaler = CreateLossScaler(dtype=model_dtype, static_loss_scale=fp16.loss_scale if config.fp16_enabled else 1.0,
+                                   dynamic_scaling=dynamic, dynamic_loss_args=engine.dynamic_loss_scale_args())
+    param_names = {p: n for n, p in engine.module.named_parameters()}
+    return DeepSpeedZeroOptimizer(basic_optimizer, param_names, options, loss_scaler, engine.dp_process_group,
+                                  engine.device)
+
+
+def _checks_overflow(config: DeepSpeedConfig) -> bool:
+    if config.fp16_enabled:
+        return True
+    if config.bfloat16_enabled:
+        return config.bfloat16_config.check_grad_overflow
+    return False
+
+
+def build_lr_scheduler(engine, client_scheduler):
+    """The client's scheduler (instance, or callable given the basic optimizer), else the config's, else None.
+
+    Raises:
+        ValueError: an unknown scheduler type.
+    """
+    if client_scheduler is not None:
+        if callable(client_scheduler) and not hasattr(client_scheduler, "step"):
+            return client_scheduler(engine.basic_optimizer)
+        return client_scheduler
+    config = engine._config
+    if config.scheduler_name is None or engine.basic_optimizer is None:
+        return None
+    from deepspeed.runtime import lr_schedules
+    params = dict(config.scheduler_params or {})
+    if hasattr(lr_schedules, config.scheduler_name):
+        return getattr(lr_schedules, config.scheduler_name)(engine.optimizer, **params)
+    if hasattr(torch.optim.lr_scheduler, config.scheduler_name):
+        return getattr(torch.optim.lr_scheduler, config.scheduler_name)(engine.basic_optimizer, **params)
+    raise ValueError(f"DeepSpeed does not recognize LR scheduler {config.scheduler_name}")

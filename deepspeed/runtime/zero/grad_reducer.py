@@ -1,0 +1,249 @@
+"""Gradient reduction for flat ZeRO groups: from per-parameter gradients to this rank's reduced partition.
+
+Stages 0 and 1 accumulate every micro-step's gradients into a full flat buffer and reduce once, at the
+accumulation boundary (stage 0 all-reduces, stage 1 reduce-scatters). Stage 2 keeps only its partition:
+gradients are copied into static buckets as autograd produces them, and each bucket is reduce-scattered
+as soon as it and every bucket before it are complete, so all ranks issue the same collectives in the
+same order even when a parameter gets no gradient on some rank.
+
+The reducer knows nothing of loss scales or optimizers; it produces sums (or means) of what it was given.
+"""
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+import deepspeed.comm as dist
+from deepspeed.runtime.zero.flat_layout import GroupLayout
+
+
+@dataclass
+class _Piece:
+    """A run of a parameter's gradient headed for one rank's partition."""
+
+    group: int
+    param_start: int
+    numel: int
+    row_offset: int
+    partition_offset: int
+
+
+@dataclass
+class _Bucket:
+    """A static set of parameters reduced together; rows of `send` are destined for one rank each."""
+
+    params: List[Tuple[int, int]]
+    pieces: Dict[Tuple[int, int], List[Tuple[int, _Piece]]] = field(default_factory=dict)
+    row_numel: int = 0
+    send: Optional[torch.Tensor] = None
+    ready: set = field(default_factory=set)
+
+
+@dataclass
+class ReducerOptions:
+    """How to reduce.
+
+    Attributes:
+        partition_grads: stage 2 behaviour (reduce during backward, keep only the partition).
+        reduce_scatter: reduce-scatter (True) or all-reduce and keep the partition (False).
+        overlap_comm: issue collectives asynchronously and wait for them at the end of backward.
+        bucket_numel: elements per bucket.
+        accum_dtype: dtype in which gradients accumulate across micro-steps.
+        comm_dtype: dtype on the wire.
+        average: divide the sum by the data-parallel world size.
+    """
+
+    partition_grads: bool
+    reduce_scatter: bool
+    overlap_comm: bool
+    bucket_numel: int
+    accum_dtype: torch.dtype
+    comm_dtype: torch.dtype
+    average: bool = True
+
+
+class GradReducer:
+    """Accumulates and reduces gradients of flat groups across the data-parallel group."""
+
+    def __init__(self, layouts: Sequence[GroupLayout], param_order: Sequence[Tuple[int, int]], dp_rank: int,
+                 dp_world_size: int, dp_group, options: ReducerOptions, device: torch.device):
+        self.layouts = list(layouts)
+        self.dp_rank = dp_rank
+        self.dp_world_size = dp_world_size
+        self.dp_group = dp_group
+        self.options = options
+        self.device = device
+        self._pending: List[Tuple[object, _Bucket]] = []
+        if options.partition_grads:
+            self._partition = [self._zeros(layout.partition_size, options.accum_dtype) for layout in layouts]
+            self._buckets = self._plan_buckets(param_order)
+            self._bucket_of = {p: k for k, bucket in enumerate(self._buckets) for p in bucket.params}
+            self._next_bucket = 0
+        else:
+            self._flat = [self._zeros(layout.total_numel, options.accum_dtype) for layout in layouts]
+
+    def _zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(numel, dtype=dtype, device=self.device)
+
+    # ---------------------------------------------------------------- bucket plan (stage 2)
+    def _plan_buckets(self, param_order: Sequence[Tuple[int, int]]) -> List[_Bucket]:
+        """Cut the parameters, in the order autograd usually produces them, into buckets."""
+        buckets, current, current_numel = [], [], 0
+        for key in param_order:
+            numel = self.layouts[key[0]].numels[key[1]]
+            if current and current_numel + numel > self.options.bucket_numel:
+                buckets.append(self._plan_bucket(current))
+                current, current_numel = [], 0
+            current.append(key)
+            current_numel += numel
+        if current:
+            buckets.append(self._plan_bucket(current))
+        return buckets
+
+    def _plan_bucket(self, params: List[Tuple[int, int]]) -> _Bucket:
+        bucket = _Bucket(params=list(params))
+        row_fill = [0] * self.dp_world_size
+        for group, index in params:
+            layout = self.layouts[group]
+            start, end = layout.param_range(index)
+            pieces = []
+            for rank in range(self.dp_world_size):
+                lo, hi = layout.partition_range(rank)
+                first, last = max(start, lo), min(end, hi)
+                if first < last:
+                    piece = _Piece(group, first - start, last - first, row_fill[rank], first - lo)
+                    row_fill[rank] += last - first
+                    pieces.append((rank, piece))
+            bucket.pieces[(group, index)] = pieces
+        bucket.row_numel = max(row_fill)
+        return bucket
+
+    # ---------------------------------------------------------------- accumulation
+    def accumulate(self, group: int, index: int, grad: torch.Tensor) -> None:
+        """Take one parameter's gradient of the current backward (called from its grad hook)."""
+        flat_grad = grad.reshape(-1)
+        if not self.options.partition_grads:
+            start, end = self.layouts[group].param_range(index)
+            self._flat[group][start:end].add_(flat_grad)
+            return
+        bucket = self._buckets[self._bucket_of[(group, index)]]
+        if bucket.send is None:
+            bucket.send = self._zeros(self.dp_world_size * bucket.row_numel, self.options.comm_dtype)
+        rows = bucket.send.view(self.dp_world_size, bucket.row_numel)
+        for rank, piece in bucket.pieces[(group, index)]:
+            source = flat_grad[piece.param_start:piece.param_start + piece.numel]
+            rows[rank, piece.row_offset:piece.row_offset + piece.numel].add_(source)
+        bucket.ready.add((group, index))
+        while self._next_bucket < len(self._buckets) and self._is_complete(self._buckets[self._next_bucket]):
+            self._flush(self._buckets[self._next_bucket])
+            self._next_bucket += 1
+
+    @staticmethod
+    def _is_complete(bucket: _Bucket) -> bool:
+        return len(bucket.ready) == len(bucket.params)
+
+    def _flush(self, bucket: _Bucket) -> None:
+        if bucket.send is None:
+            bucket.send = self._zeros(self.dp_world_size * bucket.row_numel, self.options.comm_dtype)
+        async_op = self.options.overlap_comm
+        if self.options.reduce_scatter:
+            recv = torch.empty(bucket.row_numel, dtype=self.options.comm_dtype, device=self.device)
+            work = dist.reduce_scatter_tensor(recv, bucket.send, group=self.dp_group, async_op=async_op)
+        else:
+            work = dist.all_reduce(bucket.send, group=self.dp_group, async_op=async_op)
+            recv = None
+        entry = (work, bucket, recv)
+        if async_op:
+            self._pending.append(entry)
+        else:
+            self._finish_flush(entry)
+
+    def _finish_flush(self, entry) -> None:
+        work, bucket, recv = entry
+        if self.options.overlap_comm:
+            work.wait()
+        if recv is None:
+            recv = bucket.send.view(self.dp_world_size, bucket.row_numel)[self.dp_rank]
+        if self.options.average:
+            recv = recv.div(self.dp_world_size) if recv.dtype.is_floating_point else recv
+        for key in bucket.params:
+            for rank, piece in bucket.pieces[key]:
+                if rank == self.dp_rank:
+                    target = self._partition[piece.group]
+                    segment = recv[piece.row_offset:piece.row_offset + piece.numel]
+                    target[piece.partition_offset:piece.partition_offset + piece.numel].add_(segment)
+        bucket.send = None
+        bucket.ready.clear()
+
+    def end_of_backward(self, is_boundary: bool) -> None:
+        """Complete this backward's reductions (stage 2 always; stages 0/1 only at the boundary)."""
+        if self.options.partition_grads:
+            while self._next_bucket < len(self._buckets):
+                self._flush(self._buckets[self._next_bucket])
+                self._next_bucket += 1
+            for entry in self._pending:
+                self._finish_flush(entry)
+            self._pending.clear()
+            self._next_bucket = 0
+        elif is_boundary:
+            for group, layout in enumerate(self.layouts):
+                self._reduce_flat(group, layout)
+
+    def _reduce_flat(self, group: int, layout: GroupLayout) -> None:
+        """Reduce a full flat buffer in chunks of at most the bucket size.
+
+        Unpartitioned (stage 0): all-reduce the whole buffer. Partitioned (stage 1): the buffer is a
+        (world, partition) matrix and each column chunk is reduce-scattered so row r lands on rank r.
+        """
+        world = self.dp_world_size
+        if world == 1:
+            return
+        flat = self._flat[group]
+        if layout.num_partitions == 1:
+            works = []
+            for begin in range(0, flat.numel(), self.options.bucket_numel):
+                chunk = flat[begin:begin + self.options.bucket_numel]
+                send = chunk if chunk.dtype == self.options.comm_dtype else chunk.to(self.options.comm_dtype)
+                works.append((dist.all_reduce(send, group=self.dp_group, async_op=True), send, chunk))
+            for work, send, chunk in works:
+                work.wait()
+                if send is not chunk:
+                    chunk.copy_(send)
+            if self.options.average:
+                flat.div_(world)
+            return
+        rows = flat.view(world, layout.partition_size)
+        step = max(1, self.options.bucket_numel // world)
+        works = []
+        for begin in range(0, layout.partition_size, step):
+            end = min(begin + step, layout.partition_size)
+            send = rows[:, begin:end].to(self.options.comm_dtype, copy=True).contiguous()
+            if self.options.reduce_scatter:
+                recv = torch.empty(end - begin, dtype=self.options.comm_dtype, device=self.device)
+                work = dist.reduce_scatter_tensor(recv, send, group=self.dp_group, async_op=True)
+            else:
+                work = dist.all_reduce(send, group=self.dp_group, async_op=True)
+                recv = send.view(world, end - begin)[self.dp_rank]
+            works.append((work, recv, begin, end))
+        for work, recv, begin, end in works:
+            work.wait()
+            rows[self.dp_rank, begin:end].copy_(recv)
+        if self.options.average:
+            rows[self.dp_rank].div_(world)
+
+    # ---------------------------------------------------------------- results
+    def partition_grad(self, group: int) -> torch.Tensor:
+        """This rank's reduced gradient partition of `group` (the whole buffer when not partitioned)."""
+        if self.options.partition_grads:
+            return self._partition[group]
+        layout = self.layouts[group]
+        if layout.num_partitions == 1:
+            return self._flat[group]
+        return self._flat[group].view(layout.num_partitions, layout.partition_size)[self.dp_rank]
+
+    def zero(self) -> None:
+        """Forget all accumulated gradients (after a step, applied or skipped)."""
+        buffers = self._partition if self.options.partition_grads else self._flat
+        for buffer in buffers:
+            buffer.zero_()

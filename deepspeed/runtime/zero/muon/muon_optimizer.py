@@ -1,0 +1,277 @@
+"""``MuonWithAuxAdam``: Muon for hidden matrices, Adam for everything else, as one plain torch optimizer.
+
+The optimizer sees whole tensors and knows nothing of ZeRO. Under ZeRO its params are this rank's fp32
+master views: whole matrices for Muon groups (one owner each) and a flat partition for Adam groups.
+Unlike upstream's subclass, which expects ZeRO to have written the Muon update into ``p.grad``
+already, ``step()`` runs Muon itself, so the optimizer is correct on its own (stage 0, tests, offload).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from deepspeed.runtime.zero.muon.original_muon import NS_FUNCTIONS, adam_update, muon_update
+
+MUON_DEFAULTS: dict[str, Any] = {
+    "lr": 0.02,
+    "momentum": 0.95,
+    "weight_decay": 0.0,
+    "ns_method": "gram",
+    "ns_steps": 5,
+    "nesterov": True,
+    "ns_dtype": None,
+}
+ADAM_DEFAULTS: dict[str, Any] = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-10, "weight_decay": 0.0}
+
+_GROUP_KEYS = frozenset({"params", "use_muon", "name"})
+# Added by torch itself ('param_names' for (name, param) lists) or by its LR schedulers and SWA, so a
+# group copied from a live optimizer must still be accepted.
+_TORCH_ADDED_KEYS = frozenset(
+    {"param_names", "initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum", "swa_lr"}
+)
+
+MUON_GROUP_NAME = "muon-params"
+ADAM_GROUP_NAME = "adam-params"
+
+_NS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_MUON_CONFIG_KEYS = ("lr", "momentum", "weight_decay", "ns_method", "ns_steps", "nesterov", "ns_dtype")
+_ADAM_CONFIG_KEYS = ("lr", "betas", "eps", "weight_decay")
+OPTIMIZER_PARAM_KEYS = frozenset({*_MUON_CONFIG_KEYS, *_ADAM_CONFIG_KEYS, "muon_lr", "adam_lr"})
+
+MISSING_USE_MUON_MESSAGE = (
+    "Muon optimizer is used, but the use_muon attribute is NOT configured for some of the model parameters, "
+    "please set by `param.use_muon = True / False` for all params"
+)
+
+
+class MuonWithAuxAdam(torch.optim.Optimizer):
+    """Muon (momentum + Newton-Schulz) on groups with ``use_muon=True``, Adam on the others.
+
+    Muon groups accept ``lr`` (0.02), ``momentum`` (0.95), ``weight_decay`` (0), ``ns_method``
+    ("gram"), ``ns_steps`` (5), ``nesterov`` (True) and ``ns_dtype`` (None: see
+    :func:`~deepspeed.runtime.zero.muon.original_muon.resolve_ns_dtype`); their params are reordered
+    by size, largest first (stable), as upstream does, since ZeRO flattens them in that order. Adam
+    groups accept ``lr`` (3e-4), ``betas`` ((0.9, 0.95)), ``eps`` (1e-10) and ``weight_decay`` (0).
+    Weight decay is decoupled in both. Every group may also carry ``name``. Empty groups are allowed
+    (under ZeRO a rank may own no Muon matrix).
+
+    State per param: Muon ``momentum_buffer`` (fp32 whatever the param dtype); Adam ``exp_avg``,
+    ``exp_avg_sq`` (fp32) and ``step``, a CPU float32 tensor as in ``torch.optim.Adam``, so it round
+    trips through ``torch.load(weights_only=True)`` and never forces a device sync.
+
+    Args:
+        param_groups: dicts with ``params`` and ``use_muon``, plus the options above.
+
+    Raises:
+        ValueError: a group without ``use_muon``, an unknown group key, a Muon param with fewer than
+            two dims, an unknown ``ns_method``, or an ``ns_dtype`` that is not a torch.dtype.
+    """
+
+    def __init__(self, param_groups: Iterable[dict[str, Any]]) -> None:
+        super().__init__(list(param_groups), defaults={})
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Validate ``param_group``, fill its defaults, order Muon params, and add it.
+
+        Args:
+            param_group: a dict with ``params`` and ``use_muon`` plus options.
+
+        Raises:
+            ValueError: as for the constructor; the optimizer is unchanged when it raises.
+        """
+        index = len(self.param_groups)
+        if "use_muon" not in param_group:
+            raise ValueError(f"MuonWithAuxAdam param group {index} has no 'use_muon' key; set it to True or False")
+        is_muon = bool(param_group["use_muon"])
+        defaults = MUON_DEFAULTS if is_muon else ADAM_DEFAULTS
+        for key in param_group:
+            if key not in defaults and key not in _GROUP_KEYS and key not in _TORCH_ADDED_KEYS:
+                kind = "Muon" if is_muon else "Adam"
+                raise ValueError(
+                    f"MuonWithAuxAdam param group {index}: unknown key '{key}' for a {kind} group; "
+                    f"allowed: {sorted(_GROUP_KEYS | defaults.keys())}"
+                )
+        group = {**defaults, **param_group}
+        if is_muon:
+            group["params"] = self._sorted_muon_params(index, group["params"])
+            if group["ns_method"] not in NS_FUNCTIONS:
+                raise ValueError(f"ns_method must be one of {{'standard', 'gram'}}, got {group['ns_method']}")
+            if group["ns_dtype"] is not None and not isinstance(group["ns_dtype"], torch.dtype):
+                raise ValueError(
+                    f"MuonWithAuxAdam param group {index}: ns_dtype must be a torch.dtype or None, "
+                    f"got {group['ns_dtype']!r}"
+                )
+        super().add_param_group(group)
+
+    @staticmethod
+    def _sorted_muon_params(index: int, params: Any) -> list[Any] | set[Any]:
+        """Largest first by ``p.size()`` (stable); entries may be tensors or (name, tensor) pairs."""
+        if isinstance(params, Tensor):
+            params = [params]
+        elif isinstance(params, set):
+            # Leave the error (sets have no reproducible order) to torch's add_param_group.
+            return params
+        params = list(params)
+        for entry in params:
+            tensor = entry[1] if isinstance(entry, tuple) else entry
+            if tensor.ndim < 2:
+                raise ValueError(
+                    f"MuonWithAuxAdam param group {index}: Muon needs matrices (ndim >= 2), got a parameter of "
+                    f"shape {tuple(tensor.shape)}; put it in a group with use_muon=False"
+                )
+        return sorted(params, key=lambda e: (e[1] if isinstance(e, tuple) else e).size(), reverse=True)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Apply one Muon or Adam update to every param that has a gradient.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (run with gradients enabled).
+
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["use_muon"]:
+                self._muon_group_step(group)
+            else:
+                self._adam_group_step(group)
+        return loss
+
+    def _muon_group_step(self, group: dict[str, Any]) -> None:
+        lr, weight_decay = group["lr"], group["weight_decay"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                # fp32 even for bf16/fp16 params: low-precision momentum loses small gradients (and
+                # a dtype that changes on resume broke upstream, #7746).
+                state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+            update = muon_update(
+                p.grad,
+                state["momentum_buffer"],
+                beta=group["momentum"],
+                ns_steps=group["ns_steps"],
+                nesterov=group["nesterov"],
+                ns_method=group["ns_method"],
+                ns_dtype=group["ns_dtype"],
+            )
+            p.mul_(1 - lr * weight_decay)
+            p.add_(update.to(p.dtype), alpha=-lr)
+
+    def _adam_group_step(self, group: dict[str, Any]) -> None:
+        lr, weight_decay = group["lr"], group["weight_decay"]
+        for p in group["params"]:
+            # Upstream substitutes a zero gradient, which still moves the param through momentum and
+            # weight decay; a param without a gradient (unused or frozen this step) should stay put.
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+            state["step"] += 1
+            update = adam_update(
+                p.grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"].item()), group["betas"], group["eps"]
+            )
+            p.mul_(1 - lr * weight_decay)
+            p.add_(update.to(p.dtype), alpha=-lr)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load like ``torch.optim.Optimizer`` but keep every state tensor's saved dtype.
+
+        torch casts floating state to the param's dtype; that would turn an fp32 momentum into bf16 for
+        a bf16 param (losing bits) or change its dtype on resume. Tensors are copied (never aliased
+        with ``state_dict``) onto the param's device, except ``step``, which stays where it was (CPU).
+        A Python number ``step`` from an upstream checkpoint becomes a CPU float32 tensor.
+
+        Args:
+            state_dict: as returned by :meth:`state_dict` (possibly through torch.save/torch.load).
+
+        Raises:
+            ValueError: as ``torch.optim.Optimizer.load_state_dict`` (group count or sizes differ).
+        """
+        saved_state = state_dict["state"]
+        saved_ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for pid, p in zip(saved_ids, params, strict=True):
+            if pid in saved_state:
+                self.state[p] = {key: _restored(key, value, p) for key, value in saved_state[pid].items()}
+
+
+def _restored(key: str, value: Any, param: Tensor) -> Any:
+    if key == "step":
+        return value.clone() if isinstance(value, Tensor) else torch.tensor(float(value))
+    if isinstance(value, Tensor):
+        return value.to(device=param.device, copy=True)
+    return value
+
+
+def muon_param_groups(
+    named_params: Iterable[tuple[str, torch.nn.Parameter]], optimizer_params: Mapping[str, Any] | None
+) -> list[dict[str, Any]]:
+    """Build MuonWithAuxAdam's groups from ``p.use_muon`` tags and the config's ``optimizer.params``.
+
+    At most two groups, Muon first (``name`` 'muon-params') then Adam ('adam-params'), holding only
+    params with ``requires_grad``; an empty group is omitted. ``lr`` and ``weight_decay`` apply to
+    both groups; ``muon_lr`` / ``adam_lr`` override ``lr`` for one; ``momentum``, ``ns_method``,
+    ``ns_steps``, ``nesterov`` and ``ns_dtype`` ('fp32', 'bf16', 'fp16') are Muon's; ``betas`` and
+    ``eps`` are Adam's. Upstream silently drops ``nesterov`` and ``ns_steps``; we honour them.
+
+    Args:
+        named_params: (name, param) pairs, e.g. ``model.named_parameters()``.
+        optimizer_params: the ``optimizer.params`` dict of the DeepSpeed config, or None.
+
+    Returns:
+        The param groups, ready for ``MuonWithAuxAdam``.
+
+    Raises:
+        ValueError: an unknown key in ``optimizer_params``, an unknown ``ns_dtype`` string, or a
+            trainable param without a ``use_muon`` attribute (upstream's message plus the names).
+    """
+    options = dict(optimizer_params or {})
+    for key in options:
+        if key not in OPTIMIZER_PARAM_KEYS:
+            raise ValueError(
+                f"optimizer.params key '{key}' is not supported by the Muon optimizer; "
+                f"allowed keys: {sorted(OPTIMIZER_PARAM_KEYS)}"
+            )
+    trainable = [(name, p) for name, p in named_params if p.requires_grad]
+    untagged = [name for name, p in trainable if not hasattr(p, "use_muon")]
+    if untagged:
+        raise ValueError(f"{MISSING_USE_MUON_MESSAGE}; missing on: {untagged}")
+
+    muon_group = {"params": [p for _, p in trainable if p.use_muon], "use_muon": True, "name": MUON_GROUP_NAME}
+    muon_group.update({key: options[key] for key in _MUON_CONFIG_KEYS if key in options})
+    if "muon_lr" in options:
+        muon_group["lr"] = options["muon_lr"]
+    if "ns_dtype" in muon_group:
+        muon_group["ns_dtype"] = _ns_dtype_from_config(muon_group["ns_dtype"])
+
+    adam_group = {"params": [p for _, p in trainable if not p.use_muon], "use_muon": False, "name": ADAM_GROUP_NAME}
+    adam_group.update({key: options[key] for key in _ADAM_CONFIG_KEYS if key in options})
+    if "adam_lr" in options:
+        adam_group["lr"] = options["adam_lr"]
+    if "betas" in adam_group:
+        # JSON gives a list; a tuple matches torch's convention and the default.
+        adam_group["betas"] = tuple(adam_group["betas"])
+    return [group for group in (muon_group, adam_group) if group["params"]]
+
+
+def _ns_dtype_from_config(value: str | None) -> torch.dtype | None:
+    if value is None:
+        return None
+    if value not in _NS_DTYPES:
+        raise ValueError(f"optimizer.params.ns_dtype must be one of {sorted(_NS_DTYPES)} or null, got {value!r}")
+    return _NS_DTYPES[value]

@@ -1,0 +1,275 @@
+"""Muon and Adam update rules as pure functions of tensors.
+
+Nothing here knows about ranks, flat buffers or loss scaling: callers hand in a whole, unscaled
+gradient and the state tensors to update, and get the update back. The only state written in place
+is the optimizer state passed in (``momentum``, ``exp_avg``, ``exp_avg_sq``); the gradient is never
+written.
+
+Newton-Schulz is dispatched through :data:`NS_FUNCTIONS`, which is also the counting hook: tests
+(including spawned ranks) wrap its entries, e.g. with :func:`count_newton_schulz_calls`, to check how
+many orthogonalisations a process ran. Nothing is counted on the hot path when no one is looking.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+# Quintic coefficients from Keller Jordan's Muon: they push singular values in (0, 1] into roughly
+# [0.68, 1.13] within five steps, trading exact orthogonality for speed.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_NORM_EPS = 1e-7
+
+# Iteration indices (0-based) at which the Gram iteration rebuilds X = Q X and R = X X^T from
+# scratch. R is propagated by multiplication rather than recomputed from X, so rounding in the first,
+# most expansive steps (slope ~3.4 near zero) compounds: in bf16, without a restart, a nearly low-rank
+# 128 x 512 gradient came out with singular values near 100-460 instead of <= 1.14. One restart
+# brings the error back to the standard iteration's; in fp32 it changes the result only at rounding level.
+GRAM_RESTART_ITERATIONS = frozenset({2})
+
+
+def resolve_ns_dtype(tensor: Tensor, dtype: torch.dtype | None = None) -> torch.dtype:
+    """Pick the Newton-Schulz compute dtype for ``tensor``.
+
+    Args:
+        tensor: the matrix to orthogonalise (only its device is consulted).
+        dtype: an explicit compute dtype; it wins when given.
+
+    Returns:
+        ``dtype`` if given; otherwise bf16 for CUDA tensors on a GPU with bf16 support, else fp32.
+        bf16 matmuls on CPU are slow and would lose the fp32 parity that reference tests rely on.
+    """
+    if dtype is not None:
+        return dtype
+    if tensor.is_cuda and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def _normalized_wide(G: Tensor, dtype: torch.dtype | None) -> tuple[Tensor, bool]:
+    """Cast to the compute dtype, make the matrix wide (rows <= cols) and scale it to unit Frobenius norm.
+
+    Returns the new tensor (never an alias of ``G``: the division allocates) and whether it was transposed.
+    """
+    if G.ndim < 2:
+        raise ValueError(f"Newton-Schulz needs a matrix (or a batch of matrices), got shape {tuple(G.shape)}")
+    X = G.to(resolve_ns_dtype(G, dtype))
+    is_transposed = X.size(-2) > X.size(-1)
+    if is_transposed:
+        X = X.mT
+    # A unit Frobenius norm bounds every singular value by 1, inside the quintic's convergence range.
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + NS_NORM_EPS)
+    return X, is_transposed
+
+
+def _standard_iterations(X: Tensor, steps: int) -> Tensor:
+    a, b, c = NS_COEFFICIENTS
+    for _ in range(steps):
+        A = X @ X.mT
+        B = b * A + c * (A @ A)
+        X = a * X + B @ X
+    return X
+
+
+def zeropower_via_newtonschulz5(G: Tensor, steps: int = 5, dtype: torch.dtype | None = None) -> Tensor:
+    """Approximately orthogonalise ``G`` (U S V^T -> U S' V^T, S' ~ 1) with the quintic Newton-Schulz iteration.
+
+    Each step is X <- a X + (b A + c A^2) X with A = X X^T, computed on the wide orientation so A is
+    the small side. Leading dimensions beyond the last two are treated as a batch.
+
+    Args:
+        G: a matrix or a batch of matrices (ndim >= 2). It is not modified.
+        steps: number of iterations.
+        dtype: compute dtype; ``None`` applies :func:`resolve_ns_dtype`.
+
+    Returns:
+        The orthogonalised tensor, same shape as ``G``, in the compute dtype.
+
+    Raises:
+        ValueError: if ``G`` has fewer than two dimensions.
+    """
+    X, is_transposed = _normalized_wide(G, dtype)
+    X = _standard_iterations(X, steps)
+    return X.mT if is_transposed else X
+
+
+def zeropower_via_gram_newtonschulz(G: Tensor, steps: int = 5, dtype: torch.dtype | None = None) -> Tensor:
+    """Newton-Schulz computed on the Gram matrix R = X X^T; equals :func:`zeropower_via_newtonschulz5` to rounding.
+
+    Every standard step multiplies X on the left by P_k = a I + b A_k + c A_k^2, a polynomial in
+    A_k = X_k X_k^T. All P_k are polynomials in the same symmetric R, so they commute, and
+    A_{k+1} = P_k A_k P_k^T = P_k^2 A_k. The iteration therefore runs on m x m matrices only
+    (m = the small side): Q accumulates the product of the P_k and the result is Q X. One restart
+    (:data:`GRAM_RESTART_ITERATIONS`) re-anchors R to the actual X to bound rounding drift.
+
+    Cost for an m x n matrix with m < n and 5 steps, in multiply-adds: the standard iteration does
+    two m x n products per step (X X^T and B X) plus A A, 10 m^2 n + 5 m^3 in all; this one does
+    4 m^2 n (the Gram matrix and Q X, twice because of the restart) plus 14 m^3 of m x m products. It
+    is cheaper once n > 1.5 m: 1.5x for a 1024 x 4096 MLP weight, approaching 2.5x as m / n -> 0.
+    Square matrices gain nothing and use the standard iteration.
+
+    Args:
+        G: a matrix or a batch of matrices (ndim >= 2). It is not modified.
+        steps: number of iterations (the same count as the standard iteration it reproduces).
+        dtype: compute dtype; ``None`` applies :func:`resolve_ns_dtype`.
+
+    Returns:
+        The orthogonalised tensor, same shape as ``G``, in the compute dtype.
+
+    Raises:
+        ValueError: if ``G`` has fewer than two dimensions.
+    """
+    X, is_transposed = _normalized_wide(G, dtype)
+    rows, cols = X.shape[-2:]
+    if rows == cols:
+        X = _standard_iterations(X, steps)
+        return X.mT if is_transposed else X
+    a, b, c = NS_COEFFICIENTS
+    eye = torch.eye(rows, dtype=X.dtype, device=X.device)
+    R = X @ X.mT
+    Q = None
+    for k in range(steps):
+        if k in GRAM_RESTART_ITERATIONS and Q is not None:
+            X = Q @ X
+            R = X @ X.mT
+            Q = None
+        Z = b * R + c * (R @ R)
+        # P = a I + Z; the first factor needs no product.
+        Q = Z + a * eye if Q is None else a * Q + Z @ Q
+        is_last_before_rebuild = k + 1 == steps or k + 1 in GRAM_RESTART_ITERATIONS
+        if not is_last_before_rebuild:
+            PR = a * R + Z @ R
+            R = a * PR + Z @ PR
+    if Q is not None:
+        X = Q @ X
+    return X.mT if is_transposed else X
+
+
+NSFunction = Callable[..., Tensor]
+
+# Dispatch table for ``muon_update``; looked up at call time so tests can wrap an entry to count calls.
+NS_FUNCTIONS: dict[str, NSFunction] = {
+    "standard": zeropower_via_newtonschulz5,
+    "gram": zeropower_via_gram_newtonschulz,
+}
+
+
+@contextlib.contextmanager
+def count_newton_schulz_calls() -> Iterator[collections.Counter[str]]:
+    """Count Newton-Schulz calls made through :data:`NS_FUNCTIONS` in this process while the block runs.
+
+    Yields:
+        A ``Counter`` keyed by method name ("standard", "gram"), updated live.
+    """
+    calls: collections.Counter[str] = collections.Counter()
+    originals = dict(NS_FUNCTIONS)
+
+    def counting(name: str, fn: NSFunction, *args, **kwargs) -> Tensor:
+        calls[name] += 1
+        return fn(*args, **kwargs)
+
+    for name, fn in originals.items():
+        NS_FUNCTIONS[name] = functools.partial(counting, name, fn)
+    try:
+        yield calls
+    finally:
+        NS_FUNCTIONS.update(originals)
+
+
+def muon_update(
+    grad: Tensor,
+    momentum: Tensor,
+    beta: float = 0.95,
+    ns_steps: int = 5,
+    nesterov: bool = True,
+    ns_method: str = "gram",
+    ns_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """Fold ``grad`` into ``momentum`` and return the orthogonalised Muon update.
+
+    momentum <- lerp(momentum, grad, 1 - beta) (in place); the direction is lerp(grad, momentum, beta)
+    with Nesterov, else the momentum; 4-D (conv) tensors are viewed as (out, -1); Newton-Schulz; then
+    the update is scaled by sqrt(max(1, rows / cols)) of the matrix it orthogonalised, so tall
+    matrices get RMS-comparable steps. (Keller Jordan's code reads rows/cols from the last two dims
+    of the 4-D kernel for conv weights; we use the matrix actually orthogonalised.) Tensors with more
+    than two dims other than 4-D are a batch of matrices over their last two dims.
+
+    Unlike upstream, ``grad`` is never written: upstream's in-place Nesterov lerp on the gradient
+    made the gradient tensor hold the update afterwards.
+
+    Args:
+        grad: the whole, unscaled gradient (fp32 or lower precision; upcast to fp32 here).
+        momentum: fp32 buffer with ``grad``'s shape; updated in place.
+        beta: momentum coefficient.
+        ns_steps: Newton-Schulz iterations.
+        nesterov: use the Nesterov direction.
+        ns_method: "standard" or "gram" (see :data:`NS_FUNCTIONS`).
+        ns_dtype: Newton-Schulz compute dtype; ``None`` applies :func:`resolve_ns_dtype`.
+
+    Returns:
+        A new fp32 tensor with ``grad``'s shape.
+
+    Raises:
+        ValueError: for an unknown ``ns_method`` (upstream's assertion text; a ValueError because a
+            user can pass it), a gradient with fewer than two dims, or a momentum that is not fp32 or
+            has another shape (fp32 momentum with low-precision gradients is upstream issue #7746).
+    """
+    if ns_method not in NS_FUNCTIONS:
+        raise ValueError(f"ns_method must be one of {{'standard', 'gram'}}, got {ns_method}")
+    if grad.ndim < 2:
+        raise ValueError(f"if use muon, then tensor dim > 1, got {grad.size()}")
+    if momentum.dtype != torch.float32 or momentum.shape != grad.shape:
+        raise ValueError(
+            f"Muon momentum must be a float32 tensor shaped like the gradient {tuple(grad.shape)}, "
+            f"got {momentum.dtype} {tuple(momentum.shape)}"
+        )
+    # float() aliases an fp32 grad; everything below reads it and writes only fresh tensors.
+    grad32 = grad.float()
+    momentum.lerp_(grad32, 1 - beta)
+    direction = grad32.lerp(momentum, beta) if nesterov else momentum
+    if direction.ndim == 4:
+        direction = direction.reshape(direction.size(0), -1)
+    update = NS_FUNCTIONS[ns_method](direction, steps=ns_steps, dtype=ns_dtype)
+    scale = max(1.0, direction.size(-2) / direction.size(-1)) ** 0.5
+    return (update.float() * scale).reshape(grad.shape)
+
+
+def adam_update(
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    step: int,
+    betas: tuple[float, float],
+    eps: float,
+) -> Tensor:
+    """Update Adam's moments in place and return the bias-corrected update m_hat / (sqrt(v_hat) + eps).
+
+    Args:
+        grad: the gradient (any float dtype; upcast to the moments' dtype).
+        exp_avg: first moment, updated in place by lerp(exp_avg, grad, 1 - beta1).
+        exp_avg_sq: second moment, updated in place by lerp(exp_avg_sq, grad^2, 1 - beta2).
+        step: 1-based count of updates including this one (for bias correction).
+        betas: (beta1, beta2).
+        eps: added to sqrt(v_hat).
+
+    Returns:
+        A new tensor with ``grad``'s shape in the moments' dtype. Weight decay and the learning rate
+        are the caller's.
+
+    Raises:
+        ValueError: if ``step`` < 1 (the bias correction would divide by zero).
+    """
+    if step < 1:
+        raise ValueError(f"adam_update step is 1-based, got {step}")
+    beta1, beta2 = betas
+    grad = grad.to(exp_avg.dtype)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.lerp_(grad.square(), 1 - beta2)
+    exp_avg_hat = exp_avg / (1 - beta1**step)
+    exp_avg_sq_hat = exp_avg_sq / (1 - beta2**step)
+    return exp_avg_hat / (exp_avg_sq_hat.sqrt() + eps)

@@ -1,0 +1,427 @@
+"""DeepSpeedZeroOptimizer: flat groups, partitioned fp32 masters and the transactional step (stages 0-2).
+
+Stage 0 keeps one partition (every rank holds all masters; gradients are all-reduced), stage 1
+partitions masters and optimizer state, stage 2 also reduces gradients into partitions during backward.
+The model's parameters become views into one flat low-precision ("lp") buffer per group; each rank keeps
+fp32 masters ("hp") for its partition. The wrapped ("basic") optimizer sees only this rank's masters:
+whole matrices for Muon groups (each has exactly one owner, see flat_layout.owner_layout) and one flat
+1-D partition for other groups. So Muon's momentum and Newton-Schulz run in the basic optimizer's step,
+inside the transaction, once per matrix across the group.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+import deepspeed.comm as dist
+from deepspeed.runtime.optimizer_step import StepOutcome, transactional_step
+from deepspeed.runtime.zero.flat_layout import GroupLayout, even_layout, newton_schulz_cost, owner_layout
+from deepspeed.runtime.zero.grad_reducer import GradReducer, ReducerOptions
+
+
+@dataclass
+class ZeroOptions:
+    """Everything the ZeRO optimizer needs from the config, resolved by the engine.
+
+    Attributes:
+        stage: 0, 1 or 2.
+        model_dtype: dtype of the model's parameters (fp32, fp16 or bf16).
+        accum_dtype: dtype in which gradients accumulate.
+        comm_dtype: dtype of gradient collectives.
+        reduce_scatter: reduce-scatter instead of all-reduce (stages 1, 2).
+        overlap_comm: overlap stage-2 reductions with backward.
+        contiguous_gradients: accepted for compatibility; partition gradients are always contiguous here.
+        reduce_bucket_size: elements per reduction bucket.
+        clip_grad: gradient_clipping (<= 0 disables).
+        check_overflow: skip steps with non-finite gradients.
+        average: average (True) or sum (False) gradients over data-parallel ranks.
+    """
+
+    stage: int
+    model_dtype: torch.dtype
+    accum_dtype: torch.dtype
+    comm_dtype: torch.dtype
+    reduce_scatter: bool = True
+    overlap_comm: bool = False
+    contiguous_gradients: bool = True
+    reduce_bucket_size: int = 500_000_000
+    clip_grad: float = 0.0
+    check_overflow: bool = True
+    average: bool = True
+
+
+@dataclass(frozen=True)
+class _HpSlot:
+    """Where one basic-optimizer parameter sits inside a group's fp32 partition."""
+
+    group: int
+    start: int
+    numel: int
+    shape: torch.Size
+
+
+def is_muon_group(group: dict) -> bool:
+    """Muon groups are declared by the param-group key `use_muon`, never guessed from a class name."""
+    return bool(group.get("use_muon", False))
+
+
+class DeepSpeedZeroOptimizer:
+    """ZeRO stage 0/1/2 optimizer wrapper with fp32 masters and a transactional step.
+
+    Args:
+        init_optimizer: the basic optimizer, constructed over the model's parameters.
+        param_names: maps each parameter to its qualified name (for checkpoints and messages).
+        options: the resolved ZeroOptions.
+        loss_scaler: a LossScaler or DynamicLossScaler.
+        dp_group: data-parallel process group (None = world).
+        device: the accelerator device of this rank.
+    """
+
+    def __init__(self, init_optimizer: torch.optim.Optimizer, param_names: Dict[torch.nn.Parameter, str],
+                 options: ZeroOptions, loss_scaler, dp_group=None, device: Optional[torch.device] = None):
+        self.optimizer = init_optimizer
+        self.options = options
+        self.loss_scaler = loss_scaler
+        self.dp_process_group = dp_group
+        self.real_dp_process_group = [dp_group]
+        self.dp_rank = dist.get_rank(dp_group) if dist.is_initialized() else 0
+        self.dp_world_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
+        self.device = device or torch.device("cpu")
+        self.param_names = param_names
+        self.bit16_groups = [[p for p in group["params"] if p.requires_grad] for group in init_optimizer.param_groups]
+        self.layouts = self._build_layouts()
+        self._flatten_lp_params()
+        self._create_hp_partitions()
+        self._rebind_basic_optimizer()
+        self.reducer = GradReducer(self.layouts, self._reduction_order(), self.dp_rank, self.dp_world_size, dp_group,
+                                   self._reducer_options(), self.device)
+        self._hook_handles = self._register_grad_hooks()
+        self.overflow = False
+        self._global_grad_norm = 0.0
+        self._grads_ready = False
+        self.micro_step_id = 0
+
+    # ------------------------------------------------------------------ construction
+    @property
+    def partition_count(self) -> List[int]:
+        return [layout.num_partitions for layout in self.layouts]
+
+    def _build_layouts(self) -> List[GroupLayout]:
+        partitions = self.dp_world_size if self.options.stage >= 1 else 1
+        layouts = []
+        for params, group in zip(self.bit16_groups, self.optimizer.param_groups):
+            numels = [p.numel() for p in params]
+            if is_muon_group(group):
+                costs = [newton_schulz_cost(p.shape) for p in params]
+                layouts.append(owner_layout(numels, costs, partitions))
+            else:
+                layouts.append(even_layout(numels, partitions))
+        return layouts
+
+    def _flatten_lp_params(self) -> None:
+        """Copy each group into one flat lp buffer and make every parameter a view of it."""
+        self.bit16_groups_flat = []
+        for params, layout in zip(self.bit16_groups, self.layouts):
+            flat = torch.zeros(layout.total_numel, dtype=self.options.model_dtype, device=self.device)
+            for index, param in enumerate(params):
+                start, end = layout.param_range(index)
+                flat[start:end].copy_(param.data.reshape(-1))
+                param.data = flat[start:end].view_as(param.data)
+            self.bit16_groups_flat.append(flat)
+        self.parallel_partitioned_bit16_groups = [[flat[slice(*layout.partition_range(r))]
+                                                   for r in range(layout.num_partitions)]
+                                                  for flat, layout in zip(self.bit16_groups_flat, self.layouts)]
+
+    def _lp_partition(self, group: int) -> torch.Tensor:
+        rank = self.dp_rank if self.layouts[group].num_partitions > 1 else 0
+        return self.parallel_partitioned_bit16_groups[group][rank]
+
+    def _create_hp_partitions(self) -> None:
+        self.single_partition_of_fp32_groups = [
+            self._lp_partition(g).detach().to(torch.float32, copy=True) for g in range(len(self.layouts))
+        ]
+
+    def _rebind_basic_optimizer(self) -> None:
+        """Point the basic optimizer at this rank's fp32 masters (whole matrices for Muon groups)."""
+        self._hp_slots: Dict[int, _HpSlot] = {}
+        for g, (group, layout) in enumerate(zip(self.optimizer.param_groups, self.layouts)):
+            hp = self.single_partition_of_fp32_groups[g]
+            if is_muon_group(group):
+                base = self._partition_base(g)
+                params = []
+                for index in layout.owned_params(self._owner_rank(g)):
+                    start, end = layout.param_range(index)
+                    shape = self.bit16_groups[g][index].shape
+                    view = hp[start - base:end - base].view(shape)
+                    self._hp_slots[id(view)] = _HpSlot(g, start - base, end - start, shape)
+                    params.append(view)
+            else:
+                params = [hp]
+                self._hp_slots[id(hp)] = _HpSlot(g, 0, hp.numel(), hp.shape)
+            group["params"] = params
+        self.optimizer.state.clear()
+
+    def _partition_base(self, group: int) -> int:
+        return self.layouts[group].partition_range(self._owner_rank(group))[0]
+
+    def _owner_rank(self, group: int) -> int:
+        return self.dp_rank if self.layouts[group].num_partitions > 1 else 0
+
+    def _reduction_order(self):
+        """Reverse of the model's parameter order: autograd produces the last layers' gradients first."""
+        position = {id(p): i for i, p in enumerate(self.param_names)}
+        order = [(g, i) for g, params in enumerate(self.bit16_groups) for i in range(len(params))]
+        return sorted(order, key=lambda key: -position.get(id(self.bit16_groups[key[0]][key[1]]), 0))
+
+    def _reducer_options(self) -> ReducerOptions:
+        opts = self.options
+        return ReducerOptions(partition_grads=opts.stage == 2, reduce_scatter=opts.reduce_scatter,
+                              overlap_comm=opts.overlap_comm and opts.stage == 2,
+                              bucket_numel=max(1, int(opts.reduce_bucket_size)), accum_dtype=opts.accum_dtype,
+                              comm_dtype=opts.comm_dtype, average=opts.average)
+
+    def _register_grad_hooks(self) -> list:
+        handles = []
+        for g, params in enumerate(self.bit16_groups):
+            for index, param in enumerate(params):
+                param._zero_optimizer = self
+                param._zero_index = (g, index)
+                handles.append(param.register_post_accumulate_grad_hook(self._grad_hook(g, index)))
+        return handles
+
+    def _grad_hook(self, group: int, index: int):
+
+        def hook(param: torch.Tensor) -> None:
+            self.reducer.accumulate(group, index, param.grad)
+            param.grad = None
+
+        return hook
+
+    # ------------------------------------------------------------------ properties upstream exposes
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.cur_scale
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scaler.cur_scale
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return self.loss_scaler.dynamic
+
+    @property
+    def clip_grad(self) -> float:
+        return self.options.clip_grad
+
+    @property
+    def partition_gradients(self) -> bool:
+        return self.options.stage == 2
+
+    @property
+    def reduce_scatter(self) -> bool:
+        return self.options.reduce_scatter
+
+    @property
+    def overlap_comm(self) -> bool:
+        return self.options.overlap_comm
+
+    @property
+    def contiguous_gradients(self) -> bool:
+        return self.options.contiguous_gradients
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.options.model_dtype
+
+    @property
+    def gradient_accumulation_dtype(self) -> torch.dtype:
+        return self.options.accum_dtype
+
+    @property
+    def cpu_offload(self) -> bool:
+        return False
+
+    @property
+    def param_groups(self) -> list:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> dict:
+        return self.optimizer.state
+
+    @property
+    def zero_stage(self) -> int:
+        return self.options.stage
+
+    def get_param_id(self, param: torch.Tensor) -> int:
+        group, index = param._zero_index
+        return sum(len(p) for p in self.bit16_groups[:group]) + index
+
+    # ------------------------------------------------------------------ backward and step
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Multiply the loss by the live loss scale (in fp32, so the product itself cannot overflow)."""
+        return loss.float() * self.loss_scaler.cur_scale
+
+    def backward_epilogue(self, is_boundary: bool) -> None:
+        """Finish this backward's reductions; at the boundary the partition gradients become readable."""
+        self.reducer.end_of_backward(is_boundary)
+        self.micro_step_id += 1
+        self._grads_ready = is_boundary
+
+    def step(self, closure=None) -> StepOutcome:
+        """Run the transactional step on this rank's reduced gradients (see runtime/optimizer_step.py)."""
+        if closure is not None:
+            raise ValueError("DeepSpeedZeroOptimizer.step() does not take a closure")
+        grads = [self.reducer.partition_grad(g) for g in range(len(self.layouts))]
+        replicated = self.options.stage == 0 or self.dp_world_size == 1
+        outcome = transactional_step(grads, self.loss_scaler, self.options.clip_grad, self.options.check_overflow,
+                                     replicated, self.dp_process_group, self._apply)
+        self.overflow = not outcome.applied
+        self._global_grad_norm = outcome.grad_norm
+        self.reducer.zero()
+        self._grads_ready = False
+        self.micro_step_id = 0
+        return outcome
+
+    def _apply(self, factor: float) -> None:
+        """Unscale+clip into fp32 gradients of the masters, step the basic optimizer, publish lp weights."""
+        fp32_grads = [self.reducer.partition_grad(g).to(torch.float32) * factor for g in range(len(self.layouts))]
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                slot = self._hp_slots[id(param)]
+                param.grad = fp32_grads[slot.group][slot.start:slot.start + slot.numel].view(slot.shape)
+        self.optimizer.step()
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                param.grad = None
+        self.update_lp_params()
+
+    def update_lp_params(self) -> None:
+        """Copy fp32 masters into this rank's lp partition and all-gather the partitions."""
+        for g, layout in enumerate(self.layouts):
+            lp_partition = self._lp_partition(g)
+            lp_partition.copy_(self.single_partition_of_fp32_groups[g])
+            if layout.num_partitions > 1:
+                dist.all_gather_into_tensor(self.bit16_groups_flat[g], lp_partition.clone(),
+                                            group=self.dp_process_group)
+
+    def refresh_fp32_params(self) -> None:
+        """Rebuild the fp32 masters from the current lp weights (after loading only the module)."""
+        for g in range(len(self.layouts)):
+            self.single_partition_of_fp32_groups[g].copy_(self._lp_partition(g))
+
+    _restore_from_bit16_weights = refresh_fp32_params
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop model .grad tensors (accumulated partition gradients are owned by the reducer)."""
+        for params in self.bit16_groups:
+            for param in params:
+                param.grad = None
+
+    def destroy(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+
+    # ------------------------------------------------------------------ fragment access (deepspeed.utils)
+    def _check_param(self, param: torch.Tensor):
+        if getattr(param, "_zero_optimizer", None) is not self:
+            raise ValueError(f"parameter {self.param_names.get(param, '<unnamed>')} is not managed by this optimizer")
+        return param._zero_index
+
+    def _gather_full(self, param: torch.Tensor, read_fragment) -> torch.Tensor:
+        """Assemble a full fp32 tensor: each rank writes its fragment, then one SUM all-reduce."""
+        group, index = self._check_param(param)
+        layout = self.layouts[group]
+        full = torch.zeros(param.numel(), dtype=torch.float32, device=self.device)
+        rank = self._owner_rank(group)
+        base = layout.partition_range(rank)[0]
+        for fragment in layout.fragments(rank):
+            if fragment.param_index == index:
+                segment = read_fragment(group, fragment.flat_start - base, fragment.numel, fragment)
+                full[fragment.param_start:fragment.param_start + fragment.numel].copy_(segment)
+        if layout.num_partitions > 1:
+            dist.all_reduce(full, group=self.dp_process_group)
+        return full.view(param.shape)
+
+    def get_full_hp_param(self, param: torch.Tensor) -> torch.Tensor:
+        return self._gather_full(param, lambda g, start, n, _: self.single_partition_of_fp32_groups[g][start:start + n])
+
+    def get_full_hp_grad(self, param: torch.Tensor) -> torch.Tensor:
+        if not self._grads_ready:
+            raise ValueError("Gradients are only available immediately after backward and before engine step")
+        scale = float(self.loss_scaler.cur_scale)
+        return self._gather_full(param,
+                                 lambda g, start, n, _: self.reducer.partition_grad(g)[start:start + n].float() / scale)
+
+    def get_full_optimizer_state(self, param: torch.Tensor, key: str) -> torch.Tensor:
+        group, index = self._check_param(param)
+        if is_muon_group(self.optimizer.param_groups[group]):
+            return self._gather_full(param, lambda g, start, n, frag: self._muon_state(g, index, key).reshape(-1))
+        return self._gather_full(param, lambda g, start, n, _: self._flat_state(g, key)[start:start + n])
+
+    def _flat_state(self, group: int, key: str) -> torch.Tensor:
+        hp = self.optimizer.param_groups[group]["params"][0]
+        state = self.optimizer.state.get(hp, {})
+        if key not in state or not torch.is_tensor(state[key]) or state[key].numel() != hp.numel():
+            raise ValueError(f"{key} not found in optimizer state fragment")
+        return state[key]
+
+    def _muon_state(self, group: int, index: int, key: str) -> torch.Tensor:
+        layout = self.layouts[group]
+        base = self._partition_base(group)
+        start = layout.param_offsets[index] - base
+        for hp in self.optimizer.param_groups[group]["params"]:
+            if self._hp_slots[id(hp)].start == start:
+                state = self.optimizer.state.get(hp, {})
+                if key not in state:
+                    raise ValueError(f"{key} not found in optimizer state fragment")
+                return state[key]
+        raise ValueError(f"{key} not found in optimizer state fragment")
+
+    def set_full_hp_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """Write `value` into the masters (this rank's fragment) and into the lp weight (whole)."""
+        group, index = self._check_param(param)
+        layout = self.layouts[group]
+        rank = self._owner_rank(group)
+        base = layout.partition_range(rank)[0]
+        flat_value = value.detach().reshape(-1).to(device=self.device, dtype=torch.float32)
+        for fragment in layout.fragments(rank):
+            if fragment.param_index == index:
+                target = self.single_partition_of_fp32_groups[group]
+                start = fragment.flat_start - base
+                target[start:start + fragment.numel].copy_(
+                    flat_value[fragment.param_start:fragment.param_start + fragment.numel])
+        param.data.copy_(value.detach().view_as(param))
+
+    def set_full_hp_grad(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """Replace this rank's fragment of the reduced gradient with `value` (given unscaled)."""
+        group, index = self._check_param(param)
+        if not self._grads_ready:
+            raise ValueError("Gradients are only available immediately after backward and before engine step")
+        layout = self.layouts[group]
+        rank = self._owner_rank(group)
+        base = layout.partition_range(rank)[0]
+        flat_value = value.detach().reshape(-1).to(device=self.device, dtype=torch.float32)
+        flat_value = flat_value * float(self.loss_scaler.cur_scale)
+        for fragment in layout.fragments(rank):
+            if fragment.param_index == index:
+                target = self.reducer.partition_grad(group)
+                start = fragment.flat_start - base
+                target[start:start + fragment.numel].copy_(
+                    flat_value[fragment.param_start:fragment.param_start + fragment.numel])
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """This rank's state as plain data and tensors (see partition_state.py)."""
+        from deepspeed.runtime.zero.partition_state import zero_state_dict
+        return zero_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict, path: str = "<state_dict>") -> None:
+        """Restore masters, optimizer state and loss scaler, then republish the lp weights."""
+        from deepspeed.runtime.zero.partition_state import load_zero_state
+        load_zero_state(self, state_dict, path)
+        self.update_lp_params()
+        self.reducer.zero()

@@ -1,0 +1,61 @@
+"""Session setup: import deepspeed from this checkout and run DistributedTest classes on their ranks."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import pytest
+
+os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
+# The checkout's deepspeed wins over an installed one; sys.path[0] stays pytest's rootdir entry.
+sys.path.insert(1, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--torch_ver", default=None, type=str, help="torch version the run must use, e.g. 2.13")
+    parser.addoption("--cuda_ver", default=None, type=str, help="CUDA version torch must be built with, e.g. 12.4")
+
+
+def _same_version_prefix(expected: str, actual: str | None) -> bool:
+    """Return True when `actual` starts with the release components given in `expected`."""
+    from packaging import version
+
+    if actual is None:
+        return False
+    want = version.parse(expected).release
+    return version.parse(actual).release[:len(want)] == want
+
+
+@pytest.fixture(scope="session", autouse=True)
+def check_environment(pytestconfig: pytest.Config) -> None:
+    """Stop the session when --torch_ver / --cuda_ver disagree with the torch in use."""
+    import torch
+
+    checks = (("torch", pytestconfig.getoption("torch_ver"), torch.__version__),
+              ("cuda", pytestconfig.getoption("cuda_ver"), torch.version.cuda))
+    for name, expected, actual in checks:
+        if expected is None and actual is None:
+            continue  # a CPU build has no CUDA version to verify
+        if expected is None:
+            warnings.warn(f"Running test without verifying {name} version, please provide an expected {name} "
+                          f"version with --{name}_ver")
+        elif not _same_version_prefix(expected, actual):
+            pytest.exit(f"expected {name} version {expected} did not match found {name} version {actual}",
+                        returncode=2)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item: pytest.Item) -> None:
+    """Run a DistributedTest method on its ranks instead of in this process."""
+    if getattr(item.cls, "is_dist_test", False):
+        item.cls()(item._request)
+        item.runtest = lambda: None
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Stop the rank pools that reuse_dist_env classes kept alive."""
+    common = sys.modules.get("unit.common")
+    if common is not None:
+        common.DistributedExec.close_pools()

@@ -1,0 +1,31 @@
+"""Straightforward fp64 references for the Muon math, written independently of deepspeed's code."""
+
+import math
+
+import torch
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz_fp64(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """The textbook quintic on the wide orientation, in fp64."""
+    if G.size(-2) > G.size(-1):
+        return newton_schulz_fp64(G.mT, steps).mT
+    a, b, c = NS_COEFFICIENTS
+    X = G.double()
+    X = X / (torch.linalg.matrix_norm(X, keepdim=True) + 1e-7)
+    for _ in range(steps):
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return X
+
+
+def muon_update_fp64(grad, momentum, beta, nesterov=True, ns_steps=5):
+    """Returns (update, new_momentum) in fp64 without touching the inputs."""
+    g = grad.double()
+    m = beta * momentum.double() + (1 - beta) * g
+    direction = (1 - beta) * g + beta * m if nesterov else m
+    matrix = direction.reshape(direction.size(0), -1) if direction.ndim == 4 else direction
+    rows, cols = matrix.shape[-2:]
+    update = newton_schulz_fp64(matrix, ns_steps) * math.sqrt(max(1.0, rows / cols))
+    return update.reshape(grad.shape), m

@@ -1,0 +1,127 @@
+"""muon_update and adam_update against straightforward fp64 references."""
+
+import pytest
+import torch
+from unit.ops.muon_math.reference import muon_update_fp64
+
+from deepspeed.runtime.zero.muon.original_muon import (
+    NS_FUNCTIONS,
+    adam_update,
+    count_newton_schulz_calls,
+    muon_update,
+    zeropower_via_newtonschulz5,
+)
+
+
+def random(*shape, seed, dtype=torch.float32):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("ns_method", ["standard", "gram"])
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("shape", [(48, 160), (160, 48), (64, 64), (16, 8, 3, 3), (2, 24, 40)], ids=str)
+def test_matches_fp64_reference(shape, nesterov, ns_method):
+    grad, momentum = random(*shape, seed=0), random(*shape, seed=1) * 0.1
+    expected_update, expected_momentum = muon_update_fp64(grad, momentum, 0.9, nesterov)
+    update = muon_update(grad, momentum, beta=0.9, nesterov=nesterov, ns_method=ns_method)
+    assert update.dtype == torch.float32 and update.shape == grad.shape
+    torch.testing.assert_close(momentum.double(), expected_momentum, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(update.double(), expected_update, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_grad_is_never_written_and_momentum_is(grad_dtype, nesterov):
+    grad = random(32, 96, seed=2, dtype=grad_dtype)
+    grad_before = grad.clone()
+    momentum = torch.zeros(32, 96)
+    muon_update(grad, momentum, beta=0.95, nesterov=nesterov)
+    assert torch.equal(grad, grad_before)
+    assert grad.dtype == grad_dtype
+    assert momentum.dtype == torch.float32
+    torch.testing.assert_close(momentum, 0.05 * grad.float(), rtol=1e-6, atol=0)
+
+
+def test_update_aliases_neither_input():
+    grad, momentum = random(16, 40, seed=3), torch.zeros(16, 40)
+    update = muon_update(grad, momentum, nesterov=False)
+    assert update.data_ptr() not in (grad.data_ptr(), momentum.data_ptr())
+
+
+@pytest.mark.parametrize("shape,scale", [((256, 64), 2.0), ((64, 256), 1.0), ((100, 100), 1.0)], ids=str)
+def test_tall_matrices_are_scaled_by_sqrt_aspect(shape, scale):
+    grad = random(*shape, seed=4)
+    update = muon_update(grad, torch.zeros(shape), ns_method="standard")
+    direction = grad * (0.05 * 0.95 + 0.05)  # nesterov lerp of grad with momentum = 0.05 * grad
+    torch.testing.assert_close(update, zeropower_via_newtonschulz5(direction) * scale, rtol=0, atol=1e-6)
+
+
+def test_conv_weight_is_orthogonalised_as_out_by_rest():
+    grad = random(16, 8, 3, 3, seed=5)
+    update = muon_update(grad, torch.zeros_like(grad), nesterov=False)
+    singular_values = torch.linalg.svdvals(update.reshape(16, 72).double())
+    assert 0.67 < singular_values.min() and singular_values.max() < 1.14
+
+
+def test_low_precision_grad_is_upcast_before_the_math():
+    grad16 = random(32, 96, seed=6, dtype=torch.bfloat16)
+    m16, m32 = torch.zeros(32, 96), torch.zeros(32, 96)
+    torch.testing.assert_close(muon_update(grad16, m16), muon_update(grad16.float(), m32), rtol=0, atol=0)
+    assert torch.equal(m16, m32)
+
+
+def test_explicit_ns_dtype_is_used_and_update_is_fp32():
+    grad = random(32, 96, seed=7)
+    update = muon_update(grad, torch.zeros(32, 96), ns_dtype=torch.bfloat16)
+    assert update.dtype == torch.float32
+    torch.testing.assert_close(update, muon_update(grad, torch.zeros(32, 96)), rtol=0, atol=0.05)
+
+
+def test_rejects_unknown_method_vector_and_wrong_momentum():
+    with pytest.raises(ValueError, match=r"ns_method must be one of \{'standard', 'gram'\}, got svd"):
+        muon_update(torch.randn(4, 4), torch.zeros(4, 4), ns_method="svd")
+    with pytest.raises(ValueError, match=r"if use muon, then tensor dim > 1, got torch.Size\(\[4\]\)"):
+        muon_update(torch.randn(4), torch.zeros(4))
+    with pytest.raises(ValueError, match="float32"):
+        muon_update(torch.randn(4, 4).bfloat16(), torch.zeros(4, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="shaped like"):
+        muon_update(torch.randn(4, 4), torch.zeros(1, 4))
+
+
+def test_newton_schulz_calls_can_be_counted(monkeypatch):
+    grad = random(8, 24, seed=8)
+    with count_newton_schulz_calls() as calls:
+        muon_update(grad, torch.zeros(8, 24))
+        muon_update(grad, torch.zeros(8, 24), ns_method="standard")
+        muon_update(grad, torch.zeros(8, 24), ns_method="standard")
+    assert calls == {"gram": 1, "standard": 2}
+    muon_update(grad, torch.zeros(8, 24))
+    assert calls == {"gram": 1, "standard": 2}, "the counter must detach when the block exits"
+
+    seen = []
+    original = NS_FUNCTIONS["gram"]
+    monkeypatch.setitem(NS_FUNCTIONS, "gram", lambda G, **kw: seen.append(G.shape) or original(G, **kw))
+    muon_update(random(4, 3, 2, 2, seed=9), torch.zeros(4, 3, 2, 2))
+    assert seen == [torch.Size([4, 12])]
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_adam_update_matches_fp64_reference(grad_dtype):
+    betas, eps = (0.9, 0.95), 1e-10
+    exp_avg, exp_avg_sq = torch.zeros(5, 7), torch.zeros(5, 7)
+    m, v = torch.zeros(5, 7, dtype=torch.float64), torch.zeros(5, 7, dtype=torch.float64)
+    for step in range(1, 5):
+        grad = random(5, 7, seed=10 + step, dtype=grad_dtype)
+        update = adam_update(grad, exp_avg, exp_avg_sq, step, betas, eps)
+        g = grad.double()
+        m = betas[0] * m + (1 - betas[0]) * g
+        v = betas[1] * v + (1 - betas[1]) * g * g
+        expected = (m / (1 - betas[0] ** step)) / ((v / (1 - betas[1] ** step)).sqrt() + eps)
+        assert update.dtype == torch.float32
+        torch.testing.assert_close(update.double(), expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(exp_avg.double(), m, rtol=1e-5, atol=1e-7)
+
+
+def test_adam_update_rejects_step_zero():
+    with pytest.raises(ValueError, match="1-based"):
+        adam_update(torch.ones(2), torch.zeros(2), torch.zeros(2), 0, (0.9, 0.95), 1e-8)

@@ -1,0 +1,60 @@
+"""Misuse fails loudly and says what to do."""
+
+import pytest
+import torch
+
+import deepspeed
+from unit.common import DistributedTest
+from unit.runtime.engine_harness import initialize, make_config, make_model
+
+
+class TestMisuse(DistributedTest):
+    world_size = 2
+
+    def test_step_without_backward(self):
+        engine, _ = initialize(make_model(), make_config(1, "fp32"))
+        with pytest.raises(RuntimeError, match="call engine.backward"):
+            engine.step()
+
+    def test_backward_and_step_without_optimizer(self):
+        model = make_model()
+        engine, optimizer, _, _ = deepspeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 2})
+        assert optimizer is None
+        x = torch.randn(2, 16)
+        y = torch.randint(0, 16, (2, ))
+        with pytest.raises(AssertionError, match="must provide optimizer during init in order to use backward"):
+            engine.backward(engine(x, y))
+        with pytest.raises(AssertionError, match="must provide optimizer during init in order to use step"):
+            engine.step()
+
+    def test_inconsistent_batch_arithmetic(self):
+        config = make_config(1, "fp32", micro=3)
+        config["train_batch_size"] = 8
+        with pytest.raises(AssertionError, match="train_batch_size is not equal to micro_batch_per_gpu"):
+            initialize(make_model(), config)
+
+    def test_model_without_trainable_parameters(self):
+        model = make_model()
+        for param in model.parameters():
+            param.requires_grad_(False)
+        with pytest.raises(ValueError, match="no trainable parameters"):
+            deepspeed.initialize(model=model, config=make_config(1, "fp32"))
+
+    def test_loss_must_be_a_scalar_with_a_graph(self):
+        engine, _ = initialize(make_model(), make_config(2, "fp32"))
+        with pytest.raises(AssertionError, match="loss must be a scalar tensor"):
+            engine.backward(torch.ones(2, requires_grad=True) * 2)
+
+    def test_zero_without_optimizer(self):
+        config = make_config(2, "fp32")
+        del config["optimizer"]
+        with pytest.raises(AssertionError, match="zero stage 2 requires an optimizer"):
+            deepspeed.initialize(model=make_model(), config=config)
+
+    def test_untested_optimizer_under_zero(self):
+        model = make_model()
+        config = make_config(1, "fp32")
+        del config["optimizer"]
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(AssertionError, match="zero_allow_untested_optimizer"):
+            deepspeed.initialize(model=model, optimizer=sgd, config=config)
