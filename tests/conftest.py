@@ -25,7 +25,7 @@ def _same_version_prefix(expected: str, actual: str | None) -> bool:
     if actual is None:
         return False
     want = version.parse(expected).release
-    return version.parse(actual).release[:len(want)] == want
+    return version.parse(actual).release[: len(want)] == want
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -33,17 +33,22 @@ def check_environment(pytestconfig: pytest.Config) -> None:
     """Stop the session when --torch_ver / --cuda_ver disagree with the torch in use."""
     import torch
 
-    checks = (("torch", pytestconfig.getoption("torch_ver"), torch.__version__),
-              ("cuda", pytestconfig.getoption("cuda_ver"), torch.version.cuda))
+    checks = (
+        ("torch", pytestconfig.getoption("torch_ver"), torch.__version__),
+        ("cuda", pytestconfig.getoption("cuda_ver"), torch.version.cuda),
+    )
     for name, expected, actual in checks:
         if expected is None and actual is None:
             continue  # a CPU build has no CUDA version to verify
         if expected is None:
-            warnings.warn(f"Running test without verifying {name} version, please provide an expected {name} "
-                          f"version with --{name}_ver")
+            warnings.warn(
+                f"Running test without verifying {name} version, please provide an expected {name} "
+                f"version with --{name}_ver"
+            )
         elif not _same_version_prefix(expected, actual):
-            pytest.exit(f"expected {name} version {expected} did not match found {name} version {actual}",
-                        returncode=2)
+            pytest.exit(
+                f"expected {name} version {expected} did not match found {name} version {actual}", returncode=2
+            )
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import abc
 import importlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

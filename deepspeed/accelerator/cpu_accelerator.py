@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -13,7 +14,7 @@ from . import host_memory
 from .abstract_accelerator import DeepSpeedAccelerator
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cpu_runs_dtype(dtype: torch.dtype) -> bool:
     """Return True when this torch build can matmul in `dtype` on the CPU (probed once per dtype)."""
     try:
@@ -61,7 +62,7 @@ class CPU_Accelerator(DeepSpeedAccelerator):
 
     def current_device(self) -> int:
         """Return this rank's local index (env LOCAL_RANK, default 0), as upstream's CPU accelerator does."""
-        return int(os.environ.get("LOCAL_RANK", 0))
+        return int(os.environ.get("LOCAL_RANK", "0"))
 
     def current_device_name(self) -> str:
         """Return 'cpu'."""

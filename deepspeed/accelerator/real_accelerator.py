@@ -50,7 +50,9 @@ def get_accelerator() -> DeepSpeedAccelerator:
     name = os.environ.get("DS_ACCELERATOR")
     if name is not None:
         if name not in SUPPORTED_ACCELERATOR_LIST:
-            raise ValueError(f'DS_ACCELERATOR must be one of {SUPPORTED_ACCELERATOR_LIST}. Value "{name}" is not supported')
+            raise ValueError(
+                f'DS_ACCELERATOR must be one of {SUPPORTED_ACCELERATOR_LIST}. Value "{name}" is not supported'
+            )
     else:
         name = _detect()
     ds_accelerator = _build(name)

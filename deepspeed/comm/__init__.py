@@ -1,4 +1,4 @@
 """`import deepspeed.comm as dist`: upstream's collective API; the only home of torch.distributed."""
 
-from .comm import *  # noqa: F401,F403
+from .comm import *
 from .reduce_op import ReduceOp  # noqa: F401

@@ -12,8 +12,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as torch_dist
@@ -24,12 +25,35 @@ from .reduce_op import ReduceOp, is_avg, to_torch_op
 from .work import finish_now
 
 __all__ = [
-    "ReduceOp", "TORCH_DISTRIBUTED_DEFAULT_PORT", "default_pg_timeout", "init_distributed", "is_available",
-    "is_initialized", "destroy_process_group", "new_group", "get_rank", "get_world_size", "get_local_rank",
-    "get_global_rank", "get_all_ranks_from_group", "get_world_group", "get_backend", "barrier",
-    "monitored_barrier", "broadcast", "broadcast_object_list", "all_reduce", "reduce", "all_gather",
-    "all_gather_into_tensor", "all_gather_object", "reduce_scatter_tensor", "has_all_gather_into_tensor",
-    "has_reduce_scatter_tensor", "configure", "log_summary"
+    "TORCH_DISTRIBUTED_DEFAULT_PORT",
+    "ReduceOp",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "configure",
+    "default_pg_timeout",
+    "destroy_process_group",
+    "get_all_ranks_from_group",
+    "get_backend",
+    "get_global_rank",
+    "get_local_rank",
+    "get_rank",
+    "get_world_group",
+    "get_world_size",
+    "has_all_gather_into_tensor",
+    "has_reduce_scatter_tensor",
+    "init_distributed",
+    "is_available",
+    "is_initialized",
+    "log_summary",
+    "monitored_barrier",
+    "new_group",
+    "reduce",
+    "reduce_scatter_tensor",
 ]
 
 logger = logging.getLogger("DeepSpeed")
@@ -38,8 +62,10 @@ TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 default_pg_timeout = timedelta(minutes=int(os.getenv("DEEPSPEED_TIMEOUT") or 10))
 
 _NOT_INITIALIZED = "DeepSpeed backend not set, please initialize it using init_process_group()"
-_DIST_INIT_REQUIRED = ("Distributed backend is not initialized. Please set dist_init_required to True or initialize "
-                       "before calling deepspeed.initialize()")
+_DIST_INIT_REQUIRED = (
+    "Distributed backend is not initialized. Please set dist_init_required to True or initialize "
+    "before calling deepspeed.initialize()"
+)
 
 # Newer torch renamed the tensor-in/tensor-out collectives and deprecates the old names.
 _all_gather_single = getattr(torch_dist, "all_gather_single", None) or torch_dist.all_gather_into_tensor
@@ -56,8 +82,9 @@ def _collective(func: F) -> F:
     """Assert initialisation and drop upstream's comms-logging keywords (prof, log_name, debug)."""
 
     @functools.wraps(func)
-    def wrapper(*args: Any, prof: bool = False, log_name: str | None = None, debug: str | None = None,
-                **kwargs: Any) -> Any:
+    def wrapper(
+        *args: Any, prof: bool = False, log_name: str | None = None, debug: str | None = None, **kwargs: Any
+    ) -> Any:
         _assert_initialized()
         return func(*args, **kwargs)
 
@@ -84,11 +111,18 @@ def _missing_env_vars(rank: int, world_size: int) -> list[str]:
     return [name for name in needed if name not in os.environ]
 
 
-def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
-                     distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT, verbose: bool = True,
-                     timeout: timedelta = default_pg_timeout, init_method: str | None = None,
-                     dist_init_required: bool | None = None, config: Any = None, rank: int = -1,
-                     world_size: int = -1) -> None:
+def init_distributed(
+    dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT,
+    verbose: bool = True,
+    timeout: timedelta = default_pg_timeout,
+    init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config: Any = None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> None:
     """Create the default process group unless one exists (then this is a no-op).
 
     Args:
@@ -115,14 +149,17 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     if init_method is None:
         missing = _missing_env_vars(rank, world_size)
         if missing:
-            raise RuntimeError(f"init_distributed needs environment variable(s) {', '.join(missing)} for "
-                               "init_method env://; launch with torchrun or the deepspeed launcher, set them, "
-                               "or pass init_method, rank and world_size")
+            raise RuntimeError(
+                f"init_distributed needs environment variable(s) {', '.join(missing)} for "
+                "init_method env://; launch with torchrun or the deepspeed launcher, set them, "
+                "or pass init_method, rank and world_size"
+            )
     backend = dist_backend or get_accelerator().communication_backend_name()
     if verbose:
         logger.info(f"Initializing TorchBackend in DeepSpeed with backend {backend}")
-    torch_dist.init_process_group(backend=backend, init_method=init_method, timeout=timeout, rank=rank,
-                                  world_size=world_size)
+    torch_dist.init_process_group(
+        backend=backend, init_method=init_method, timeout=timeout, rank=rank, world_size=world_size
+    )
 
 
 def destroy_process_group(group: Any = None) -> None:
@@ -151,7 +188,7 @@ def get_world_size(group: Any = None) -> int:
 
 def get_local_rank() -> int:
     """Return this process's rank on its host, from the launcher's env LOCAL_RANK (default 0)."""
-    return int(os.environ.get("LOCAL_RANK", 0))
+    return int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def get_global_rank(group: Any = None, group_rank: int = 0) -> int:
@@ -259,8 +296,9 @@ def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = 
 
 
 @_collective
-def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None,
-               async_op: bool = False) -> Any:
+def all_gather(
+    tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None, async_op: bool = False
+) -> Any:
     """Fill `tensor_list[r]` with rank r's `tensor` on every rank of `group`."""
     return torch_dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
 
@@ -273,15 +311,18 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> No
 
 def _check_split(big: torch.Tensor, small: torch.Tensor, world_size: int, what: str) -> None:
     if big.numel() != small.numel() * world_size:
-        raise ValueError(f"{what}: the large tensor must hold world_size ({world_size}) x {small.numel()} "
-                         f"elements, got {big.numel()}")
+        raise ValueError(
+            f"{what}: the large tensor must hold world_size ({world_size}) x {small.numel()} "
+            f"elements, got {big.numel()}"
+        )
     if not big.is_contiguous():
         raise ValueError(f"{what}: the large tensor must be contiguous")
 
 
 @_collective
-def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None,
-                           async_op: bool = False) -> Any:
+def all_gather_into_tensor(
+    output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None, async_op: bool = False
+) -> Any:
     """Concatenate every rank's `input_tensor` (in rank order) into `output_tensor` on every rank.
 
     Raises:
@@ -297,8 +338,13 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
 
 
 @_collective
-def reduce_scatter_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, op: Any = ReduceOp.SUM,
-                          group: Any = None, async_op: bool = False) -> Any:
+def reduce_scatter_tensor(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    op: Any = ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
     """Reduce `input_tensor` across `group` and keep this rank's contiguous slice in `output_tensor`.
 
     Raises:
@@ -308,8 +354,7 @@ def reduce_scatter_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tenso
     world_size = torch_dist.get_world_size(group)
     _check_split(input_tensor, output_tensor, world_size, "reduce_scatter_tensor")
     if not _gloo_handles(input_tensor, group):
-        return _reduce_scatter_single(output_tensor, input_tensor, op=to_torch_op(op), group=group,
-                                      async_op=async_op)
+        return _reduce_scatter_single(output_tensor, input_tensor, op=to_torch_op(op), group=group, async_op=async_op)
     # All-reduce then slice: the bits then equal an all_reduce reference, which gloo's own
     # reduce-scatter (a different summation order) does not promise.
     reduced = input_tensor.clone()
@@ -332,11 +377,16 @@ def has_reduce_scatter_tensor() -> bool:
     return True
 
 
-def configure(deepspeed_config: Any = None, enabled: bool | None = None, prof_all: bool | None = None,
-              prof_ops: list[str] | None = None, verbose: bool | None = None, debug: bool | None = None) -> None:
+def configure(
+    deepspeed_config: Any = None,
+    enabled: bool | None = None,
+    prof_all: bool | None = None,
+    prof_ops: list[str] | None = None,
+    verbose: bool | None = None,
+    debug: bool | None = None,
+) -> None:
     """Accept upstream's comms-logging settings; comms logging is not implemented, so they are ignored."""
 
 
 def log_summary(show_straggler: bool = False) -> None:
     """Do nothing: comms logging is not implemented, so there is nothing to summarise."""
-

@@ -7,6 +7,7 @@ the rest of the session.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import inspect
 import multiprocessing as mp
@@ -16,8 +17,9 @@ import socket
 import sys
 import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, ClassVar, Self
 
 import pytest
 import torch
@@ -52,7 +54,7 @@ def get_master_port(base_port: int = 29500, port_range_size: int = 1000) -> int:
             except OSError:
                 continue
             return port
-    raise IOError("no free ports")
+    raise OSError("no free ports")
 
 
 def _is_cpu_accelerator() -> bool:
@@ -82,14 +84,14 @@ class DistributedExec:
     requires_cuda_env, reuse_dist_env (keep ranks alive between tests), exec_timeout (seconds).
     """
 
-    world_size: int | list[int] = 2
+    world_size: int | list[int] | tuple[int, ...] = 2
     backend: str = get_accelerator().communication_backend_name()
     init_distributed: bool = True
     set_dist_env: bool = True
     requires_cuda_env: bool = True
     reuse_dist_env: bool = False
     exec_timeout: float = DEEPSPEED_TEST_TIMEOUT
-    _pool_cache: dict[tuple[Any, ...], WorkerPool] = {}
+    _pool_cache: ClassVar[dict[tuple[Any, ...], WorkerPool]] = {}
 
     def run(self, **kwargs: Any) -> None:
         """Body executed on every rank."""
@@ -101,21 +103,33 @@ class DistributedExec:
             return "only supported in accelerator environments."
         # CPU ranks share the host, so any number of them fit; devices are one per rank.
         if not _is_cpu_accelerator() and accelerator.device_count() < num_procs:
-            return (f"Skipping test because not enough GPUs are available: {num_procs} required, "
-                    f"{accelerator.device_count()} available")
+            return (
+                f"Skipping test because not enough GPUs are available: {num_procs} required, "
+                f"{accelerator.device_count()} available"
+            )
         return None
 
     def _rank_spec(self, num_procs: int) -> RankSpec:
         init_file = os.path.join(tempfile.gettempdir(), f"ds_test_{uuid.uuid4().hex}_filestore")
-        return RankSpec(world_size=num_procs, backend=self.backend, init_method=f"file://{init_file}",
-                        master_port=get_master_port(), init_distributed=self.init_distributed,
-                        set_dist_env=self.set_dist_env, set_device=not _is_cpu_accelerator(),
-                        num_threads=1 if _is_cpu_accelerator() else None,
-                        visible_devices=_visible_devices_for_worker())
+        return RankSpec(
+            world_size=num_procs,
+            backend=self.backend,
+            init_method=f"file://{init_file}",
+            master_port=get_master_port(),
+            init_distributed=self.init_distributed,
+            set_dist_env=self.set_dist_env,
+            set_device=not _is_cpu_accelerator(),
+            num_threads=1 if _is_cpu_accelerator() else None,
+            visible_devices=_visible_devices_for_worker(),
+        )
 
     def _uses_pool(self) -> bool:
-        return (self.reuse_dist_env and self.init_distributed and self.set_dist_env
-                and os.environ.get("DS_DISABLE_REUSE_DIST_ENV") != "1")
+        return (
+            self.reuse_dist_env
+            and self.init_distributed
+            and self.set_dist_env
+            and os.environ.get("DS_DISABLE_REUSE_DIST_ENV") != "1"
+        )
 
     def _pool_for(self, ctx: Any, num_procs: int, start_method: str) -> WorkerPool:
         key = (num_procs, self.backend, start_method)
@@ -160,6 +174,11 @@ class DistributedExec:
             pool.close()
 
 
+# Pool ranks are non-daemonic (tests may start processes of their own), and multiprocessing joins such
+# children at exit: stop them first. Registered after multiprocessing's own hook, so it runs before it.
+atexit.register(DistributedExec.close_pools)
+
+
 def _fixture_kwargs(request: pytest.FixtureRequest, func: Callable[..., Any]) -> dict[str, Any]:
     """Return the values pytest prepared for `func`'s parameters; others keep their defaults."""
     names = [name for name in inspect.signature(func).parameters if name != "self"]
@@ -176,9 +195,10 @@ class DistributedTest(DistributedExec):
     is_dist_test = True
 
     @pytest.fixture(autouse=True, scope="class")
-    def class_tmpdir(self, tmpdir_factory: Any) -> Any:
+    @classmethod
+    def class_tmpdir(cls, tmpdir_factory: Any) -> Any:
         """Directory shared by the tests of one class (and the distributed fixtures they use)."""
-        return tmpdir_factory.mktemp(self.__class__.__name__)
+        return tmpdir_factory.mktemp(cls.__name__)
 
     def run(self, **kwargs: Any) -> None:
         """Not used: DistributedTest runs the current test method instead."""
@@ -272,7 +292,7 @@ class EnableDeterminism:
         self.seed = seed + int(os.environ.get("LOCAL_RANK", "0"))
         self._saved: dict[str, Any] = {}
 
-    def __enter__(self) -> "EnableDeterminism":
+    def __enter__(self) -> Self:
         accelerator = get_accelerator()
         self._saved = {
             "random": random.getstate(),
@@ -289,7 +309,7 @@ class EnableDeterminism:
         torch.use_deterministic_algorithms(True)
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         random.setstate(self._saved["random"])
         torch.set_rng_state(self._saved["torch"])
         if self._saved["accelerator"] is not None:
@@ -326,13 +346,15 @@ def reduce_boolean_flags(flag: bool, op: Callable[[list[bool]], bool] = all, gro
     return op(bool(v) for v in gathered.tolist())
 
 
-def allclose_on_all_ranks(actual: torch.Tensor, expected: torch.Tensor, assert_message: str | None = None,
-                          **kwargs: Any) -> None:
+def allclose_on_all_ranks(
+    actual: torch.Tensor, expected: torch.Tensor, assert_message: str | None = None, **kwargs: Any
+) -> None:
     """Assert that torch.allclose(actual, expected, **kwargs) holds on every rank.
 
     Raises:
         AssertionError: on every rank, when any rank's tensors differ.
     """
     if not reduce_boolean_flags(torch.allclose(actual, expected, **kwargs), all):
-        raise AssertionError(assert_message or f"Tensors are not close on every rank: {actual=}, {expected=}, "
-                             f"{kwargs=}")
+        raise AssertionError(
+            assert_message or f"Tensors are not close on every rank: {actual=}, {expected=}, {kwargs=}"
+        )

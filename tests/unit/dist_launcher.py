@@ -49,6 +49,14 @@ class RankResult:
     rank: int
     status: str
     message: str = ""
+    summary: str = ""
+
+
+def _error_result(rank: int) -> RankResult:
+    """Describe the exception being handled: full traceback plus its first 'Type: message' line."""
+    exc = sys.exc_info()[1]
+    summary = traceback.format_exception_only(type(exc), exc)[0].strip().splitlines()[0] if exc is not None else ""
+    return RankResult(rank, "error", traceback.format_exc(), summary)
 
 
 @dataclasses.dataclass
@@ -83,16 +91,23 @@ def _prepare_rank(rank: int, spec: RankSpec) -> None:
     if spec.num_threads is not None:
         torch.set_num_threads(spec.num_threads)
     if spec.set_dist_env:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec.master_port), RANK=str(rank),
-                          LOCAL_RANK=str(rank), WORLD_SIZE=str(spec.world_size), LOCAL_SIZE=str(spec.world_size))
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(spec.master_port),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(spec.world_size),
+            LOCAL_SIZE=str(spec.world_size),
+        )
         os.environ.pop("NCCL_DEBUG", None)
     if spec.visible_devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = spec.visible_devices
     if spec.set_device:
         get_accelerator().set_device(rank)
     if spec.init_distributed:
-        dist.init_distributed(dist_backend=spec.backend, init_method=spec.init_method, rank=rank,
-                              world_size=spec.world_size)
+        dist.init_distributed(
+            dist_backend=spec.backend, init_method=spec.init_method, rank=rank, world_size=spec.world_size
+        )
         dist.barrier()
 
 
@@ -102,8 +117,8 @@ def _run_task(rank: int, task: Task) -> RankResult:
         getattr(owner, method_name)(**kwargs)
     except pytest.skip.Exception as skip:
         return RankResult(rank, "skip", skip.msg)
-    except BaseException:  # pytest.fail, SystemExit and the like are test failures too
-        return RankResult(rank, "error", traceback.format_exc())
+    except BaseException:  # noqa: BLE001 -- pytest.fail, SystemExit and the like are test failures too
+        return _error_result(rank)
     return RankResult(rank, "ok")
 
 
@@ -123,7 +138,7 @@ def _teardown_rank() -> None:
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
-    except BaseException:  # the result is already reported
+    except BaseException:  # noqa: BLE001, S110 -- the result is already reported
         pass
 
 
@@ -132,8 +147,8 @@ def _one_shot_main(rank: int, spec: RankSpec, task: Task, conn: Connection) -> N
     try:
         _prepare_rank(rank, spec)
         result = _run_task(rank, task)
-    except BaseException:  # setup failures must reach the parent too
-        result = RankResult(rank, "error", traceback.format_exc())
+    except BaseException:  # noqa: BLE001 -- setup failures must reach the parent too
+        result = _error_result(rank)
     _flush_stdio()
     conn.send(result)
     # A failed rank exits at once: its peers then see closed sockets instead of waiting in a collective.
@@ -145,8 +160,8 @@ def _pool_main(rank: int, spec: RankSpec, conn: Connection) -> None:
     """Entry point of a pooled rank: set up once, then run pickled tasks until told to stop."""
     try:
         _prepare_rank(rank, spec)
-    except BaseException:  # setup failures must reach the parent
-        conn.send(RankResult(rank, "error", traceback.format_exc()))
+    except BaseException:  # noqa: BLE001 -- setup failures must reach the parent
+        conn.send(_error_result(rank))
         return
     while True:
         try:
@@ -157,11 +172,20 @@ def _pool_main(rank: int, spec: RankSpec, conn: Connection) -> None:
             break
         try:
             result = _run_task(rank, pickle.loads(payload))
-        except BaseException:  # an unpicklable task fails the test, not the pool
-            result = RankResult(rank, "error", traceback.format_exc())
+        except BaseException:  # noqa: BLE001 -- an unpicklable task fails the test, not the pool
+            result = _error_result(rank)
         _flush_stdio()
         conn.send(result)
     _teardown_rank()
+
+
+def _remove_init_file(spec: RankSpec) -> None:
+    """Delete a file:// rendezvous file; ranks that were terminated never get to remove it themselves."""
+    if spec.init_method.startswith("file://"):
+        try:
+            os.remove(spec.init_method[len("file://") :])
+        except FileNotFoundError:
+            pass
 
 
 def _stop(procs: list[mp.process.BaseProcess], join_s: float = 0.0) -> None:
@@ -223,15 +247,18 @@ def failure_message(outcome: Outcome, timeout_s: float) -> str | None:
     if errors:
         first = errors[0]
         lines.append(f"Rank {first.rank} failed:\n{first.message.rstrip()}")
-        others = [r.rank for r in errors[1:]]
-        if others:
-            lines.append(f"(ranks {others} failed too, most likely as a consequence)")
+        # Later failures are often echoes of the first (a peer closed its sockets); their last line suffices.
+        lines += [f"Rank {r.rank} failed too: {r.summary}" for r in errors[1:]]
     if outcome.hung and (lines or skip_message(outcome)):
-        lines.append(f"Rank(s) {outcome.hung} were terminated: still running {STRAGGLER_GRACE_S:g} s after another "
-                     "rank failed or skipped")
+        lines.append(
+            f"Rank(s) {outcome.hung} were terminated: still running {STRAGGLER_GRACE_S:g} s after another "
+            "rank failed or skipped"
+        )
     elif outcome.hung:
-        lines.append(f"Test hung: rank(s) {outcome.hung} gave no result within exec_timeout={timeout_s:g} s; "
-                     "the worker processes were terminated")
+        lines.append(
+            f"Test hung: rank(s) {outcome.hung} gave no result within exec_timeout={timeout_s:g} s; "
+            "the worker processes were terminated"
+        )
     return "\n".join(lines) if lines else None
 
 
@@ -261,6 +288,7 @@ def launch_one_shot(ctx: Any, spec: RankSpec, task: Task, timeout_s: float) -> O
         _stop(list(procs.values()), join_s=STRAGGLER_GRACE_S if healthy else 0.0)
         for conn in conns.values():
             conn.close()
+        _remove_init_file(spec)
     return outcome
 
 
@@ -308,3 +336,4 @@ class WorkerPool:
         _stop(list(self.procs.values()), join_s=STRAGGLER_GRACE_S if graceful else 0.0)
         for conn in self.conns.values():
             conn.close()
+        _remove_init_file(self.spec)

@@ -6,37 +6,51 @@ import time
 
 import pytest
 import torch
+from unit import dist_launcher
+from unit.common import (
+    DistributedExec,
+    DistributedFixture,
+    DistributedTest,
+    allclose_on_all_ranks,
+    enable_determinism,
+    get_master_port,
+    reduce_boolean_flags,
+)
 
 import deepspeed.comm as dist
-from unit import dist_launcher
-from unit.common import (DistributedExec, DistributedFixture, DistributedTest, allclose_on_all_ranks,
-                         enable_determinism, get_master_port, reduce_boolean_flags)
+
+
+def _rank() -> int:
+    return int(os.environ["RANK"])
 
 
 class _Probe(DistributedExec):
-    """Ranks run whichever behaviour a test names; results come back through files in `out_dir`."""
+    """Ranks run whichever behaviour a test names; results come back through files in `out_dir`.
+
+    Most behaviours need no process group, so ranks start in milliseconds even where NCCL setup is slow.
+    """
 
     world_size = 2
+    init_distributed = False
 
     def raise_on_rank_one(self):
-        if dist.get_rank() == 1:
+        if _rank() == 1:
             raise ValueError("rank one exploded")
 
     def skip_everywhere(self):
         pytest.skip("no widgets on this host")
 
     def exit_on_rank_one(self):
-        if dist.get_rank() == 1:
+        if _rank() == 1:
             os._exit(7)
-        dist.barrier()
 
     def sleep_forever(self, out_dir):
-        with open(os.path.join(out_dir, f"pid_{dist.get_rank()}"), "w") as f:
+        with open(os.path.join(out_dir, f"pid_{_rank()}"), "w") as f:
             f.write(str(os.getpid()))
         time.sleep(600)
 
     def rank_zero_sleeps_rank_one_fails(self):
-        if dist.get_rank() == 0:
+        if _rank() == 0:
             time.sleep(600)
         raise RuntimeError("rank one gave up")
 
@@ -47,8 +61,9 @@ class _Probe(DistributedExec):
 
 
 def _read_pids(out_dir, prefix):
-    return sorted(int(open(os.path.join(out_dir, name)).read()) for name in os.listdir(out_dir)
-                  if name.startswith(prefix))
+    return sorted(
+        int(open(os.path.join(out_dir, name)).read()) for name in os.listdir(out_dir) if name.startswith(prefix)
+    )
 
 
 def _is_running(pid):
@@ -103,7 +118,7 @@ def test_straggler_after_failure_is_terminated(monkeypatch):
 
 def test_reused_ranks_survive_between_tests(tmp_path):
     probe = _Probe()
-    probe.reuse_dist_env = True
+    probe.init_distributed = probe.reuse_dist_env = True
     try:
         probe._launch_procs(2, "record_pid", {"out_dir": str(tmp_path), "tag": "first"})
         probe._launch_procs(2, "record_pid", {"out_dir": str(tmp_path), "tag": "second"})

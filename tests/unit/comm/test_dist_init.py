@@ -5,11 +5,12 @@ from datetime import timedelta
 
 import pytest
 import torch
+from unit.common import DistributedTest
 
 import deepspeed.comm as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.comm import comm as comm_module
 from deepspeed.comm.reduce_op import to_torch_op
-from unit.common import DistributedTest
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
@@ -25,26 +26,33 @@ def test_this_process_has_no_process_group():
     assert not dist.is_initialized()
 
 
-@pytest.mark.parametrize("call", [
-    lambda: dist.get_rank(),
-    lambda: dist.get_world_size(),
-    lambda: dist.barrier(),
-    lambda: dist.all_reduce(torch.ones(1)),
-    lambda: dist.reduce_scatter_tensor(torch.ones(1), torch.ones(2)),
-    lambda: dist.all_gather_into_tensor(torch.ones(2), torch.ones(1)),
-    lambda: dist.broadcast(torch.ones(1), 0),
-    lambda: dist.new_group([0]),
-])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: dist.get_rank(),
+        lambda: dist.get_world_size(),
+        lambda: dist.barrier(),
+        lambda: dist.all_reduce(torch.ones(1)),
+        lambda: dist.reduce_scatter_tensor(torch.ones(1), torch.ones(2)),
+        lambda: dist.all_gather_into_tensor(torch.ones(2), torch.ones(1)),
+        lambda: dist.broadcast(torch.ones(1), 0),
+        lambda: dist.new_group([0]),
+    ],
+)
 def test_functions_require_initialisation(call):
-    with pytest.raises(AssertionError, match="DeepSpeed backend not set, please initialize it using init_process_group"):
+    with pytest.raises(
+        AssertionError, match="DeepSpeed backend not set, please initialize it using init_process_group"
+    ):
         call()
 
 
 def test_dist_init_required_false_without_group():
     with pytest.raises(AssertionError) as info:
         dist.init_distributed(dist_init_required=False)
-    assert str(info.value) == ("Distributed backend is not initialized. Please set dist_init_required to True or "
-                               "initialize before calling deepspeed.initialize()")
+    assert str(info.value) == (
+        "Distributed backend is not initialized. Please set dist_init_required to True or "
+        "initialize before calling deepspeed.initialize()"
+    )
 
 
 def test_missing_launcher_env_is_named(no_launcher_env):
@@ -76,9 +84,17 @@ def test_local_rank_from_env(monkeypatch):
 
 
 def test_reduce_op_values_and_mapping():
-    assert [(op.name, op.value) for op in dist.ReduceOp] == [("SUM", 0), ("PRODUCT", 1), ("MIN", 2), ("MAX", 3),
-                                                             ("BAND", 4), ("BOR", 5), ("BXOR", 6), ("AVG", 7),
-                                                             ("UNUSED", 8)]
+    assert [(op.name, op.value) for op in dist.ReduceOp] == [
+        ("SUM", 0),
+        ("PRODUCT", 1),
+        ("MIN", 2),
+        ("MAX", 3),
+        ("BAND", 4),
+        ("BOR", 5),
+        ("BXOR", 6),
+        ("AVG", 7),
+        ("UNUSED", 8),
+    ]
     torch_ops = torch.distributed.ReduceOp
     for op in dist.ReduceOp:
         if op is not dist.ReduceOp.UNUSED:
@@ -109,7 +125,7 @@ class TestInitFromLauncherEnv(DistributedTest):
         dist.init_distributed(dist_init_required=True)
         dist.init_distributed(dist_init_required=False)
         assert torch.distributed.group.WORLD is group
-        tensor = torch.tensor([float(dist.get_rank())])
+        tensor = torch.tensor([float(dist.get_rank())], device=get_accelerator().current_device_name())
         dist.all_reduce(tensor)
         assert tensor.item() == 1.0
         dist.barrier()

@@ -26,8 +26,9 @@ ALL_REDUCE_SCRIPT = textwrap.dedent("""
     dist.all_reduce(total)
     env = " ".join(f"{key}={os.environ.get(key)}" for key in
                    ("LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE", "WORLD_SIZE", "DS_ACCELERATOR"))
-    print(f"REPORT tag={args.tag} rank={dist.get_rank()} world={dist.get_world_size()} "
-          f"local_rank_arg={args.local_rank} sum={total.item()} {env}", flush=True)
+    # One write() per line: both ranks share the pipe, and print() may split text and newline.
+    os.write(1, (f"REPORT tag={args.tag} rank={dist.get_rank()} world={dist.get_world_size()} "
+                 f"local_rank_arg={args.local_rank} sum={total.item()} {env}\\n").encode())
     dist.destroy_process_group()
 """)
 

@@ -10,6 +10,10 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from unit.simple_model import SimpleModel
 
+# A large eps makes Adam sensitive to the gradient's magnitude (with eps=1e-8 it is nearly scale-invariant,
+# so a missing average over ranks or micro-batches would go unnoticed).
+ADAM_EPS = 1e-2
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -18,7 +22,7 @@ def make_config(stage, dtype, micro=4, gas=1, optimizer=None, clip=0.0, **extra)
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
         "gradient_clipping": clip,
-        "optimizer": optimizer or {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "optimizer": optimizer or {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "eps": ADAM_EPS}},
         "zero_optimization": {"stage": stage},
     }
     if dtype == "fp16":
@@ -91,7 +95,7 @@ def reference_adamw(model, batches, lr=1e-2, weight_decay=0.01, clip=0.0, dtype=
         # Start from the weights the engine starts from: the model cast to its low precision.
         for p in model.parameters():
             p.data = p.data.to(DTYPES[dtype]).float()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, eps=ADAM_EPS)
     history = [[p.detach().clone() for p in model.parameters()]]
     for x, y in batches:
         optimizer.zero_grad()

@@ -1,0 +1,105 @@
+"""Only deepspeed/comm may use torch.distributed; everything else goes through deepspeed.comm."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "deepspeed"
+ALLOWED = PACKAGE / "comm"
+FORBIDDEN = "torch.distributed"
+
+
+def _is_forbidden_module(name: str | None) -> bool:
+    return name is not None and (name == FORBIDDEN or name.startswith(FORBIDDEN + "."))
+
+
+def _torch_aliases(tree: ast.AST) -> set[str]:
+    """Return the names bound to the torch module (`import torch`, `import torch as th`, `import torch.nn`)."""
+    aliases = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "torch" or (alias.name.startswith("torch.") and alias.asname is None):
+                    aliases.add(alias.asname or "torch")
+    return aliases
+
+
+def torch_distributed_uses(source: str, filename: str = "<source>") -> list[str]:
+    """Return 'line: what' for every use of torch.distributed in `source`, whatever the spelling."""
+    tree = ast.parse(source, filename)
+    torch_names = _torch_aliases(tree) | {"torch"}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [f"{node.lineno}: import {a.name}" for a in node.names if _is_forbidden_module(a.name)]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            if _is_forbidden_module(node.module):
+                found.append(f"{node.lineno}: from {node.module} import ...")
+            elif node.module == "torch" and any(a.name == "distributed" for a in node.names):
+                found.append(f"{node.lineno}: from torch import distributed")
+        elif isinstance(node, ast.Attribute) and node.attr == "distributed":
+            if isinstance(node.value, ast.Name) and node.value.id in torch_names:
+                found.append(f"{node.lineno}: {node.value.id}.distributed")
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            callee = ast.unparse(node.func)
+            if (
+                callee in ("importlib.import_module", "import_module", "__import__")
+                and isinstance(node.args[0].value, str)
+                and _is_forbidden_module(node.args[0].value)
+            ):
+                found.append(f"{node.lineno}: {callee}({node.args[0].value!r})")
+    return found
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import torch.distributed",
+        "import torch.distributed as dist",
+        "import torch.distributed.fsdp",
+        "import os, torch.distributed.checkpoint as dcp",
+        "from torch.distributed import ReduceOp",
+        "from torch.distributed.distributed_c10d import _get_default_group",
+        "from torch import distributed",
+        "from torch import nn, distributed as d",
+        "import torch\ntorch.distributed.all_reduce(x)",
+        "import torch as th\nth.distributed.get_rank()",
+        "import torch.nn\nif torch.distributed.is_initialized(): pass",
+        "import importlib\nimportlib.import_module('torch.distributed')",
+        "__import__('torch.distributed.rpc')",
+        "def f():\n    import torch.distributed as dist\n    return dist",
+    ],
+)
+def test_checker_catches_every_spelling(source):
+    assert torch_distributed_uses(source), f"not caught: {source!r}"
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import torch",
+        "import torch.nn as nn",
+        "from torch import nn, optim",
+        "import torch.distributions as D",
+        "from torch.distributions import Normal",
+        "import deepspeed.comm as dist\ndist.all_reduce(x)",
+        "from . import distributed",
+        "obj.distributed = True",
+    ],
+)
+def test_checker_allows_other_code(source):
+    assert torch_distributed_uses(source) == []
+
+
+def test_only_deepspeed_comm_uses_torch_distributed():
+    files = [path for path in sorted(PACKAGE.rglob("*.py")) if ALLOWED not in path.parents]
+    assert files, f"no modules found under {PACKAGE}"
+    violations = [
+        f"{path.relative_to(PACKAGE.parent)}:{use}"
+        for path in files
+        for use in torch_distributed_uses(path.read_text(), str(path))
+    ]
+    assert not violations, "torch.distributed used outside deepspeed/comm (use deepspeed.comm):\n" + "\n".join(
+        violations
+    )
