@@ -76,15 +76,15 @@ def train_steps(engine, batches, dtype, loss_multipliers=None):
 
 
 def fp32_masters(engine):
-    return [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]
+    return [safe_get_full_fp32_param(p).cpu().clone() for p in engine.module.parameters()]
 
 
 def model_params(engine):
-    return [p.detach().clone() for p in engine.module.parameters()]
+    return [p.detach().cpu().clone() for p in engine.module.parameters()]
 
 
 def optimizer_states(engine, keys):
-    return {(i, key): safe_get_full_optimizer_state(p, key).clone()
+    return {(i, key): safe_get_full_optimizer_state(p, key).cpu().clone()
             for i, p in enumerate(engine.module.parameters()) for key in keys}
 
 

@@ -20,8 +20,8 @@ class TestMisuse(DistributedTest):
         model = make_model()
         engine, optimizer, _, _ = deepspeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 2})
         assert optimizer is None
-        x = torch.randn(2, 16)
-        y = torch.randint(0, 16, (2, ))
+        x = torch.randn(2, 16, device=engine.device)
+        y = torch.randint(0, 16, (2, ), device=engine.device)
         with pytest.raises(AssertionError, match="must provide optimizer during init in order to use backward"):
             engine.backward(engine(x, y))
         with pytest.raises(AssertionError, match="must provide optimizer during init in order to use step"):
@@ -43,7 +43,7 @@ class TestMisuse(DistributedTest):
     def test_loss_must_be_a_scalar_with_a_graph(self):
         engine, _ = initialize(make_model(), make_config(2, "fp32"))
         with pytest.raises(AssertionError, match="loss must be a scalar tensor"):
-            engine.backward(torch.ones(2, requires_grad=True) * 2)
+            engine.backward(torch.ones(2, requires_grad=True, device=engine.device) * 2)
 
     def test_zero_without_optimizer(self):
         config = make_config(2, "fp32")

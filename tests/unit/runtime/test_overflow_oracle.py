@@ -13,7 +13,7 @@ POISON = float("inf")
 
 
 def _snapshot(engine):
-    steps = [state["step"].clone() for state in engine.optimizer.optimizer.state.values() if "step" in state]
+    steps = [state["step"].cpu().clone() for state in engine.optimizer.optimizer.state.values() if "step" in state]
     return {
         "masters": fp32_masters(engine),
         "params": model_params(engine),

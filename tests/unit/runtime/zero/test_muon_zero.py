@@ -128,7 +128,7 @@ def run_engine(model, config, batches, dtype="fp32", multipliers=None, after_ste
 
 
 def masters(engine):
-    return [safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()]
+    return [safe_get_full_fp32_param(p).cpu().clone() for p in engine.module.parameters()]
 
 
 class TestMuonReferenceParity(DistributedTest):
@@ -214,7 +214,7 @@ class TestMuonLossScaleIndependence(DistributedTest):
             config["fp16"].update(fp16)
             engine = run_engine(TinyNet(), config, batches, "fp16")
             assert engine.skipped_steps == 0, name
-            results[name] = [p.detach().clone() for p in engine.module.parameters()]
+            results[name] = [p.detach().cpu().clone() for p in engine.module.parameters()]
         torch.manual_seed(0)
         start = [p.detach().half() for p in TinyNet().parameters()]
         for name in ("static_1", "static_1024"):
@@ -224,11 +224,11 @@ class TestMuonLossScaleIndependence(DistributedTest):
 
 
 def _muon_snapshot(engine):
-    snapshot = {"masters": masters(engine), "params": [p.detach().clone() for p in engine.module.parameters()]}
+    snapshot = {"masters": masters(engine), "params": [p.detach().cpu().clone() for p in engine.module.parameters()]}
     for index, p in enumerate(engine.module.parameters()):
         keys = ["momentum_buffer"] if p.use_muon else ["exp_avg", "exp_avg_sq"]
         for key in keys:
-            snapshot[(index, key)] = safe_get_full_optimizer_state(p, key).clone()
+            snapshot[(index, key)] = safe_get_full_optimizer_state(p, key).cpu().clone()
     return snapshot
 
 
@@ -306,8 +306,9 @@ class TestMuonWorkSplit(DistributedTest):
         finally:
             original_muon.NS_FUNCTIONS.update(originals)
         matrices = [p for p in engine.module.parameters() if p.use_muon]
-        calls = torch.tensor([len(shapes)], dtype=torch.float64)
-        cost = torch.tensor([sum(newton_schulz_cost(s) for s in shapes) / steps], dtype=torch.float64)
+        calls = torch.tensor([len(shapes)], dtype=torch.float64, device=engine.device)
+        cost = torch.tensor([sum(newton_schulz_cost(s) for s in shapes) / steps], dtype=torch.float64,
+                            device=engine.device)
         all_calls = [torch.zeros_like(calls) for _ in range(2)]
         all_costs = [torch.zeros_like(cost) for _ in range(2)]
         dist.all_gather(all_calls, calls)
