@@ -112,8 +112,9 @@ def build_zero_optimizer(engine, basic_optimizer):
         average=config.gradient_allreduce_op == "mean",
     )
     dynamic = config.fp16_enabled and fp16.loss_scale == 0
-    loss_scaler = CreateLossScaler(dtype=model_dtype, static_loss_scale=fp16.loss_scale if config.fp16_enabled else 1.0,
-                                   dynamic_scaling=dynamic, dynamic_loss_args=engine.dynamic_loss_scale_args())
+    static_scale = fp16.loss_scale if config.fp16_enabled else 1.0
+    loss_scaler = CreateLossScaler(dtype=model_dtype, static_loss_scale=static_scale, dynamic_scaling=dynamic,
+                                   dynamic_loss_args=engine.dynamic_loss_scale_args())
     param_names = {p: n for n, p in engine.module.named_parameters()}
     return DeepSpeedZeroOptimizer(basic_optimizer, param_names, options, loss_scaler, engine.dp_process_group,
                                   engine.device)

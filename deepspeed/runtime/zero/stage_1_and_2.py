@@ -347,14 +347,15 @@ class DeepSpeedZeroOptimizer:
         return full.view(param.shape)
 
     def get_full_hp_param(self, param: torch.Tensor) -> torch.Tensor:
-        return self._gather_full(param, lambda g, start, n, _: self.single_partition_of_fp32_groups[g][start:start + n])
+        masters = self.single_partition_of_fp32_groups
+        return self._gather_full(param, lambda g, start, n, _: masters[g][start:start + n])
 
     def get_full_hp_grad(self, param: torch.Tensor) -> torch.Tensor:
         if not self._grads_ready:
             raise ValueError("Gradients are only available immediately after backward and before engine step")
         scale = float(self.loss_scaler.cur_scale)
-        return self._gather_full(param,
-                                 lambda g, start, n, _: self.reducer.partition_grad(g)[start:start + n].float() / scale)
+        grads = self.reducer.partition_grad
+        return self._gather_full(param, lambda g, start, n, _: grads(g)[start:start + n].float() / scale)
 
     def get_full_optimizer_state(self, param: torch.Tensor, key: str) -> torch.Tensor:
         group, index = self._check_param(param)
