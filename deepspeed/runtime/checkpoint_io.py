@@ -3,38 +3,49 @@
 Layout (upstream's): <dir>/<tag>/mp_rank_00_model_states.pt (written by data-parallel rank 0),
 <dir>/<tag>/[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt (one per rank), <dir>/latest (the tag).
 
-A save is a transaction: every rank writes through temporary names and renames, the ranks agree that
-all writes succeeded, and only then rank 0 replaces `latest`. Files hold plain data and tensors only and
-are read with torch.load(weights_only=True), so loading runs no pickled code.
+A save is a transaction: every rank writes its files under temporary names; the ranks agree that every
+write succeeded; only then each rank renames its files to their final names, and after a second
+agreement rank 0 replaces `latest`. A failed save leaves no file under a final name and `latest` as it
+was. A load is one too: every rank reads and validates what it needs, the ranks agree, and only then is
+the engine changed. Files hold plain data and tensors only and are read with torch.load(weights_only=True),
+so loading runs no pickled code. docs/checkpoints.md describes the format and where it differs from upstream.
 """
 
 import os
 import random
 import shutil
-from typing import Optional, Tuple
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 import torch
 
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.git_version_info import version
+from deepspeed.runtime.zero.partition_state import validate_zero_state
 from deepspeed.utils.logging import logger
 
 LATEST_FILE = "latest"
 MODEL_FILE = "mp_rank_00_model_states.pt"
 CHECKPOINT_FORMAT = 1
+PRECISIONS = ("fp32", "fp16", "bf16")
 # Keys of the model file that belong to DeepSpeed; client_state may not use them.
-RESERVED_KEYS = frozenset({"module", "buffer_names", "optimizer", "param_shapes", "lr_scheduler", "skipped_steps",
-                           "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
-                           "ds_version", "zero_stage", "precision", "client_state_keys", "format",
-                           "checkpoint_parallel_dimensions", "micro_steps"})
+RESERVED_KEYS = frozenset({
+    "format", "module", "buffer_names", "optimizer", "param_shapes", "shared_params", "lr_scheduler",
+    "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples", "micro_steps", "dp_world_size",
+    "mp_world_size", "zero_stage", "precision", "optimizer_files", "ds_config", "ds_version",
+    "checkpoint_parallel_dimensions", "client_state_keys", "data_sampler", "random_ltd"
+})
+_PLAIN_SCALARS = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.Size)
 
 
 class CheckpointError(ValueError):
-    """A checkpoint file is missing, unreadable, or does not match this engine."""
+    """A checkpoint file is missing, unreadable, or does not match this engine; the message names the file."""
 
 
 def optim_file_name(dp_rank: int, bf16: bool) -> str:
+    """Upstream's name of data-parallel rank `dp_rank`'s optimizer-state file."""
     return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_00_optim_states.pt"
 
 
@@ -42,10 +53,38 @@ def _precision(engine) -> str:
     return "fp16" if engine.fp16_enabled() else "bf16" if engine.bfloat16_enabled() else "fp32"
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+# ---------------------------------------------------------------------------------------------- agreement
+def _agree(error: Optional[BaseException], what: str) -> None:
+    """Make a local failure everybody's: every rank raises when any rank failed, so no rank waits forever.
+
+    The failing rank re-raises its own exception; the others raise a RuntimeError quoting it.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    device = get_accelerator().current_device_name() if get_accelerator().device_name() != "cpu" else "cpu"
+    # int32: NCCL can MAX-reduce int32 but not bool.
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() == 0:
+        return
+    messages: List[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failures = "; ".join(f"rank {rank}: {message}" for rank, message in enumerate(messages) if message is not None)
+    raise RuntimeError(f"{what} failed on another rank ({failures})")
+
+
 # ---------------------------------------------------------------------------------------------- save
 def _rng_state() -> dict:
-    python_state = random.getstate()
-    state = {"torch": torch.get_rng_state(), "python": [python_state[0], list(python_state[1]), python_state[2]]}
+    version_, internal, gauss = random.getstate()
+    state = {"torch": torch.get_rng_state(), "python": [version_, list(internal), gauss]}
     accelerator = get_accelerator()
     if accelerator.device_name() != "cpu":
         state["accelerator"] = accelerator.get_rng_state()
@@ -53,38 +92,74 @@ def _rng_state() -> dict:
 
 
 def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    python_state = state["python"]
-    random.setstate((python_state[0], tuple(python_state[1]), python_state[2]))
+    # torch and CUDA take their generator states as CPU byte tensors.
+    torch.set_rng_state(state["torch"].cpu())
+    version_, internal, gauss = state["python"]
+    random.setstate((version_, tuple(internal), gauss))
     if "accelerator" in state and get_accelerator().device_name() != "cpu":
-        get_accelerator().set_rng_state(state["accelerator"])
+        get_accelerator().set_rng_state(state["accelerator"].cpu())
 
 
-def _check_plain(value, where: str) -> None:
-    """client_state must survive torch.load(weights_only=True): tensors, numbers, strings, containers."""
-    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor, torch.dtype, torch.device)):
+def check_plain(value, where: str) -> None:
+    """Refuse anything that torch.load(weights_only=True) could not read back.
+
+    Raises:
+        ValueError: naming the entry `where` and its type.
+    """
+    if type(value) in _PLAIN_SCALARS or isinstance(value, torch.Tensor):
         return
-    if isinstance(value, (list, tuple)):
+    if type(value) in (list, tuple):
         for index, item in enumerate(value):
-            _check_plain(item, f"{where}[{index}]")
+            check_plain(item, f"{where}[{index}]")
         return
-    if isinstance(value, dict):
+    if type(value) in (dict, OrderedDict):
         for key, item in value.items():
-            _check_plain(item, f"{where}[{key!r}]")
+            check_plain(key, f"{where} key {key!r}")
+            check_plain(item, f"{where}[{key!r}]")
         return
-    raise ValueError(f"client_state{where} has type {type(value).__name__}; checkpoints hold only tensors, numbers, "
-                     "strings, None and lists/tuples/dicts of them (they are loaded with weights_only=True)")
+    raise ValueError(f"{where} has type {type(value).__name__}; checkpoints hold only tensors, numbers, strings, "
+                     "None, torch dtypes/devices/sizes and lists/tuples/dicts of them, because they are loaded "
+                     "with torch.load(weights_only=True)")
+
+
+def _check_client_state(client_state: dict) -> None:
+    reserved = sorted(key for key in client_state if key in RESERVED_KEYS)
+    if reserved:
+        raise KeyError(f"client_state keys {reserved} are reserved by DeepSpeed checkpoints; rename them")
+    check_plain(client_state, "client_state")
+
+
+def _param_shapes(engine) -> list:
+    """Per group, parameter name -> shape in flattening order (upstream's `param_shapes`)."""
+    optimizer = engine.optimizer
+    return [{optimizer.param_names[p]: p.shape for p in params} for params in optimizer.bit16_groups]
+
+
+def _shared_params(module: torch.nn.Module) -> dict:
+    """Alias name -> first name of tied parameters (state_dict holds both, named_parameters only the first)."""
+    first, shared = {}, {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            shared[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return shared
+
+
+def _optimizer_files(engine) -> List[str]:
+    if engine.optimizer is None:
+        return []
+    return [optim_file_name(rank, engine.bfloat16_enabled()) for rank in range(engine.optimizer.dp_world_size)]
 
 
 def _model_state(engine, client_state: dict, exclude_frozen: bool) -> dict:
-    param_shapes = [[[engine.optimizer.param_names[p], list(p.shape)] for p in params]
-                    for params in engine.optimizer.bit16_groups] if engine.optimizer is not None else []
     state = {
         "format": CHECKPOINT_FORMAT,
         "module": engine.module_state_dict(exclude_frozen_parameters=exclude_frozen),
         "buffer_names": [name for name, _ in engine.module.named_buffers()],
         "optimizer": None,
-        "param_shapes": param_shapes,
+        "param_shapes": _param_shapes(engine) if engine.optimizer is not None else [],
+        "shared_params": _shared_params(engine.module),
         "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "skipped_steps": engine.skipped_steps,
         "global_steps": engine.global_steps,
@@ -94,75 +169,105 @@ def _model_state(engine, client_state: dict, exclude_frozen: bool) -> dict:
         "mp_world_size": engine.mp_world_size,
         "zero_stage": engine.zero_optimization_stage(),
         "precision": _precision(engine),
+        "optimizer_files": _optimizer_files(engine),
         "ds_config": engine.config,
         "ds_version": version,
         "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
         "client_state_keys": sorted(client_state),
     }
+    check_plain(state, "model state")
     state.update(client_state)
     return state
 
 
-def _atomic_save(obj, path: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+def _optim_state(engine) -> dict:
+    state = {"optimizer_state_dict": engine.optimizer.state_dict(), "rng_state": _rng_state(),
+             "ds_config": engine.config, "ds_version": version}
+    check_plain(state, "optimizer state")
+    return state
 
 
-def _all_ranks_succeeded(succeeded: bool) -> bool:
-    flag = torch.tensor([0.0 if succeeded else 1.0], device=get_accelerator().current_device_name()
-                        if get_accelerator().device_name() != "cpu" else "cpu")
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag.item() == 0.0
+def _temporary_name(path: str) -> str:
+    return f"{path}.tmp{os.getpid()}"
+
+
+def _write_temporary(obj, path: str, pending: List[Tuple[str, str]], serialization: bool) -> None:
+    tmp = _temporary_name(path)
+    pending.append((tmp, path))
+    torch.save(obj, tmp, _use_new_zipfile_serialization=serialization)
+
+
+def _discard(pending: List[Tuple[str, str]]) -> None:
+    for tmp, _ in pending:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
 
 
 def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True,
                     exclude_frozen_parameters: bool = False) -> bool:
     """Write a checkpoint of `engine`; every rank must call it. Returns True.
 
-    Raises:
-        ValueError: bad save_dir, or client_state that is not plain data / uses a reserved key.
-        RuntimeError: a rank failed to write its files (the previous `latest` is left untouched).
+    Raises (on every rank, whichever rank failed):
+        ValueError: bad save_dir, or client_state/scheduler state that is not plain data.
+        KeyError: client_state uses a key reserved by DeepSpeed.
+        RuntimeError: another rank failed; the previous `latest` is left untouched.
     """
     if not isinstance(save_dir, (str, os.PathLike)) or str(save_dir) == "":
         raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
-    client_state = dict(client_state or {})
-    for key in client_state:
-        if key in RESERVED_KEYS:
-            raise KeyError(f"client_state key '{key}' is reserved by DeepSpeed checkpoints; rename it")
-    _check_plain(client_state, "")
+    save_dir = str(save_dir)
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
     _validate_tag(engine, tag)
+    if engine.micro_steps % engine.gradient_accumulation_steps() != 0:
+        logger.warning(f"saving checkpoint '{tag}' in the middle of gradient accumulation: the gradients "
+                       "accumulated since the last optimizer step are not saved")
+    what = f"checkpoint save of tag '{tag}' to {save_dir}"
     tag_dir = os.path.join(save_dir, tag)
-    if dist.get_rank() == 0:
-        os.makedirs(tag_dir, exist_ok=True)
-    dist.barrier()
+    pending: List[Tuple[str, str]] = []
     error: Optional[BaseException] = None
     try:
-        if engine.optimizer is not None:
-            optim_state = {"optimizer_state_dict": engine.optimizer.state_dict(), "rng_state": _rng_state(),
-                           "ds_config": engine.config, "ds_version": version}
-            _atomic_save(optim_state, os.path.join(tag_dir, optim_file_name(engine.optimizer.dp_rank,
-                                                                             engine.bfloat16_enabled())))
-        if dist.get_rank() == 0:
-            _atomic_save(_model_state(engine, client_state, exclude_frozen_parameters), os.path.join(tag_dir,
-                                                                                                  MODEL_FILE))
-    except Exception as exc:  # noqa: BLE001 -- re-raised below once every rank knows the save failed
+        _check_client_state(dict(client_state or {}))
+        if _rank() == 0:
+            os.makedirs(tag_dir, exist_ok=True)
+    except Exception as exc:  # noqa: BLE001 -- re-raised by _agree on every rank
         error = exc
-    if not _all_ranks_succeeded(error is None):
-        if error is not None:
-            raise error
-        raise RuntimeError(f"checkpoint save of tag '{tag}' failed on another rank; '{LATEST_FILE}' was not updated")
-    if dist.get_rank() == 0:
-        _copy_zero_to_fp32(save_dir)
-        if save_latest:
-            _atomic_write_text(os.path.join(save_dir, LATEST_FILE), tag)
-    dist.barrier()
+    _agree(error, what)
+    serialization = engine._config.checkpoint_config.checkpoint_serialization
+    try:
+        if engine.optimizer is not None:
+            path = os.path.join(tag_dir, optim_file_name(engine.optimizer.dp_rank, engine.bfloat16_enabled()))
+            _write_temporary(_optim_state(engine), path, pending, serialization)
+        if _rank() == 0:
+            model_state = _model_state(engine, dict(client_state or {}), exclude_frozen_parameters)
+            _write_temporary(model_state, os.path.join(tag_dir, MODEL_FILE), pending, serialization)
+    except Exception as exc:  # noqa: BLE001 -- re-raised by _agree on every rank
+        error = exc
+    try:
+        _agree(error, what)
+    except BaseException:
+        _discard(pending)
+        raise
+    try:
+        for tmp, path in pending:
+            os.replace(tmp, path)
+    except Exception as exc:  # noqa: BLE001 -- re-raised by _agree on every rank
+        error = exc
+        _discard(pending)
+    _agree(error, what)
+    try:
+        if _rank() == 0:
+            _copy_zero_to_fp32(save_dir)
+            if save_latest:
+                _atomic_write_text(os.path.join(save_dir, LATEST_FILE), tag)
+    except Exception as exc:  # noqa: BLE001 -- re-raised by _agree on every rank
+        error = exc
+    _agree(error, what)
     return True
 
 
 def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
+    tmp = _temporary_name(path)
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()
@@ -171,18 +276,23 @@ def _atomic_write_text(path: str, text: str) -> None:
 
 
 def _copy_zero_to_fp32(save_dir: str) -> None:
-    source = os.path.join(os.path.dirname(os.path.dirname(__file__)), "utils", "zero_to_fp32.py")
+    source = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "utils", "zero_to_fp32.py")
     target = os.path.join(save_dir, "zero_to_fp32.py")
     try:
         shutil.copyfile(source, target)
-        os.chmod(target, 0o755)
     except OSError as exc:
         logger.info(f"Warning: Could not copy {source} to {target} due to error: {exc}. Continuing.")
+        return
+    try:
+        os.chmod(target, 0o755)
+    except OSError as exc:
+        logger.info(f"Warning: Could not change permissions for {target} due to error: {exc}. Continuing without "
+                    "changing permissions.")
 
 
 def _validate_tag(engine, tag: str) -> None:
     mode = str(engine._config.checkpoint_config.tag_validation).upper()
-    if mode == "IGNORE" or dist.get_world_size() == 1:
+    if mode == "IGNORE" or not dist.is_initialized() or dist.get_world_size() == 1:
         return
     tags = [None] * dist.get_world_size()
     dist.all_gather_object(tags, tag)
@@ -196,19 +306,25 @@ def _validate_tag(engine, tag: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- load
-def load_file(path: str, device) -> dict:
-    """torch.load with weights_only=True; every failure names the file.
+def load_file(path: str) -> dict:
+    """torch.load(weights_only=True) onto the CPU; every failure names the file.
+
+    Tensors are moved to their devices by whatever receives them (module, masters, optimizer state), so
+    each comes back where it lives now and CPU-resident state (Adam's `step`, RNG states) stays on the CPU.
 
     Raises:
-        CheckpointError: the file is missing, truncated, corrupted or holds non-plain objects.
+        CheckpointError: the file is missing, truncated, corrupted or holds something other than plain data.
     """
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} does not exist")
     try:
-        return torch.load(path, map_location=device, weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 -- torch raises several types for corrupt files
         raise CheckpointError(f"checkpoint file {path} cannot be loaded: it is truncated, corrupted or not a "
-                              f"DeepSpeed checkpoint written by this version ({type(exc).__name__}: {exc})") from exc
+                              f"checkpoint written by this DeepSpeed ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint file {path} holds a {type(state).__name__}, not a checkpoint dict")
+    return state
 
 
 def _resolve_tag(load_dir: str, tag) -> Optional[str]:
@@ -223,23 +339,121 @@ def _resolve_tag(load_dir: str, tag) -> Optional[str]:
         return f.read().strip()
 
 
-def _check_model_file(engine, state: dict, path: str, load_optimizer_states: bool) -> None:
-    for key in ("format", "module", "dp_world_size", "zero_stage", "precision", "param_shapes"):
-        if key not in state:
-            raise CheckpointError(f"checkpoint file {path}: missing key '{key}'; not a checkpoint of this DeepSpeed")
-    if load_optimizer_states and state["dp_world_size"] != engine.dp_world_size:
+def _check_model_file(engine, state: dict, path: str, load_optimizer: bool) -> None:
+    required = ("format", "module", "dp_world_size", "zero_stage", "precision", "param_shapes", "optimizer_files",
+                "global_steps", "skipped_steps")
+    missing = [key for key in required if key not in state]
+    if missing:
+        raise CheckpointError(f"checkpoint file {path}: missing keys {missing}; not a checkpoint of this DeepSpeed")
+    if state["format"] != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"checkpoint file {path}: format {state['format']}, this DeepSpeed reads format "
+                              f"{CHECKPOINT_FORMAT}")
+    if not load_optimizer:
+        return
+    if state["dp_world_size"] != engine.dp_world_size:
         from deepspeed.runtime.zero.utils import ZeRORuntimeException
         raise ZeRORuntimeException(f"The checkpoint being loaded used a DP world size of {state['dp_world_size']} "
                                    f"but the current world size is {engine.dp_world_size}. Automatic adjustment of "
                                    "ZeRO's optimizer state partitioning with a new world size is not currently "
-                                   f"supported. (checkpoint file {path})")
-    if load_optimizer_states and state["zero_stage"] != engine.zero_optimization_stage():
+                                   f"supported. (checkpoint file {path}; load with load_optimizer_states=False or "
+                                   "load_module_only=True to take only the weights)")
+    if state["zero_stage"] != engine.zero_optimization_stage():
         raise CheckpointError(f"checkpoint file {path}: saved with zero_optimization.stage {state['zero_stage']}, "
-                              f"this engine uses stage {engine.zero_optimization_stage()}")
-    if load_optimizer_states and state["precision"] != _precision(engine):
+                              f"this engine uses stage {engine.zero_optimization_stage()}; load with "
+                              "load_optimizer_states=False or load_module_only=True to take only the weights")
+    if state["precision"] != _precision(engine):
         raise CheckpointError(f"checkpoint file {path}: saved in {state['precision']}, this engine trains in "
                               f"{_precision(engine)}; load with load_optimizer_states=False or "
                               "load_module_only=True to change precision")
+
+
+def _check_files_present(tag_dir: str, state: dict) -> None:
+    """A tag is trusted only when every file its model file lists exists (a save may have been cut short)."""
+    missing = [name for name in state["optimizer_files"] if not os.path.isfile(os.path.join(tag_dir, name))]
+    if missing:
+        raise CheckpointError(f"checkpoint {tag_dir} is incomplete and is not loaded; missing files: {missing}")
+
+
+def _check_module(module: torch.nn.Module, saved: dict, path: str, strict: bool) -> None:
+    """Refuse a module state of another model before anything is copied (torch copies what fits, then raises)."""
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"checkpoint file {path}: 'module' is a {type(saved).__name__}, not a state dict")
+    current = module.state_dict()
+    shapes = [f"{name}: saved {tuple(value.shape)}, current {tuple(current[name].shape)}"
+              for name, value in saved.items()
+              if name in current and torch.is_tensor(value) and value.shape != current[name].shape]
+    if shapes:
+        raise CheckpointError(f"checkpoint file {path} holds another model: shape mismatch for {shapes}")
+    if strict:
+        missing = [name for name in current if name not in saved]
+        unexpected = [name for name in saved if name not in current]
+        if missing or unexpected:
+            raise CheckpointError(f"checkpoint file {path} holds another model: missing keys {missing}, unexpected "
+                                  f"keys {unexpected} (load_module_strict=False ignores them)")
+
+
+@dataclass
+class _LoadPlan:
+    """Everything a load reads, validated, before the engine is touched."""
+
+    model_path: str
+    model_state: dict
+    optim_path: Optional[str] = None
+    optim_state: Optional[dict] = None
+
+
+def _prepare_load(engine, tag_dir: str, load_module_strict: bool, load_optimizer: bool,
+                  custom_load_fn) -> _LoadPlan:
+    model_path = os.path.join(tag_dir, MODEL_FILE)
+    model_state = load_file(model_path)
+    _check_model_file(engine, model_state, model_path, load_optimizer)
+    _check_files_present(tag_dir, model_state)
+    if custom_load_fn is None:
+        _check_module(engine.module, model_state["module"], model_path, load_module_strict)
+    plan = _LoadPlan(model_path, model_state)
+    if load_optimizer:
+        plan.optim_path = os.path.join(tag_dir, optim_file_name(engine.optimizer.dp_rank, engine.bfloat16_enabled()))
+        plan.optim_state = load_file(plan.optim_path)
+        for key in ("optimizer_state_dict", "rng_state"):
+            if key not in plan.optim_state:
+                raise CheckpointError(f"checkpoint file {plan.optim_path}: missing key '{key}'")
+        try:
+            validate_zero_state(engine.optimizer, plan.optim_state["optimizer_state_dict"], plan.optim_path)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from exc
+    return plan
+
+
+def _apply_load(engine, plan: _LoadPlan, load_module_strict: bool, load_lr_scheduler_states: bool,
+                load_module_only: bool, custom_load_fn) -> None:
+    """Mutate the engine from a validated plan; identical on every rank up to the optimizer's all-gather."""
+    state = plan.model_state
+    if not load_module_only and load_lr_scheduler_states and engine.lr_scheduler is not None \
+            and state.get("lr_scheduler") is not None:
+        try:
+            engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"checkpoint file {plan.model_path}: the LR scheduler state does not fit "
+                                  f"{type(engine.lr_scheduler).__name__}: {exc}") from exc
+    if custom_load_fn is not None:
+        custom_load_fn(src=state["module"], dst=engine.module)
+    else:
+        engine.module.load_state_dict(state["module"], strict=load_module_strict)
+    if plan.optim_state is not None:
+        engine.optimizer.load_state_dict(plan.optim_state["optimizer_state_dict"], path=plan.optim_path,
+                                         load_from_fp32_weights=engine._config.zero_config.load_from_fp32_weights)
+    elif engine.optimizer is not None:
+        engine.optimizer.refresh_fp32_params()
+    if not load_module_only:
+        engine.global_steps = state["global_steps"]
+        engine.global_samples = state.get("global_samples", engine.global_steps * engine.train_batch_size())
+        engine.skipped_steps = state["skipped_steps"]
+        engine.micro_steps = state.get("micro_steps", engine.global_steps * engine.gradient_accumulation_steps())
+    engine.loaded_checkpoint_dp_world_size = state["dp_world_size"]
+    engine.loaded_checkpoint_mp_world_size = state.get("mp_world_size", 1)
+    if plan.optim_state is not None:
+        # Last, so that nothing above draws from the restored generators.
+        _set_rng_state(plan.optim_state["rng_state"])
 
 
 def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
@@ -248,52 +462,28 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
     """Restore `engine` from a checkpoint; every rank must call it.
 
     Returns:
-        (load_path, client_state) as upstream, or (None, None) when there is no `latest` and no tag.
+        (load_path, client_state): the model-states file read and the `client_state` given to
+        save_checkpoint; (None, None) when `tag` is None and there is no `latest` file.
 
-    Raises:
-        CheckpointError: missing, unreadable or mismatched files (the message names the file).
+    Raises (on every rank, whichever rank failed; the engine is then unchanged):
+        CheckpointError: a missing, unreadable or mismatched file (the message names it and the mismatch).
+        ZeRORuntimeException: optimizer states saved at another data-parallel world size.
+        RuntimeError: another rank failed.
     """
-    tag = _resolve_tag(str(load_dir), tag)
+    load_dir = str(load_dir)
+    tag = _resolve_tag(load_dir, tag)
     if tag is None:
         return None, None
-    tag_dir = os.path.join(str(load_dir), tag)
-    model_path = os.path.join(tag_dir, MODEL_FILE)
-    device = engine.device
-    model_state = load_file(model_path, device)
-    full_load = not load_module_only
-    load_optimizer = full_load and load_optimizer_states and engine.optimizer is not None
-    _check_model_file(engine, model_state, model_path, load_optimizer)
-    optim_paths = []
-    if load_optimizer:
-        optim_paths = [os.path.join(tag_dir, optim_file_name(r, engine.bfloat16_enabled()))
-                       for r in range(model_state["dp_world_size"])]
-        missing = [p for p in optim_paths if not os.path.isfile(p)]
-        if missing:
-            raise CheckpointError(f"checkpoint tag '{tag}' in {load_dir} is incomplete; missing files: {missing}")
-    if custom_load_fn is not None:
-        custom_load_fn(src=model_state["module"], dst=engine.module)
-    else:
-        engine.module.load_state_dict(model_state["module"], strict=load_module_strict)
-    if load_optimizer:
-        my_path = optim_paths[engine.optimizer.dp_rank]
-        optim_state = load_file(my_path, device)
-        if "optimizer_state_dict" not in optim_state:
-            raise CheckpointError(f"checkpoint file {my_path}: missing key 'optimizer_state_dict'")
-        try:
-            engine.optimizer.load_state_dict(optim_state["optimizer_state_dict"], path=my_path)
-        except ValueError as exc:
-            raise CheckpointError(str(exc)) from exc
-        _set_rng_state(optim_state["rng_state"])
-    elif engine.optimizer is not None:
-        engine.optimizer.refresh_fp32_params()
-    if full_load:
-        if load_lr_scheduler_states and engine.lr_scheduler is not None and model_state["lr_scheduler"] is not None:
-            engine.lr_scheduler.load_state_dict(model_state["lr_scheduler"])
-        engine.global_steps = model_state["global_steps"]
-        engine.global_samples = model_state.get("global_samples", engine.global_steps * engine.train_batch_size())
-        engine.skipped_steps = model_state["skipped_steps"]
-        engine.micro_steps = model_state.get("micro_steps", engine.global_steps * engine.gradient_accumulation_steps())
-    engine.loaded_checkpoint_dp_world_size = model_state["dp_world_size"]
-    engine.loaded_checkpoint_mp_world_size = model_state.get("mp_world_size", 1)
-    client_state = {key: model_state[key] for key in model_state.get("client_state_keys", []) if key in model_state}
-    return tag_dir, client_state
+    tag_dir = os.path.join(load_dir, tag)
+    load_optimizer = not load_module_only and load_optimizer_states and engine.optimizer is not None
+    plan: Optional[_LoadPlan] = None
+    error: Optional[BaseException] = None
+    try:
+        plan = _prepare_load(engine, tag_dir, load_module_strict, load_optimizer, custom_load_fn)
+    except Exception as exc:  # noqa: BLE001 -- re-raised by _agree on every rank
+        error = exc
+    _agree(error, f"checkpoint load of {tag_dir}")
+    _apply_load(engine, plan, load_module_strict, load_lr_scheduler_states, load_module_only, custom_load_fn)
+    state = plan.model_state
+    client_state = {key: state[key] for key in state.get("client_state_keys", []) if key in state}
+    return plan.model_path, client_state

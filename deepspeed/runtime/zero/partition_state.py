@@ -1,19 +1,23 @@
 """What a rank's ZeRO optimizer saves and restores: plain data and tensors only (no pickled classes).
 
 The dict holds this rank's fp32 master partitions, the basic optimizer's state (every tensor in the
-dtype and on the device it had), the loss scaler as numbers, and the layout, so a load into a different
-world size, stage or model is refused with a message instead of silently mis-slicing.
+dtype it had), the loss scaler as numbers, and the layout, so that a load into another world size,
+stage or model is refused with a message instead of silently mis-slicing. Validation is separate from
+loading so that a caller can check every rank's file before any rank changes anything.
 """
 
+import copy
 from typing import List
 
 import torch
 
 ZERO_STATE_FORMAT = 1
+_REQUIRED_KEYS = ("format", "zero_stage", "dp_world_size", "dp_rank", "layouts", "single_partition_of_fp32_groups",
+                  "base_optimizer_state", "loss_scaler")
 
 
 def zero_state_dict(optimizer) -> dict:
-    """Build the per-rank optimizer state of a DeepSpeedZeroOptimizer."""
+    """Build the per-rank optimizer state of a DeepSpeedZeroOptimizer (references, not copies)."""
     from deepspeed.git_version_info import version
     return {
         "format": ZERO_STATE_FORMAT,
@@ -22,10 +26,12 @@ def zero_state_dict(optimizer) -> dict:
         "dp_rank": optimizer.dp_rank,
         "partition_count": optimizer.partition_count,
         "layouts": [layout.describe() for layout in optimizer.layouts],
-        "single_partition_of_fp32_groups": [t.detach().clone() for t in optimizer.single_partition_of_fp32_groups],
+        "single_partition_of_fp32_groups": [t.detach() for t in optimizer.single_partition_of_fp32_groups],
         "base_optimizer_state": optimizer.optimizer.state_dict(),
         "loss_scaler": optimizer.loss_scaler.state_dict(),
-        "clip_grad": optimizer.options.clip_grad,
+        "dynamic_loss_scale": bool(optimizer.loss_scaler.dynamic),
+        "overflow": bool(optimizer.overflow),
+        "clip_grad": float(optimizer.options.clip_grad),
         "ds_version": version,
     }
 
@@ -35,61 +41,105 @@ def _mismatch(path: str, what: str, saved, current) -> ValueError:
 
 
 def validate_zero_state(optimizer, state: dict, path: str) -> None:
-    """Refuse a state saved by another stage, world size, rank or model layout.
+    """Refuse a state saved by another stage, world size, rank, model layout, optimizer or loss scaling.
+
+    Changes nothing.
 
     Raises:
         ValueError: naming `path` and the first mismatch.
     """
-    for key in ("format", "zero_stage", "dp_world_size", "layouts", "single_partition_of_fp32_groups",
-                "base_optimizer_state", "loss_scaler"):
-        if key not in state:
-            raise ValueError(f"checkpoint file {path}: missing key '{key}'; not a DeepSpeed ZeRO optimizer state")
+    missing = [key for key in _REQUIRED_KEYS if key not in state]
+    if missing:
+        raise ValueError(f"checkpoint file {path}: missing keys {missing}; not a DeepSpeed ZeRO optimizer state")
+    if state["format"] != ZERO_STATE_FORMAT:
+        raise _mismatch(path, "optimizer state format", state["format"], ZERO_STATE_FORMAT)
     if state["zero_stage"] != optimizer.options.stage:
         raise _mismatch(path, "zero_optimization.stage", state["zero_stage"], optimizer.options.stage)
     if state["dp_world_size"] != optimizer.dp_world_size:
         raise _mismatch(path, "data-parallel world size", state["dp_world_size"], optimizer.dp_world_size)
-    if state.get("dp_rank", optimizer.dp_rank) != optimizer.dp_rank:
+    if state["dp_rank"] != optimizer.dp_rank:
         raise _mismatch(path, "data-parallel rank", state["dp_rank"], optimizer.dp_rank)
+    _validate_layouts(optimizer, state["layouts"], path)
+    _validate_masters(optimizer, state["single_partition_of_fp32_groups"], path)
+    _validate_base_optimizer_state(optimizer.optimizer, state["base_optimizer_state"], path)
+    try:
+        copy.deepcopy(optimizer.loss_scaler).load_state_dict(state["loss_scaler"])
+    except ValueError as exc:
+        raise ValueError(f"checkpoint file {path}: loss scaler state does not fit this engine: {exc}") from exc
+
+
+def _validate_layouts(optimizer, saved: list, path: str) -> None:
     current = [layout.describe() for layout in optimizer.layouts]
-    if len(state["layouts"]) != len(current):
-        raise _mismatch(path, "number of parameter groups", len(state["layouts"]), len(current))
-    for index, (saved, now) in enumerate(zip(state["layouts"], current)):
-        if saved["numels"] != now["numels"]:
-            raise _mismatch(path, f"parameter sizes of group {index} (model shape)", saved["numels"], now["numels"])
-        if saved != now:
-            raise _mismatch(path, f"partition layout of group {index}", saved, now)
+    if len(saved) != len(current):
+        raise _mismatch(path, "number of parameter groups", len(saved), len(current))
+    for index, (before, now) in enumerate(zip(saved, current)):
+        if before["numels"] != now["numels"]:
+            raise _mismatch(path, f"parameter sizes of group {index} (model shape)", before["numels"], now["numels"])
+        if before != now:
+            raise _mismatch(path, f"partition layout of group {index}", before, now)
 
 
-def load_zero_state(optimizer, state: dict, path: str) -> None:
-    """Restore masters, basic-optimizer state and loss scaler, keeping every tensor's saved dtype."""
-    validate_zero_state(optimizer, state, path)
-    saved: List[torch.Tensor] = state["single_partition_of_fp32_groups"]
-    for target, source in zip(optimizer.single_partition_of_fp32_groups, saved):
-        if target.shape != source.shape:
-            raise _mismatch(path, "fp32 master partition size", tuple(source.shape), tuple(target.shape))
-        target.copy_(source)
-    _load_base_optimizer_state(optimizer.optimizer, state["base_optimizer_state"], path)
-    optimizer.loss_scaler.load_state_dict(state["loss_scaler"])
+def _validate_masters(optimizer, saved: list, path: str) -> None:
+    live = optimizer.single_partition_of_fp32_groups
+    if len(saved) != len(live):
+        raise _mismatch(path, "number of fp32 master partitions", len(saved), len(live))
+    for index, (before, now) in enumerate(zip(saved, live)):
+        if not torch.is_tensor(before) or before.dtype != now.dtype or before.shape != now.shape:
+            described = (before.dtype, tuple(before.shape)) if torch.is_tensor(before) else type(before).__name__
+            raise _mismatch(path, f"fp32 master partition {index}", described, (now.dtype, tuple(now.shape)))
 
 
-def _load_base_optimizer_state(basic: torch.optim.Optimizer, state: dict, path: str) -> None:
-    """torch's load_state_dict, then put every state tensor back in its saved dtype.
-
-    torch casts floating-point state to the parameter's dtype; the fp32 masters make that a no-op for
-    our own state, but a restored tensor must come back exactly as saved whatever the optimizer is.
-    """
-    saved_groups = state.get("param_groups", [])
+def _validate_base_optimizer_state(basic: torch.optim.Optimizer, state: dict, path: str) -> None:
+    if not isinstance(state, dict) or "param_groups" not in state or "state" not in state:
+        raise ValueError(f"checkpoint file {path}: base_optimizer_state is not an optimizer state_dict")
+    saved_groups = state["param_groups"]
     if len(saved_groups) != len(basic.param_groups):
         raise _mismatch(path, "number of optimizer param groups", len(saved_groups), len(basic.param_groups))
     for index, (saved, now) in enumerate(zip(saved_groups, basic.param_groups)):
         if len(saved["params"]) != len(now["params"]):
             raise _mismatch(path, f"number of parameters in optimizer group {index}", len(saved["params"]),
                             len(now["params"]))
+        if saved.get("use_muon") != now.get("use_muon"):
+            raise _mismatch(path, f"use_muon of optimizer group {index}", saved.get("use_muon"), now.get("use_muon"))
+        for saved_id, param in zip(saved["params"], now["params"]):
+            for key, value in state["state"].get(saved_id, {}).items():
+                if key != "step" and torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:
+                    raise _mismatch(path, f"shape of optimizer state '{key}' in group {index}", tuple(value.shape),
+                                    tuple(param.shape))
+
+
+def load_zero_state(optimizer, state: dict, path: str) -> None:
+    """Validate, then restore masters, basic-optimizer state and loss scaler (tensors keep their saved dtype).
+
+    Raises:
+        ValueError: as validate_zero_state; nothing is changed then.
+    """
+    validate_zero_state(optimizer, state, path)
+    saved: List[torch.Tensor] = state["single_partition_of_fp32_groups"]
+    for target, source in zip(optimizer.single_partition_of_fp32_groups, saved):
+        target.copy_(source)
+    _load_base_optimizer_state(optimizer.optimizer, state["base_optimizer_state"])
+    optimizer.loss_scaler.load_state_dict(state["loss_scaler"])
+
+
+def _load_base_optimizer_state(basic: torch.optim.Optimizer, state: dict) -> None:
+    """torch's load_state_dict, then put every state tensor back in its saved dtype.
+
+    torch casts floating-point state to the parameter's dtype (upstream's bf16 Muon resume bug, #7746);
+    a restored tensor must come back exactly as saved whatever the optimizer is. torch moves state onto
+    the parameter's device and leaves `step` where it was loaded (the CPU), as it was saved.
+    """
+    saved_ids = [i for group in state["param_groups"] for i in group["params"]]
     basic.load_state_dict(state)
     params = [p for group in basic.param_groups for p in group["params"]]
-    saved_ids = [i for group in saved_groups for i in group["params"]]
     for param, saved_id in zip(params, saved_ids):
         for key, value in state["state"].get(saved_id, {}).items():
             live = basic.state[param].get(key)
-            if torch.is_tensor(value) and torch.is_tensor(live) and live.dtype != value.dtype:
-                basic.state[param][key] = live.to(value.dtype)
+            if not (torch.is_tensor(value) and torch.is_tensor(live)):
+                continue
+            if live.dtype != value.dtype:
+                live = live.to(value.dtype)
+            if live.data_ptr() == value.data_ptr():
+                # torch keeps the loaded tensor when no cast is needed; never share storage with the caller's dict.
+                live = live.clone()
+            basic.state[param][key] = live

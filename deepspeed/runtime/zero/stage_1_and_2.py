@@ -420,9 +420,25 @@ class DeepSpeedZeroOptimizer:
         from deepspeed.runtime.zero.partition_state import zero_state_dict
         return zero_state_dict(self)
 
-    def load_state_dict(self, state_dict: dict, path: str = "<state_dict>") -> None:
-        """Restore masters, optimizer state and loss scaler, then republish the lp weights."""
+    def load_state_dict(self, state_dict: dict, path: str = "<state_dict>", load_from_fp32_weights: bool = True) -> None:
+        """Restore masters, optimizer state and loss scaler, then republish the lp weights.
+
+        Args:
+            state_dict: this rank's `state_dict()`, or upstream-style the list of every rank's.
+            path: the file it came from, for error messages.
+            load_from_fp32_weights: False rebuilds the masters from the current lp weights instead
+                (zero_optimization.load_from_fp32_weights).
+
+        Raises:
+            ValueError: the state belongs to another stage, world size, layout or loss scaling (nothing changed).
+        """
         from deepspeed.runtime.zero.partition_state import load_zero_state
+        if isinstance(state_dict, (list, tuple)):
+            state_dict = state_dict[self.dp_rank]
         load_zero_state(self, state_dict, path)
+        if not load_from_fp32_weights:
+            self.refresh_fp32_params()
         self.update_lp_params()
         self.reducer.zero()
+        self._grads_ready = False
+        self.micro_step_id = 0

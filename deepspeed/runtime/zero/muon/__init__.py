@@ -6,6 +6,7 @@ from deepspeed.runtime.zero.muon.original_muon import (
     adam_update,
     count_newton_schulz_calls,
     muon_update,
+    muon_update_batch,
     zeropower_via_gram_newtonschulz,
     zeropower_via_newtonschulz5,
 )
@@ -17,6 +18,7 @@ __all__ = [
     "count_newton_schulz_calls",
     "muon_param_groups",
     "muon_update",
+    "muon_update_batch",
     "zeropower_via_gram_newtonschulz",
     "zeropower_via_newtonschulz5",
 ]

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from deepspeed.runtime.zero.muon.original_muon import NS_FUNCTIONS, adam_update, muon_update
+from deepspeed.runtime.zero.muon.original_muon import NS_FUNCTIONS, adam_update, muon_update_batch
 
 MUON_DEFAULTS: dict[str, Any] = {
     "lr": 0.02,
@@ -147,26 +147,33 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         return loss
 
     def _muon_group_step(self, group: dict[str, Any]) -> None:
+        """Muon for every param with a gradient; matrices of one shape share one batched Newton-Schulz."""
         lr, weight_decay = group["lr"], group["weight_decay"]
+        by_shape: dict[torch.Size, list[Tensor]] = {}
         for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                # fp32 even for bf16/fp16 params: low-precision momentum loses small gradients (and
-                # a dtype that changes on resume broke upstream, #7746).
-                state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-            update = muon_update(
-                p.grad,
-                state["momentum_buffer"],
+            if p.grad is not None:
+                by_shape.setdefault(p.shape, []).append(p)
+        for params in by_shape.values():
+            momenta = []
+            for p in params:
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    # fp32 even for bf16/fp16 params: low-precision momentum loses small gradients (and
+                    # a dtype that changes on resume broke upstream, #7746).
+                    state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+                momenta.append(state["momentum_buffer"])
+            updates = muon_update_batch(
+                [p.grad for p in params],
+                momenta,
                 beta=group["momentum"],
                 ns_steps=group["ns_steps"],
                 nesterov=group["nesterov"],
                 ns_method=group["ns_method"],
                 ns_dtype=group["ns_dtype"],
             )
-            p.mul_(1 - lr * weight_decay)
-            p.add_(update.to(p.dtype), alpha=-lr)
+            if weight_decay != 0:
+                torch._foreach_mul_(params, 1 - lr * weight_decay)
+            torch._foreach_add_(params, [u.to(p.dtype) for u, p in zip(updates, params)], alpha=-lr)
 
     def _adam_group_step(self, group: dict[str, Any]) -> None:
         lr, weight_decay = group["lr"], group["weight_decay"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -237,6 +237,59 @@ def muon_update(
     update = NS_FUNCTIONS[ns_method](direction, steps=ns_steps, dtype=ns_dtype)
     scale = max(1.0, direction.size(-2) / direction.size(-1)) ** 0.5
     return (update.float() * scale).reshape(grad.shape)
+
+
+def muon_update_batch(
+    grads: Sequence[Tensor],
+    momenta: Sequence[Tensor],
+    beta: float = 0.95,
+    ns_steps: int = 5,
+    nesterov: bool = True,
+    ns_method: str = "gram",
+    ns_dtype: torch.dtype | None = None,
+) -> list[Tensor]:
+    """:func:`muon_update` for several matrices of one shape, with one batched Newton-Schulz call.
+
+    The math is :func:`muon_update`'s for each (grad, momentum) pair; only the Newton-Schulz matmuls run
+    batched, which turns a launch-bound loop of small kernels into a few large ones.
+
+    Args:
+        grads: 2-D or 4-D gradients, all of one shape; never written.
+        momenta: fp32 buffers shaped like the gradients; updated in place.
+        beta, ns_steps, nesterov, ns_method, ns_dtype: as :func:`muon_update`.
+
+    Returns:
+        One new fp32 update per gradient, in order.
+
+    Raises:
+        ValueError: as :func:`muon_update`, or for gradients of different shapes or a 3-D gradient.
+    """
+    if not grads:
+        return []
+    shape = grads[0].shape
+    if ns_method not in NS_FUNCTIONS:
+        raise ValueError(f"ns_method must be one of {{'standard', 'gram'}}, got {ns_method}")
+    if len(shape) not in (2, 4):
+        raise ValueError(f"if use muon, then tensor dim > 1, got {grads[0].size()} (batched updates take 2-D or "
+                         "4-D tensors)")
+    if len(momenta) != len(grads):
+        raise ValueError(f"muon_update_batch got {len(grads)} gradients but {len(momenta)} momenta")
+    for grad, momentum in zip(grads, momenta):
+        if grad.shape != shape:
+            raise ValueError(f"muon_update_batch needs gradients of one shape, got {tuple(shape)} and "
+                             f"{tuple(grad.shape)}")
+        if momentum.dtype != torch.float32 or momentum.shape != shape:
+            raise ValueError(f"Muon momentum must be a float32 tensor shaped like the gradient {tuple(shape)}, "
+                             f"got {momentum.dtype} {tuple(momentum.shape)}")
+    # stack() copies, so everything below writes only fresh tensors and the momenta.
+    grad32 = torch.stack([grad.float() for grad in grads])
+    torch._foreach_lerp_(list(momenta), list(grad32.unbind(0)), 1 - beta)
+    momentum32 = torch.stack(list(momenta))
+    direction = grad32.lerp(momentum32, beta) if nesterov else momentum32
+    direction = direction.reshape(len(grads), shape[0], -1)
+    update = NS_FUNCTIONS[ns_method](direction, steps=ns_steps, dtype=ns_dtype)
+    scale = max(1.0, direction.size(-2) / direction.size(-1)) ** 0.5
+    return list((update.float() * scale).reshape(len(grads), *shape).unbind(0))
 
 
 def adam_update(

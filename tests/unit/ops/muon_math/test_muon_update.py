@@ -125,3 +125,30 @@ def test_adam_update_matches_fp64_reference(grad_dtype):
 def test_adam_update_rejects_step_zero():
     with pytest.raises(ValueError, match="1-based"):
         adam_update(torch.ones(2), torch.zeros(2), torch.zeros(2), 0, (0.9, 0.95), 1e-8)
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24), (16, 16), (8, 3, 3, 3)])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_batched_update_equals_one_matrix_at_a_time(shape, nesterov):
+    from deepspeed.runtime.zero.muon.original_muon import muon_update_batch
+
+    torch.manual_seed(0)
+    grads = [torch.randn(shape) for _ in range(3)]
+    grads_before = [g.clone() for g in grads]
+    momenta_single = [torch.randn(shape) for _ in range(3)]
+    momenta_batch = [m.clone() for m in momenta_single]
+    expected = [muon_update(g, m, beta=0.9, nesterov=nesterov) for g, m in zip(grads, momenta_single)]
+    got = muon_update_batch(grads, momenta_batch, beta=0.9, nesterov=nesterov)
+    for g, before in zip(grads, grads_before):
+        assert torch.equal(g, before), "the batched update wrote into a gradient"
+    for a, b in zip(momenta_batch, momenta_single):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_batched_update_rejects_mixed_shapes():
+    from deepspeed.runtime.zero.muon.original_muon import muon_update_batch
+
+    with pytest.raises(ValueError, match="one shape"):
+        muon_update_batch([torch.randn(4, 4), torch.randn(4, 5)], [torch.zeros(4, 4), torch.zeros(4, 5)])

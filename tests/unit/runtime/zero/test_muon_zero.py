@@ -288,7 +288,9 @@ class TestMuonWorkSplit(DistributedTest):
         def recording(fn):
 
             def wrapped(matrix, *args, **kwargs):
-                shapes.append(tuple(matrix.shape))
+                # Same-shape matrices are orthogonalised in one batched call: record each matrix.
+                batch = matrix.reshape(-1, *matrix.shape[-2:])
+                shapes.extend([tuple(batch.shape[-2:])] * batch.shape[0])
                 return fn(matrix, *args, **kwargs)
 
             return wrapped

@@ -1,0 +1,118 @@
+"""A GPT-2-small-like decoder for the benchmarks (nanoGPT's shape, synthetic tokens).
+
+Parameter names follow the Muon tagging rule of `deepspeed.tag_muon_params`: the token and position
+tables are called `embed_*` and the tied output head `lm_head`, so Muon gets exactly the hidden matrices
+(attention qkv and projection, MLP fc and projection) and Adam everything else.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Model size. The defaults are GPT-2 small (124M parameters with the tied head)."""
+
+    n_layer: int = 12
+    d_model: int = 768
+    n_head: int = 12
+    seq_len: int = 1024
+    vocab_size: int = 50304
+
+
+class CausalSelfAttention(nn.Module):
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        if cfg.d_model % cfg.n_head:
+            raise ValueError(f"d_model ({cfg.d_model}) must be divisible by n_head ({cfg.n_head})")
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=2)
+        q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).contiguous().view(batch, seq, width))
+
+
+class MLP(nn.Module):
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer; `forward(idx, targets)` returns the mean cross-entropy (fp32)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embed_positions = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        # GPT-2 ties the output head to the token table; named_parameters() lists it once, as embed_tokens.
+        self.lm_head.weight = self.embed_tokens.weight
+        self.apply(self._init_weights)
+        for name, param in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.size(1), device=idx.device)
+        x = self.embed_tokens(idx) + self.embed_positions(positions)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
+
+def is_hidden_matrix(name: str, param: torch.Tensor) -> bool:
+    """The Muon rule of `deepspeed.tag_muon_params`: >= 2 dims, not an embedding, not the head."""
+    lowered = name.lower()
+    return param.ndim >= 2 and "embed" not in lowered and "lm_head" not in lowered
+
+
+def hidden_matrix_shapes(model: nn.Module) -> list:
+    """Shapes of the matrices Muon orthogonalises, in the model's parameter order."""
+    return [tuple(p.shape) for name, p in model.named_parameters() if is_hidden_matrix(name, p)]
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,305 @@
+"""Newton-Schulz accounting: flop counts, timing inside training steps, and timing on one device.
+
+Inside a step, `timed_newton_schulz` wraps the entries of `original_muon.NS_FUNCTIONS` (our engine) and
+torch's `torch.optim._muon._zeropower_via_newtonschulz` (the DDP reference) with synchronised timers, so
+each rank records what it orthogonalised and how long it took. `standalone_newton_schulz` times every
+Muon matrix of the model in one process, which is the "all matrices on one GPU" baseline of the owner
+split, and times the standard and Gram iterations on each shape.
+"""
+
+import contextlib
+import functools
+import importlib
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.muon import original_muon
+from deepspeed.runtime.zero.flat_layout import assign_owners, newton_schulz_cost
+from deepspeed.runtime.zero.muon.original_muon import GRAM_RESTART_ITERATIONS, NS_FUNCTIONS, resolve_ns_dtype
+
+from ns_prototypes import PROTOTYPES, max_relative_error
+
+TORCH_MUON_MODULE = "torch.optim._muon"
+TORCH_NS_NAME = "_zeropower_via_newtonschulz"
+
+
+def sync() -> None:
+    get_accelerator().synchronize()
+
+
+def wide_dims(shape) -> tuple:
+    """(m, n) with m <= n of the matrix Muon orthogonalises (conv kernels viewed as (out, -1))."""
+    rows = shape[0]
+    cols = 1
+    for dim in shape[1:]:
+        cols *= dim
+    return min(rows, cols), max(rows, cols)
+
+
+def standard_macs(shape, steps: int = 5) -> int:
+    """Multiply-adds of the quintic iteration: per step X X^T (m^2 n), A A (m^3), B X (m^2 n)."""
+    m, n = wide_dims(shape)
+    return steps * (2 * m * m * n + m**3)
+
+
+def gram_macs(shape, steps: int = 5) -> int:
+    """Multiply-adds of `zeropower_via_gram_newtonschulz`, counted by replaying its loop structure."""
+    m, n = wide_dims(shape)
+    if m == n:
+        return standard_macs(shape, steps)
+    mmn, mmm = 1, 0  # R = X X^T
+    has_q = False
+    for k in range(steps):
+        if k in GRAM_RESTART_ITERATIONS and has_q:
+            mmn += 2  # X = Q X, R = X X^T
+            has_q = False
+        mmm += 1  # R R
+        if has_q:
+            mmm += 1  # Z Q
+        has_q = True
+        if not (k + 1 == steps or k + 1 in GRAM_RESTART_ITERATIONS):
+            mmm += 2  # Z R, Z PR
+    if has_q:
+        mmn += 1  # Q X
+    return mmn * m * m * n + mmm * m**3
+
+
+def dispatched_algorithm(method: str, shape) -> str:
+    """What `NS_FUNCTIONS[method]` actually runs on `shape`: the Gram function falls back on squares."""
+    m, n = wide_dims(shape)
+    if method == "gram" and m == n:
+        return "standard"
+    return method if method in ("gram", "standard") else "standard"
+
+
+def ns_flops(method: str, shape, steps: int = 5) -> int:
+    algorithm = dispatched_algorithm(method, shape)
+    return 2 * (gram_macs(shape, steps) if algorithm == "gram" else standard_macs(shape, steps))
+
+
+@dataclass
+class NSCall:
+    """One Newton-Schulz call seen inside a training step."""
+
+    method: str
+    algorithm: str
+    shape: tuple
+    seconds: float
+
+
+def _timed_call(records: list, method: str, fn: Callable, matrix: torch.Tensor, *args, **kwargs):
+    sync()
+    start = time.perf_counter()
+    out = fn(matrix, *args, **kwargs)
+    sync()
+    # A batch of matrices (ndim 3) runs the iteration of its last two dims.
+    records.append(NSCall(method, dispatched_algorithm(method, matrix.shape[-2:]), tuple(matrix.shape),
+                          time.perf_counter() - start))
+    return out
+
+
+@contextlib.contextmanager
+def timed_newton_schulz(records: list) -> Iterator[list]:
+    """Record every Newton-Schulz call of this process (ours and torch.optim.Muon's) while the block runs.
+
+    Each call is bracketed by device synchronisations, so the recorded time is the call's own, launch
+    overhead included; the steps run inside this block are slower than untimed ones and are not used
+    for the step-time statistics.
+    """
+    originals = dict(NS_FUNCTIONS)
+    for name, fn in originals.items():
+        NS_FUNCTIONS[name] = functools.partial(_timed_call, records, name, fn)
+    torch_module, torch_fn = _torch_muon_ns()
+    if torch_fn is not None:
+        setattr(torch_module, TORCH_NS_NAME, functools.partial(_timed_call, records, "torch", torch_fn))
+    try:
+        yield records
+    finally:
+        NS_FUNCTIONS.update(originals)
+        if torch_fn is not None:
+            setattr(torch_module, TORCH_NS_NAME, torch_fn)
+
+
+def _torch_muon_ns():
+    try:
+        module = importlib.import_module(TORCH_MUON_MODULE)
+    except ImportError:
+        return None, None
+    return module, getattr(module, TORCH_NS_NAME, None)
+
+
+def summarize_calls(calls_per_step: list) -> dict:
+    """Per-step totals of one rank's NSCall lists: median ms per step, calls, shapes and algorithms."""
+    totals = [sum(c.seconds for c in calls) * 1e3 for calls in calls_per_step]
+    last = calls_per_step[-1] if calls_per_step else []
+    by_shape = Counter((c.shape, c.algorithm) for c in last)
+    return {
+        "ms_per_step": statistics.median(totals) if totals else 0.0,
+        "ms_per_step_all": totals,
+        "calls_per_step": len(last),
+        "calls": [{"shape": list(shape), "algorithm": algo, "count": count}
+                  for (shape, algo), count in sorted(by_shape.items())],
+        "per_call": [asdict(c) | {"shape": list(c.shape)} for c in last],
+    }
+
+
+# ---------------------------------------------------------------------------------------- one device
+def _median_seconds(fn: Callable[[], object], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _synced_sum(fn: Callable, matrices: list, **kwargs) -> float:
+    """Sum of per-call synchronised times: the same method `timed_newton_schulz` uses inside steps."""
+    total = 0.0
+    for matrix in matrices:
+        sync()
+        start = time.perf_counter()
+        fn(matrix, **kwargs)
+        sync()
+        total += time.perf_counter() - start
+    return total
+
+
+def measure_matmul_tflops(device: torch.device, size: int, reps: int) -> float:
+    """bf16 (fp32 on CPU) square matrix product rate, the ceiling the floor arithmetic is compared with."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    seconds = _median_seconds(lambda: a @ b, reps)
+    return 2 * size**3 / seconds / 1e12
+
+
+def owner_subset(shapes: list, world: int, rank: int = 0) -> list:
+    """The shapes `rank` orthogonalises under ZeRO: MuonWithAuxAdam's order, flat_layout's owner assignment."""
+    ordered = sorted(shapes, reverse=True)  # MuonWithAuxAdam sorts Muon params by size, largest first
+    owners = assign_owners([newton_schulz_cost(shape) for shape in ordered], world)
+    return [shape for shape, owner in zip(ordered, owners) if owner == rank]
+
+
+def standalone_newton_schulz(shapes: list, method: str, ns_steps: int, ns_dtype, device: torch.device, reps: int,
+                             world: int) -> dict:
+    """Orthogonalise every Muon matrix of the model in this one process and time it several ways.
+
+    Args:
+        shapes: the Muon matrix shapes (all of them, as a single process without ZeRO would hold).
+        method: the configured ns_method ("gram" or "standard").
+        ns_steps: Newton-Schulz iterations.
+        ns_dtype: compute dtype (None: `resolve_ns_dtype`, bf16 on CUDA).
+        device: where to run.
+        reps: repetitions; medians are reported.
+        world: data-parallel ranks, for the one-owner subset (what rank 0 orthogonalises under ZeRO).
+
+    Returns:
+        Plain data: totals for all matrices and for rank 0's owner subset, for the engine's function,
+        torch.optim.Muon's and the fused prototypes, and a per-shape comparison of the two iterations.
+    """
+    generator = torch.Generator(device="cpu").manual_seed(1234)
+    matrices = [torch.randn(shape, generator=generator).to(device) for shape in shapes]
+    subset = [torch.randn(shape, generator=generator).to(device) for shape in owner_subset(shapes, world)]
+    dtype = resolve_ns_dtype(matrices[0], ns_dtype) if matrices else torch.float32
+    engine_fn = functools.partial(NS_FUNCTIONS[method], steps=ns_steps, dtype=dtype)
+    prototype_fn = functools.partial(PROTOTYPES[method], steps=ns_steps, dtype=dtype)
+    result = {
+        "method": method,
+        "dtype": dtype_name(dtype),
+        "ns_steps": ns_steps,
+        "num_matrices": len(matrices),
+        "flops": sum(ns_flops(method, s, ns_steps) for s in shapes),
+        "flops_standard": sum(ns_flops("standard", s, ns_steps) for s in shapes),
+        "owner_subset": {"rank": 0, "world": world, "num_matrices": len(subset),
+                         "flops": sum(ns_flops(method, tuple(m.shape), ns_steps) for m in subset)},
+    }
+    for key, fn in (("", engine_fn), ("prototype_", prototype_fn)):
+        result |= {f"{key}{name}": value for name, value in _time_set(fn, matrices, reps).items()}
+        result["owner_subset"] |= {f"{key}{name}": value for name, value in _time_set(fn, subset, reps).items()}
+    torch_fn = _torch_muon_ns()[1]
+    if torch_fn is not None:
+        # Positional, as torch.optim.Muon itself calls it: (grad, ns_coefficients, ns_steps, eps).
+        torch_call = functools.partial(_call_torch_ns, torch_fn, ns_steps)
+        _synced_sum(torch_call, matrices)
+        result["torch_synced_sum_ms"] = 1e3 * statistics.median(_synced_sum(torch_call, matrices)
+                                                                for _ in range(reps))
+    groups: dict = {}
+    for shape in shapes:
+        groups[tuple(shape)] = groups.get(tuple(shape), 0) + 1
+    result["per_shape"] = [_compare_methods(shape, count, ns_steps, dtype, method, device, reps)
+                           for shape, count in groups.items()]
+    result["accuracy"] = _prototype_accuracy(list(groups), ns_steps, dtype, device)
+    return result
+
+
+def _time_set(fn: Callable, matrices: list, reps: int) -> dict:
+    """Per-call synchronised sum, back-to-back, and batched by shape (one call per distinct shape), in ms."""
+    if not matrices:
+        return {"synced_sum_ms": 0.0, "back_to_back_ms": 0.0, "batched_by_shape_ms": 0.0}
+    groups: dict = {}
+    for matrix in matrices:
+        groups.setdefault(tuple(matrix.shape), []).append(matrix)
+    stacks = [torch.stack(group) for group in groups.values()]
+    for tensor in matrices + stacks:  # warm-up: cuBLAS handles, kernel selection
+        fn(tensor)
+    sync()
+    synced = statistics.median(_synced_sum(fn, matrices) for _ in range(reps))
+    back_to_back = _median_seconds(lambda: [fn(m) for m in matrices], reps)
+    batched = _median_seconds(lambda: [fn(s) for s in stacks], reps)
+    return {"synced_sum_ms": synced * 1e3, "back_to_back_ms": back_to_back * 1e3, "batched_by_shape_ms": batched * 1e3}
+
+
+def _prototype_accuracy(shapes: list, ns_steps: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """How close the prototypes are: to the engine in fp32, and both to an fp32 result in the run's dtype."""
+    generator = torch.Generator(device="cpu").manual_seed(4321)
+    matrices = [torch.randn(shape, generator=generator).to(device) for shape in shapes]
+    accuracy = {"prototype_vs_engine_fp32": max_relative_error(NS_FUNCTIONS, matrices, ns_steps, torch.float32)}
+    for name in ("standard", "gram"):
+        errors = {"engine": 0.0, "prototype": 0.0}
+        for matrix in matrices:
+            exact = NS_FUNCTIONS["standard"](matrix, steps=ns_steps, dtype=torch.float32)
+            for which, fn in (("engine", NS_FUNCTIONS[name]), ("prototype", PROTOTYPES[name])):
+                approx = fn(matrix, steps=ns_steps, dtype=dtype).float()
+                errors[which] = max(errors[which], ((approx - exact).norm() / exact.norm()).item())
+        accuracy[f"{name}_{dtype_name(dtype)}_vs_fp32"] = errors
+    return accuracy
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _call_torch_ns(torch_fn: Callable, ns_steps: int, matrix: torch.Tensor) -> torch.Tensor:
+    return torch_fn(matrix, original_muon.NS_COEFFICIENTS, ns_steps, original_muon.NS_NORM_EPS)
+
+
+def _compare_methods(shape: tuple, count: int, ns_steps: int, dtype: torch.dtype, method: str,
+                     device: torch.device, reps: int) -> dict:
+    """Time one call of each iteration on `shape` (median over reps of the mean of a few back-to-back calls)."""
+    matrix = torch.randn(shape, device=device)
+    inner = 5
+    row = {"shape": list(shape), "count": count, "uses": dispatched_algorithm(method, shape)}
+    for name in ("standard", "gram"):
+        for suffix, fn in (("", NS_FUNCTIONS[name]), ("_prototype", PROTOTYPES[name])):
+            fn(matrix, steps=ns_steps, dtype=dtype)
+            seconds = _median_seconds(lambda fn=fn: [fn(matrix, steps=ns_steps, dtype=dtype) for _ in range(inner)],
+                                      reps)
+            row[f"{name}{suffix}_ms"] = seconds / inner * 1e3
+        row[f"{name}_gflop"] = ns_flops(name, shape, ns_steps) / 1e9
+    m, n = wide_dims(shape)
+    row["square"] = m == n
+    # On a square matrix the Gram function runs the standard iteration itself: the two timings are one.
+    row["faster"] = "standard" if m == n else ("gram" if row["gram_ms"] < row["standard_ms"] else "standard")
+    row["fewer_flops"] = "gram" if row["gram_gflop"] < row["standard_gflop"] else "standard"
+    return row

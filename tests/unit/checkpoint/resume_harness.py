@@ -1,0 +1,132 @@
+"""Shared pieces of the checkpoint tests: configs, snapshots of everything a resume must restore, comparisons."""
+
+import os
+
+import torch
+# torch.optim imports torch._dynamo lazily, on the first optimizer a process builds (~3 s on a busy CPU);
+# importing it here, in the pytest process, lets every forked rank inherit it.
+import torch._dynamo  # noqa: F401
+
+import deepspeed
+import deepspeed.comm as dist
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from unit.runtime.engine_harness import ADAM_EPS, global_batches, make_model, train_steps
+
+HIDDEN = 16
+NLAYERS = 2
+MICRO = 2
+POISON = float("inf")
+
+
+def checkpoint_config(stage, dtype, optimizer="adamw", gas=1, scheduler=True):
+    """A small config whose every applied step has a different, non-zero lr (except WarmupCosineLR's first).
+
+    fp16 uses a dynamic scale that moves every good step (window 1) and hysteresis 2.
+    """
+    if optimizer == "adamw":
+        optim = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "eps": ADAM_EPS}}
+        sched = {"type": "WarmupLR", "params": {"warmup_min_lr": 5e-3, "warmup_max_lr": 1e-2, "warmup_num_steps": 10,
+                                                "warmup_type": "linear"}}
+    else:
+        optim = {"type": "muon", "params": {"lr": 0.02, "adam_lr": 1e-2, "ns_dtype": "fp32", "weight_decay": 0.01}}
+        sched = {"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "warmup_num_steps": 2,
+                                                      "warmup_min_ratio": 0.5}}
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": 1.0,
+        "optimizer": optim,
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 1000,
+    }
+    if scheduler:
+        config["scheduler"] = sched
+    if dtype == "fp16":
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1, "hysteresis": 2}
+    elif dtype == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def new_engine(config, seed=0, hidden=HIDDEN, nlayers=NLAYERS):
+    engine, _, _, _ = deepspeed.initialize(model=make_model(hidden, nlayers, seed=seed), config=config)
+    return engine
+
+
+def batches_for(engine, steps, seed=1234):
+    global_batch = engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps() * 2
+    return global_batches(steps, global_batch, HIDDEN, seed=seed)
+
+
+def state_keys(param):
+    return ["momentum_buffer"] if getattr(param, "use_muon", False) else ["exp_avg", "exp_avg_sq"]
+
+
+def full_snapshot(engine):
+    """Everything a resumed run must reproduce, as full tensors (a collective: call on every rank)."""
+    params = list(engine.module.parameters())
+    return {
+        "params": [p.detach().cpu().clone() for p in params],
+        "masters": [safe_get_full_fp32_param(p).cpu().clone() for p in params],
+        "states": {f"{i}.{key}": safe_get_full_optimizer_state(p, key).cpu().clone()
+                   for i, p in enumerate(params) for key in state_keys(p)} if _any_rank_has_state(engine) else None,
+        "local_states": local_optimizer_state(engine),
+        "counters": counters(engine),
+    }
+
+
+def _any_rank_has_state(engine):
+    # The full-state getters are collectives; a fresh optimizer has nothing to gather on any rank.
+    flag = torch.tensor([float(any(len(state) > 0 for state in engine.optimizer.optimizer.state.values()))])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() > 0
+
+
+def local_optimizer_state(engine):
+    """This rank's basic-optimizer state, every tensor (step counts included) with its dtype."""
+    basic = engine.optimizer.optimizer
+    return [{key: value.cpu().clone() if torch.is_tensor(value) else value
+             for key, value in basic.state.get(p, {}).items()} for group in basic.param_groups for p in group["params"]]
+
+
+def counters(engine):
+    scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    return {
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "skipped_steps": engine.skipped_steps,
+        "micro_steps": engine.micro_steps,
+        "loss_scaler": engine.optimizer.loss_scaler.state_dict(),
+        "lr": engine.get_lr(),
+        "lr_scheduler": scheduler,
+    }
+
+
+def assert_identical(actual, expected, what):
+    """Nested dicts/lists of tensors and plain values: same structure, tensors bit-identical in the same dtype."""
+    if torch.is_tensor(expected):
+        assert torch.is_tensor(actual), f"{what}: expected a tensor, got {type(actual).__name__}"
+        assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype}, expected {expected.dtype}"
+        assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+        assert torch.equal(actual, expected), f"{what}: values differ (max |diff| " \
+            f"{(actual.double() - expected.double()).abs().max().item():.3e})"
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict) and sorted(actual) == sorted(expected), \
+            f"{what}: keys {sorted(actual) if isinstance(actual, dict) else actual} != {sorted(expected)}"
+        for key in expected:
+            assert_identical(actual[key], expected[key], f"{what}[{key!r}]")
+    elif isinstance(expected, (list, tuple)):
+        assert isinstance(actual, (list, tuple)) and len(actual) == len(expected), f"{what}: {actual} != {expected}"
+        for index, (a, e) in enumerate(zip(actual, expected)):
+            assert_identical(a, e, f"{what}[{index}]")
+    else:
+        assert actual == expected, f"{what}: {actual!r} != {expected!r}"
+
+
+def rank_file(directory, name):
+    return os.path.join(str(directory), f"{name}_rank{dist.get_rank()}.pt")
+
+
+def train(engine, batches, dtype, poison_steps=()):
+    """train_steps with a real non-finite gradient (loss * inf) on the given step indices."""
+    return train_steps(engine, batches, dtype, loss_multipliers={step: POISON for step in poison_steps})

@@ -1,0 +1,162 @@
+"""examples/train_char_lm.py through the `deepspeed` launcher on CPU (2 processes, gloo), as a user runs it.
+
+A short run with the default config (Muon, fp16 dynamic loss scaling, ZeRO-2): the loss falls, the first
+steps overflow at the default loss scale 2**16 and are skipped, training recovers, the outputs are written
+(log.json, log.csv and a valid PNG showing both curves), and a run stopped at a checkpoint and resumed
+with --resume follows the uninterrupted run's loss trajectory exactly. Also a short run of the bf16/AdamW
+comparison config.
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import zlib
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+EXAMPLE = os.path.join(REPO_ROOT, "examples", "train_char_lm.py")
+STEPS, CHECKPOINT_STEP = 30, 15
+# Small data, default model: the default model's first steps overflow at the default loss scale.
+SHORT_RUN = ["--data_mb", "0.5", "--log_interval", "10", "--save_interval", str(CHECKPOINT_STEP),
+             "--eval_batches", "2"]
+
+
+def _load_example():
+    spec = importlib.util.spec_from_file_location("train_char_lm", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(cwd, *script_args: str) -> subprocess.CompletedProcess:
+    """`deepspeed --num_gpus 2 examples/train_char_lm.py ...` as CPU processes, whatever the host has."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
+           EXAMPLE, *script_args]
+    result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert result.returncode == 0, f"{' '.join(cmd)} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    return result
+
+
+def read_log(out_dir) -> dict:
+    with open(os.path.join(out_dir, "log.json")) as f:
+        return json.load(f)
+
+
+def read_png(path) -> tuple[int, int, bytes]:
+    """Decode an 8-bit RGB, non-interlaced PNG (what plot_png writes), checking every chunk's CRC.
+
+    Returns:
+        (width, height, pixels) with pixels as RGB triples, row after row.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG signature"
+    offset, chunks = 8, []
+    while offset < len(data):
+        (length, ) = struct.unpack(">I", data[offset:offset + 4])
+        kind, body = data[offset + 4:offset + 8], data[offset + 8:offset + 8 + length]
+        (crc, ) = struct.unpack(">I", data[offset + 8 + length:offset + 12 + length])
+        assert crc == zlib.crc32(kind + body), f"bad CRC in chunk {kind!r}"
+        chunks.append((kind, body))
+        offset += 12 + length
+    kinds = [kind for kind, _ in chunks]
+    assert kinds[0] == b"IHDR" and kinds[-1] == b"IEND" and b"IDAT" in kinds, kinds
+    width, height, depth, color_type, _, _, interlace = struct.unpack(">IIBBBBB", chunks[0][1])
+    assert (depth, color_type, interlace) == (8, 2, 0)
+    raw = zlib.decompress(b"".join(body for kind, body in chunks if kind == b"IDAT"))
+    stride = 1 + 3 * width
+    assert len(raw) == height * stride
+    rows = [raw[y * stride:(y + 1) * stride] for y in range(height)]
+    assert all(row[0] == 0 for row in rows), "plot_png writes filter type 0 only"
+    return width, height, b"".join(row[1:] for row in rows)
+
+
+def count_color(pixels: bytes, color) -> int:
+    target = bytes(color)
+    return sum(1 for i in range(0, len(pixels), 3) if pixels[i:i + 3] == target)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """An uninterrupted fp16 run, and the same run interrupted after its step-15 checkpoint, then resumed.
+
+    The interrupted run's directory is what a run killed between steps 15 and 30 leaves behind: the
+    step-15 checkpoint with `latest` naming it (copied from the uninterrupted run, which saves the same
+    checkpoint at step 15; this saves a launch).
+    """
+    work = tmp_path_factory.mktemp("char_lm")
+    full = launch(work, *SHORT_RUN, "--steps", str(STEPS), "--out_dir", str(work / "full"))
+    tag = f"global_step{CHECKPOINT_STEP}"
+    interrupted = work / "resumed" / "checkpoints"
+    shutil.copytree(work / "full" / "checkpoints" / tag, interrupted / tag)
+    (interrupted / "latest").write_text(tag)
+    resumed = launch(work, *SHORT_RUN, "--steps", str(STEPS), "--out_dir", str(work / "resumed"), "--resume")
+    return {"dir": work, "full": full, "resumed": resumed}
+
+
+def test_fp16_muon_zero2_run_learns_and_recovers_from_overflow(runs):
+    log = read_log(runs["dir"] / "full")
+    steps, summary = log["steps"], log["summary"]
+    assert steps["step"] == list(range(1, STEPS + 1))
+    losses = steps["loss"]
+    assert losses[0] > 5.0, f"an untrained byte model starts near ln(256) = 5.55, got {losses[0]}"
+    final = sum(losses[-5:]) / 5
+    assert final < losses[0] - 2.0, f"loss did not fall: {losses[0]:.3f} -> {final:.3f}"
+    # The default loss scale (2**16) overflows in the first steps; the run skips them and recovers.
+    skipped_at = [step for step, skipped in zip(steps["step"], steps["skipped"]) if skipped]
+    assert summary["skipped_steps"] == len(skipped_at) > 0
+    assert skipped_at[0] <= 5, f"expected an early overflow at loss scale 2**16, skipped at {skipped_at}"
+    assert steps["loss_scale"][0] == 2.0**16
+    assert min(steps["loss_scale"]) < 2.0**16, "an overflow must have lowered the loss scale"
+    assert not any(steps["skipped"][-10:]), "training should have recovered: the last 10 steps applied"
+    assert sum(losses[-10:]) / 10 < sum(losses[skipped_at[-1]:skipped_at[-1] + 5]) / 5
+    stdout = runs["full"].stdout
+    assert "gradient overflow at loss scale 65536, step skipped" in stdout
+    assert f"step    {STEPS}/{STEPS} | loss" in stdout and "tok/s" in stdout
+    assert "done: loss" in stdout
+
+
+def test_outputs_png_csv_and_checkpoints(runs):
+    out = runs["dir"] / "full"
+    example = _load_example()
+    width, height, pixels = read_png(out / "loss.png")
+    assert width >= 400 and height >= 300
+    assert count_color(pixels, example.LOSS_COLOR) > 200, "the loss curve is missing from the plot"
+    assert count_color(pixels, example.SCALE_COLOR) > 200, "the loss-scale curve is missing from the plot"
+    csv_lines = (out / "log.csv").read_text().splitlines()
+    assert csv_lines[0] == "step,loss,loss_scale,skipped,tokens_per_s" and len(csv_lines) == STEPS + 1
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"global_step{STEPS}"
+    assert (out / "checkpoints" / f"global_step{CHECKPOINT_STEP}" / "mp_rank_00_model_states.pt").is_file()
+
+
+def test_resume_continues_the_same_trajectory(runs):
+    assert "resumed from" in runs["resumed"].stdout and f"at step {CHECKPOINT_STEP}" in runs["resumed"].stdout
+    full, resumed = read_log(runs["dir"] / "full")["steps"], read_log(runs["dir"] / "resumed")["steps"]
+    assert resumed["step"] == full["step"], "the resumed log should hold the whole run, steps 1..30"
+    differing = {key: (resumed[key], full[key]) for key in ("loss", "loss_scale", "skipped")
+                 if resumed[key] != full[key]}
+    assert not differing, f"after resuming at step {CHECKPOINT_STEP}, (resumed, uninterrupted): {differing}"
+
+
+def test_adamw_bf16_config_runs(tmp_path):
+    config = os.path.join(REPO_ROOT, "examples", "ds_config_adamw_bf16.json")
+    launch(tmp_path, *SHORT_RUN, "--steps", "12", "--save_interval", "0", "--deepspeed_config", config, "--out_dir",
+           str(tmp_path / "out"))
+    log = read_log(tmp_path / "out")
+    assert log["summary"]["skipped_steps"] == 0
+    assert set(log["steps"]["loss_scale"]) == {1.0}, "bf16 trains without loss scaling"
+    assert sum(log["steps"]["loss"][-3:]) / 3 < log["steps"]["loss"][0] - 1.0

@@ -1,0 +1,64 @@
+"""Long runs of fp16 and bf16 Muon under ZeRO-1/2 that go through overflows and keep training.
+
+Upstream (issue #8432) folds the Muon momentum and runs Newton-Schulz during backward, before the overflow
+check: one non-finite gradient poisons the momentum, every later step overflows, and the dynamic loss
+scale walks down to its minimum and raises "Current loss scale already at minimum - cannot decrease scale
+anymore. Exiting run." about 18 steps later. A run of 48 steps with an overflow at step 20 (and, in fp16,
+the natural overflows of the first steps at the default scale 2**16) therefore fails there in three ways:
+the exception, parameters that stop moving, and a loss that stops falling.
+"""
+
+import pytest
+
+from unit.common import DistributedTest
+
+from muon_suite import (all_finite, assert_identical, dataset_loss, fp32_masters, global_batches, initialize,
+                        make_model, moved_parameters, muon_config, optimizer_state, train)
+
+STEPS = 48
+FORCED_OVERFLOW_STEP = 20
+GLOBAL_BATCH = 16
+
+
+class TestMuonLongRun(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+    @pytest.mark.parametrize("stage", [1, 2])
+    def test_trains_through_overflow(self, stage, dtype):
+        batches = global_batches(STEPS, GLOBAL_BATCH)
+        # Default dynamic loss scale (fp16: 2**16, hysteresis 2) and default gradient_clipping (1.0).
+        engine = initialize(make_model(), muon_config(stage, dtype, micro=GLOBAL_BATCH // 2))
+        initial_loss = dataset_loss(engine, dtype)
+
+        train(engine, batches[:FORCED_OVERFLOW_STEP], dtype)
+        skipped_before = engine.skipped_steps
+        if dtype == "fp16":
+            # SimpleModel-style fp16 loss: its gradient, 2**16, is inf in fp16, so the first steps overflow.
+            assert skipped_before >= 1, "expected natural overflows at the default initial scale 2**16"
+        masters_before, state_before = fp32_masters(engine), optimizer_state(engine)
+
+        train(engine, [batches[FORCED_OVERFLOW_STEP]], dtype, poison_steps=[0])
+        assert not engine.was_step_applied()
+        assert engine.skipped_steps == skipped_before + 1
+        masters_after_skip, state_after_skip = fp32_masters(engine), optimizer_state(engine)
+        # A skipped step mutates nothing: not the masters, not the Muon momentum, not Adam's moments.
+        assert_identical(masters_before, masters_after_skip, "fp32 masters across the skipped step")
+        assert_identical(state_before, state_after_skip, "optimizer state across the skipped step")
+
+        losses = train(engine, batches[FORCED_OVERFLOW_STEP + 1:], dtype)
+        assert engine.global_steps == STEPS
+        assert engine.skipped_steps > 0
+        # Every step after the overflow applied (upstream: every later step overflows).
+        assert engine.skipped_steps == skipped_before + 1, f"skipped {engine.skipped_steps} steps"
+        assert engine.was_step_applied()
+
+        final = fp32_masters(engine)
+        # Every parameter moves after the overflow, by a real step (a loss-scaled update would move ~1e-5).
+        names = sorted(final)
+        assert sorted(moved_parameters(masters_after_skip, final, min_relative_change=1e-3)) == names
+        assert all_finite(optimizer_state(engine).values())
+        assert all(loss == loss for loss in losses), "NaN loss after the overflow"
+
+        final_loss = dataset_loss(engine, dtype)
+        assert final_loss < 0.7 * initial_loss, f"loss {initial_loss:.4f} -> {final_loss:.4f}"

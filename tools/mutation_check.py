@@ -1,0 +1,430 @@
+#!/usr/bin/env python
+"""Prove that the Muon regression suite (tests/unit/ops/muon) can fail.
+
+For each mutation, the tool copies the working tree (tracked and untracked, non-ignored files, as
+`git ls-files --cached --others --exclude-standard` lists them) into a temporary directory, re-introduces
+one upstream defect there with search/replace patches, and runs the suite in the copy:
+
+    cd <copy>/tests && python -m pytest unit/ops/muon -n 2 -q -x
+
+A mutation is caught when the suite fails. Before the mutations the unmutated copy must pass (the
+baseline), so a failure is the mutation's doing. Every patch's search text must occur exactly once in the
+current code: when the code drifts the tool stops with an error naming the mutation and file, instead of
+silently testing nothing.
+
+Usage:
+    python tools/mutation_check.py                 # baseline + every mutation, stop each run at its first failure
+    python tools/mutation_check.py --full          # run the whole suite per mutation (lists every failing test)
+    python tools/mutation_check.py --only a,e      # some mutations
+    python tools/mutation_check.py --dry-run       # only check that every patch still applies
+    python tools/mutation_check.py --json out.json # also write the results as JSON
+
+Exit status: 0 when the baseline passes and every mutation is caught; 1 otherwise; 2 on patch drift.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SUITE = "unit/ops/muon"
+# The suite's own check that these patches still apply would fail in every mutated copy; it is not part of
+# what a mutation is judged by.
+SELF_TEST = "unit/ops/muon/test_mutation_check.py"
+# A mutation that desynchronises collectives makes ranks wait for each other: fail such a test after this
+# many seconds instead of the harness default (600).
+RANK_TIMEOUT_S = 180
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """Replace the single occurrence of `search` in `path` (relative to the repository root) by `replace`."""
+
+    path: str
+    search: str
+    replace: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    key: str
+    title: str
+    upstream: str
+    patches: Tuple[Patch, ...]
+
+
+class PatchDrift(RuntimeError):
+    """A mutation's search text is not found exactly once: the code changed and the patch must follow."""
+
+
+STAGE = "deepspeed/runtime/zero/stage_1_and_2.py"
+MUON_OPTIMIZER = "deepspeed/runtime/zero/muon/muon_optimizer.py"
+MUON_MATH = "deepspeed/runtime/zero/muon/original_muon.py"
+PARTITION_STATE = "deepspeed/runtime/zero/partition_state.py"
+STEP = "deepspeed/runtime/optimizer_step.py"
+
+MUTATIONS: Tuple[Mutation, ...] = (
+    Mutation(
+        key="a",
+        title="Muon update before the overflow check",
+        upstream=("#8432: momentum lerp + Newton-Schulz run at the end of backward, before step()'s overflow check, "
+                  "so a non-finite gradient reaches the momentum"),
+        patches=(
+            Patch(STAGE,
+                  "        grads = [self.reducer.partition_grad(g) for g in range(len(self.layouts))]\n",
+                  "        grads = [self.reducer.partition_grad(g) for g in range(len(self.layouts))]\n"
+                  "        self._mutant_muon_before_decision(grads)\n"),
+            Patch(STAGE,
+                  "    def _apply(self, factor: float) -> None:\n",
+                  "    def _mutant_muon_before_decision(self, grads) -> None:\n"
+                  "        from deepspeed.runtime.zero.muon.original_muon import muon_update\n"
+                  "        scale = float(self.loss_scaler.cur_scale)\n"
+                  "        for group in self.optimizer.param_groups:\n"
+                  "            if not is_muon_group(group):\n"
+                  "                continue\n"
+                  "            for param in group['params']:\n"
+                  "                slot = self._hp_slots[id(param)]\n"
+                  "                grad = grads[slot.group][slot.start:slot.start + slot.numel].view(slot.shape)\n"
+                  "                state = self.optimizer.state[param]\n"
+                  "                if 'momentum_buffer' not in state:\n"
+                  "                    state['momentum_buffer'] = torch.zeros_like(param, dtype=torch.float32)\n"
+                  "                state['precomputed_update'] = muon_update(\n"
+                  "                    grad.float() / scale, state['momentum_buffer'], beta=group['momentum'],\n"
+                  "                    ns_steps=group['ns_steps'], nesterov=group['nesterov'],\n"
+                  "                    ns_method=group['ns_method'], ns_dtype=group['ns_dtype'])\n"
+                  "\n"
+                  "    def _apply(self, factor: float) -> None:\n"),
+            # The optimizer applies the update computed before the decision instead of computing its own.
+            Patch(MUON_OPTIMIZER,
+                  "            updates = muon_update_batch(\n                [p.grad for p in params],\n",
+                  "            precomputed = [self.state[p].pop('precomputed_update', None) for p in params]\n"
+                  "            updates = precomputed if all(u is not None for u in precomputed) \\\n"
+                  "                else muon_update_batch(\n"
+                  "                [p.grad for p in params],\n"),
+        ),
+    ),
+    Mutation(
+        key="b",
+        title="Nesterov writes back into the gradient",
+        upstream=("muon_update's `grad.lerp_(momentum, beta)`: the gradient tensor holds the Nesterov direction "
+                  "afterwards"),
+        patches=(
+            # grad32 is the gradient itself when it is fp32 (always, in the ZeRO optimizer's step).
+            Patch(MUON_MATH,
+                  "    direction = grad32.lerp(momentum, beta) if nesterov else momentum\n",
+                  "    direction = grad32.lerp_(momentum, beta) if nesterov else momentum\n"),
+            # The batched form (what MuonWithAuxAdam calls): every gradient becomes its Nesterov direction.
+            Patch(MUON_MATH,
+                  "    direction = grad32.lerp(momentum32, beta) if nesterov else momentum32\n",
+                  "    if nesterov:\n"
+                  "        torch._foreach_lerp_(list(grads), list(momenta), beta)\n"
+                  "    direction = torch.stack([grad.float() for grad in grads]) if nesterov else momentum32\n"),
+        ),
+    ),
+    Mutation(
+        key="c",
+        title="Momentum restored in another dtype than saved",
+        upstream=("#7746: the momentum saved in one dtype comes back in another after load_checkpoint "
+                  "(here: the model dtype instead of fp32), and the first step after resume fails"),
+        patches=(
+            Patch(PARTITION_STATE,
+                  "    optimizer.loss_scaler.load_state_dict(state[\"loss_scaler\"])\n",
+                  "    optimizer.loss_scaler.load_state_dict(state[\"loss_scaler\"])\n"
+                  "    for param_state in optimizer.optimizer.state.values():\n"
+                  "        if 'momentum_buffer' in param_state:\n"
+                  "            param_state['momentum_buffer'] = param_state['momentum_buffer'].to(\n"
+                  "                optimizer.options.model_dtype)\n"),
+        ),
+    ),
+    Mutation(
+        key="d",
+        title="Muon update divided by the loss scale",
+        upstream=("the orthogonalised update is treated as a gradient: unscaled (divided by the loss scale) "
+                  "and clipped; Muon itself sees the loss-scaled gradient"),
+        patches=(
+            Patch(STAGE,
+                  "        fp32_grads = [self.reducer.partition_grad(g).to(torch.float32) * factor "
+                  "for g in range(len(self.layouts))]\n",
+                  "        fp32_grads = [self.reducer.partition_grad(g).to(torch.float32)\n"
+                  "                      * (1.0 if is_muon_group(self.optimizer.param_groups[g]) else factor)\n"
+                  "                      for g in range(len(self.layouts))]\n"
+                  "        muon_lrs = {id(group): group['lr'] for group in self.optimizer.param_groups\n"
+                  "                    if is_muon_group(group)}\n"
+                  "        for group in self.optimizer.param_groups:\n"
+                  "            if id(group) in muon_lrs:\n"
+                  "                group['lr'] = group['lr'] * factor\n"),
+            Patch(STAGE,
+                  "        self.optimizer.step()\n        for group in self.optimizer.param_groups:\n",
+                  "        self.optimizer.step()\n"
+                  "        for group in self.optimizer.param_groups:\n"
+                  "            if id(group) in muon_lrs:\n"
+                  "                group['lr'] = muon_lrs[id(group)]\n"
+                  "        for group in self.optimizer.param_groups:\n"),
+        ),
+    ),
+    Mutation(
+        key="e",
+        title="Per-rank overflow decision instead of the global one",
+        upstream=("each rank checks only its own partition and decides alone (the flag is not all-reduced), so "
+                  "an overflow that one rank sees makes it skip while the others apply"),
+        patches=(
+            Patch(STEP,
+                  "    if dist.is_initialized() and dist.get_world_size(group) > 1:\n"
+                  "        dist.all_reduce(stats, op=dist.ReduceOp.MAX if replicated else dist.ReduceOp.SUM, "
+                  "group=group)\n"
+                  "    sum_of_squares, flag = stats.tolist()\n"
+                  "    return sum_of_squares, flag > 0\n",
+                  "    local_flag = stats[1].item()\n"
+                  "    if dist.is_initialized() and dist.get_world_size(group) > 1:\n"
+                  "        dist.all_reduce(stats, op=dist.ReduceOp.MAX if replicated else dist.ReduceOp.SUM, "
+                  "group=group)\n"
+                  "    sum_of_squares, _ = stats.tolist()\n"
+                  "    return sum_of_squares, local_flag > 0\n"),
+        ),
+    ),
+    Mutation(
+        key="f",
+        title="Newton-Schulz on a partition slice instead of the whole matrix",
+        upstream=("Muon groups split evenly across ranks like Adam groups; a matrix that straddles two partitions "
+                  "is orthogonalised as two separate slices (#7807 before its fix)"),
+        patches=(
+            Patch(STAGE,
+                  "            if is_muon_group(group):\n"
+                  "                costs = [newton_schulz_cost(p.shape) for p in params]\n"
+                  "                layouts.append(owner_layout(numels, costs, partitions))\n"
+                  "            else:\n"
+                  "                layouts.append(even_layout(numels, partitions))\n",
+                  "            layouts.append(even_layout(numels, partitions))\n"),
+            Patch(STAGE,
+                  "                for index in layout.owned_params(self._owner_rank(g)):\n"
+                  "                    start, end = layout.param_range(index)\n"
+                  "                    shape = self.bit16_groups[g][index].shape\n"
+                  "                    view = hp[start - base:end - base].view(shape)\n"
+                  "                    self._hp_slots[id(view)] = _HpSlot(g, start - base, end - start, shape)\n"
+                  "                    params.append(view)\n",
+                  "                for fragment in layout.fragments(self._owner_rank(g)):\n"
+                  "                    cols = self.bit16_groups[g][fragment.param_index].shape[-1]\n"
+                  "                    rows = fragment.numel // cols if fragment.numel % cols == 0 else 1\n"
+                  "                    shape = torch.Size([rows, fragment.numel // rows])\n"
+                  "                    start = fragment.flat_start - base\n"
+                  "                    view = hp[start:start + fragment.numel].view(shape)\n"
+                  "                    self._hp_slots[id(view)] = _HpSlot(g, start, fragment.numel, shape)\n"
+                  "                    params.append(view)\n"),
+        ),
+    ),
+)
+
+
+# ---------------------------------------------------------------------------------------------- tree
+def source_files(root: Path) -> List[str]:
+    """Tracked and untracked, non-ignored files of the working tree (what a fresh checkout plus local work has)."""
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=root,
+                         check=True, capture_output=True).stdout
+    return [name for name in out.decode().split("\0") if name and (root / name).is_file()]
+
+
+def copy_tree(root: Path, files: Sequence[str], destination: Path) -> None:
+    for name in files:
+        target = destination / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / name, target)
+
+
+def patched_text(mutation: Mutation, texts: Dict[str, str]) -> Dict[str, str]:
+    """Apply `mutation` to the file contents in `texts` (path -> text) and return the new contents.
+
+    Raises:
+        PatchDrift: a search text is not found exactly once.
+    """
+    result = dict(texts)
+    for patch in mutation.patches:
+        text = result[patch.path]
+        count = text.count(patch.search)
+        if count != 1:
+            raise PatchDrift(f"mutation ({mutation.key}) {mutation.title}: the search text for {patch.path} occurs "
+                             f"{count} times (expected once); the code drifted, update the patch in {__file__}:\n"
+                             f"{patch.search}")
+        result[patch.path] = text.replace(patch.search, patch.replace)
+    return result
+
+
+def apply_mutation(mutation: Mutation, tree: Path) -> None:
+    paths = sorted({patch.path for patch in mutation.patches})
+    texts = {path: (tree / path).read_text() for path in paths}
+    for path, text in patched_text(mutation, texts).items():
+        (tree / path).write_text(text)
+
+
+def check_patches_apply(root: Path = REPO_ROOT, mutations: Sequence[Mutation] = MUTATIONS) -> None:
+    """Raise PatchDrift unless every patch of every mutation applies to the code in `root` and compiles."""
+    for mutation in mutations:
+        texts = {patch.path: (root / patch.path).read_text() for patch in mutation.patches}
+        for path, text in patched_text(mutation, texts).items():
+            try:
+                compile(text, path, "exec")
+            except SyntaxError as exc:
+                raise PatchDrift(f"mutation ({mutation.key}) {mutation.title}: the patched {path} does not "
+                                 f"compile: {exc}") from exc
+
+
+# ---------------------------------------------------------------------------------------------- suite run
+@dataclasses.dataclass
+class SuiteRun:
+    returncode: int
+    failed: List[str]
+    summary: str
+    seconds: float
+    output_tail: str
+
+    @property
+    def passed(self) -> bool:
+        return self.returncode == 0
+
+
+_FAILED_LINE = re.compile(r"^(FAILED|ERROR) (\S+)")
+_SUMMARY_LINE = re.compile(r"^=*\s*(\d+ (passed|failed|error).*?)\s*=*$")
+
+
+def _environment(tree: Path) -> Dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(tree)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["DS_UNITTEST_TIMEOUT"] = str(RANK_TIMEOUT_S)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def check_imports_copy(tree: Path) -> None:
+    """The suite in `tree` must import deepspeed from `tree`, not from an installed or original checkout."""
+    out = subprocess.run([sys.executable, "-c", "import deepspeed; print(deepspeed.__file__)"], cwd=tree / "tests",
+                         env=_environment(tree), check=True, capture_output=True, text=True).stdout.strip()
+    if not Path(out).resolve().is_relative_to(tree.resolve()):
+        raise RuntimeError(f"the copy in {tree} imports deepspeed from {out}; mutations would not be tested")
+
+
+def run_suite(tree: Path, full: bool, timeout_s: float) -> SuiteRun:
+    command = [sys.executable, "-m", "pytest", SUITE, "-n", "2", "-q", "-rfE", "-p", "no:cacheprovider",
+               f"--ignore={SELF_TEST}"]
+    if not full:
+        command.append("-x")
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(command, cwd=tree / "tests", env=_environment(tree), capture_output=True, text=True,
+                              timeout=timeout_s)
+        returncode, output = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        returncode = -1
+        output = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        output += f"\n[mutation_check] suite timed out after {timeout_s:.0f} s"
+    seconds = time.monotonic() - start
+    failed, summary = [], ""
+    for line in output.splitlines():
+        match = _FAILED_LINE.match(line)
+        if match and match.group(2) not in failed:
+            failed.append(match.group(2))
+        summary_match = _SUMMARY_LINE.match(line.strip())
+        if summary_match:
+            summary = summary_match.group(1)
+    return SuiteRun(returncode, failed, summary, seconds, output[-4000:])
+
+
+# ---------------------------------------------------------------------------------------------- main
+def _run_in_copy(files: Sequence[str], mutation: Optional[Mutation], full: bool, timeout_s: float,
+                 keep: bool) -> SuiteRun:
+    tree = Path(tempfile.mkdtemp(prefix=f"muon-mutation-{mutation.key if mutation else 'baseline'}-"))
+    try:
+        copy_tree(REPO_ROOT, files, tree)
+        if mutation is not None:
+            apply_mutation(mutation, tree)
+        check_imports_copy(tree)
+        return run_suite(tree, full, timeout_s)
+    finally:
+        if keep:
+            print(f"    kept {tree}")
+        else:
+            shutil.rmtree(tree, ignore_errors=True)
+
+
+def _short(test_id: str) -> str:
+    return test_id.replace(SUITE + "/", "")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", help="comma-separated mutation keys (default: all)")
+    parser.add_argument("--full", action="store_true", help="run the whole suite per mutation, without -x")
+    parser.add_argument("--dry-run", action="store_true", help="only check that every patch applies")
+    parser.add_argument("--skip-baseline", action="store_true", help="do not run the unmutated suite first")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary copies")
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds per suite run (default 1200)")
+    parser.add_argument("--json", help="write the results to this file")
+    args = parser.parse_args(argv)
+
+    mutations = list(MUTATIONS)
+    if args.only:
+        keys = [key.strip() for key in args.only.split(",")]
+        unknown = sorted(set(keys) - {m.key for m in MUTATIONS})
+        if unknown:
+            parser.error(f"unknown mutation keys {unknown}; known: {[m.key for m in MUTATIONS]}")
+        mutations = [m for m in MUTATIONS if m.key in keys]
+    try:
+        check_patches_apply(REPO_ROOT, mutations)
+    except PatchDrift as exc:
+        print(f"PATCH DRIFT: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(f"all {len(mutations)} mutations apply to the current code")
+        return 0
+
+    files = source_files(REPO_ROOT)
+    results: Dict[str, dict] = {}
+    ok = True
+    if not args.skip_baseline:
+        print("baseline (no mutation) ...", flush=True)
+        baseline = _run_in_copy(files, None, True, args.timeout, args.keep)
+        print(f"    {'passed' if baseline.passed else 'FAILED'}: {baseline.summary} in {baseline.seconds:.0f} s",
+              flush=True)
+        results["baseline"] = dataclasses.asdict(baseline)
+        if not baseline.passed:
+            print(baseline.output_tail, file=sys.stderr)
+            print("the unmutated suite fails; mutation results would mean nothing", file=sys.stderr)
+            ok = False
+    if ok:
+        for mutation in mutations:
+            print(f"({mutation.key}) {mutation.title} ...", flush=True)
+            run = _run_in_copy(files, mutation, args.full, args.timeout, args.keep)
+            caught = not run.passed
+            ok = ok and caught
+            verdict = "caught" if caught else "NOT CAUGHT"
+            print(f"    {verdict} in {run.seconds:.0f} s: {run.summary or f'exit {run.returncode}'}", flush=True)
+            for test_id in run.failed:
+                print(f"      {_short(test_id)}", flush=True)
+            if caught and not run.failed:
+                print(run.output_tail, flush=True)
+            results[mutation.key] = {"title": mutation.title, "upstream": mutation.upstream, "caught": caught,
+                                     **dataclasses.asdict(run)}
+    print()
+    print("| mutation | caught | failing tests |")
+    print("|---|---|---|")
+    for mutation in mutations:
+        if mutation.key in results:
+            result = results[mutation.key]
+            tests = "<br>".join(f"`{_short(t)}`" for t in result["failed"]) or f"exit {result['returncode']}"
+            print(f"| ({mutation.key}) {mutation.title} | {'yes' if result['caught'] else 'NO'} | {tests} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
