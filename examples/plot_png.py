@@ -78,6 +78,8 @@ _FONT_ROWS = {
 }
 FONT = {char: [row for row in rows.split()] for char, rows in _FONT_ROWS.items()}
 GLYPH_W, GLYPH_H = 5, 7
+TEXT_SCALE = 2  # each font pixel is drawn as a TEXT_SCALE x TEXT_SCALE square
+LEFT_MARGIN, RIGHT_MARGIN = 110, 30
 
 
 class Canvas:
@@ -118,7 +120,7 @@ class Canvas:
                 err += dx
                 y0 += sy
 
-    def text(self, x: int, y: int, text: str, color: Color = BLACK, scale: int = 2) -> None:
+    def text(self, x: int, y: int, text: str, color: Color = BLACK, scale: int = TEXT_SCALE) -> None:
         """Draw `text` with its top-left corner at (x, y); unknown characters are drawn as blanks."""
         for index, char in enumerate(text.lower()):
             rows = FONT.get(char, FONT[" "])
@@ -130,7 +132,7 @@ class Canvas:
                                        y + row * scale + scale - 1, color)
 
     @staticmethod
-    def text_width(text: str, scale: int = 2) -> int:
+    def text_width(text: str, scale: int = TEXT_SCALE) -> int:
         return len(text) * (GLYPH_W + 1) * scale - scale if text else 0
 
     def to_png(self) -> bytes:
@@ -223,62 +225,73 @@ def plot_panels(path: str, panels: list[Panel], x_label: str = "step", title: st
         width: image width in pixels.
         panel_height: height of each panel, including its title and tick labels.
     """
-    scale, line_h = 2, (GLYPH_H + 3) * 2
-    left, right, top_pad = 110, 30, (line_h + 10 if title else 10)
-    height = top_pad + panel_height * len(panels) + line_h + 10
-    canvas = Canvas(width, height)
+    line_h = (GLYPH_H + 3) * TEXT_SCALE
+    top_pad = line_h + 10 if title else 10
+    canvas = Canvas(width, top_pad + panel_height * len(panels) + line_h + 10)
     if title:
-        canvas.text((width - canvas.text_width(title)) // 2, 8, title, scale=scale)
+        canvas.text((width - canvas.text_width(title)) // 2, 8, title)
     all_x = [x for p in panels for s in p.series for x in s.xs] or [0.0, 1.0]
     # Start the axis at 0 for step counts (ticks 0, 50, 100, ... rather than 1, 51, ...).
-    x_lo, x_hi = min(0.0, min(all_x)) if min(all_x) >= 0 else min(all_x), max(all_x)
+    x_lo, x_hi = min(0.0, min(all_x)), max(all_x)
     if x_hi == x_lo:
         x_hi = x_lo + 1
-    x_ticks = nice_ticks(x_lo, x_hi, target=8)
     for index, panel in enumerate(panels):
         y0 = top_pad + index * panel_height
-        box_top, box_bottom = y0 + line_h + 4, y0 + panel_height - line_h - 8
-        box_left, box_right = left, width - right
-        canvas.text(box_left, y0 + 2, panel.title, scale=scale)
-        lo, hi = _panel_range(panel)
-
-        def px(x: float) -> int:
-            return round(box_left + (x - x_lo) / (x_hi - x_lo) * (box_right - box_left))
-
-        def py(y: float) -> int:
-            value = math.log2(y) if panel.log2_y else y
-            return round(box_bottom - (value - lo) / (hi - lo) * (box_bottom - box_top))
-
-        for tick, label in _y_ticks(panel, lo, hi):
-            y = round(box_bottom - (tick - lo) / (hi - lo) * (box_bottom - box_top))
-            canvas.line(box_left, y, box_right, y, GRID)
-            canvas.line(box_left - 6, y, box_left, y, BLACK)
-            canvas.text(box_left - 10 - canvas.text_width(label), y - GLYPH_H, label, scale=scale)
-        for tick in x_ticks:
-            x = px(tick)
-            canvas.line(x, box_top, x, box_bottom, GRID)
-            canvas.line(x, box_bottom, x, box_bottom + 6, BLACK)
-            label = format_tick(tick)
-            canvas.text(x - canvas.text_width(label) // 2, box_bottom + 10, label, scale=scale)
-        for marker in panel.markers:
-            canvas.line(px(marker), box_top + 1, px(marker), box_bottom - 1, MARKER_LINE)
-            canvas.line(px(marker), box_top + 1, px(marker), box_top + 12, panel.marker_color, width=3)
-        for series in panel.series:
-            points = [(px(x), py(y)) for x, y in zip(series.xs, series.ys)
-                      if math.isfinite(y) and (y > 0 or not panel.log2_y)]
-            for (xa, ya), (xb, yb) in zip(points, points[1:]):
-                if series.steps:
-                    canvas.line(xa, ya, xb, ya, series.color, width=2)
-                    canvas.line(xb, ya, xb, yb, series.color, width=2)
-                else:
-                    canvas.line(xa, ya, xb, yb, series.color, width=2)
-            if len(points) == 1:
-                canvas.fill_rect(points[0][0] - 2, points[0][1] - 2, points[0][0] + 2, points[0][1] + 2, series.color)
-        canvas.line(box_left, box_top, box_right, box_top, BLACK)
-        canvas.line(box_left, box_bottom, box_right, box_bottom, BLACK)
-        canvas.line(box_left, box_top, box_left, box_bottom, BLACK)
-        canvas.line(box_right, box_top, box_right, box_bottom, BLACK)
+        canvas.text(LEFT_MARGIN, y0 + 2, panel.title)
+        box = Box(LEFT_MARGIN, y0 + line_h + 4, width - RIGHT_MARGIN, y0 + panel_height - line_h - 8)
+        _draw_panel(canvas, panel, box, x_lo, x_hi)
     bottom = top_pad + panel_height * len(panels)
-    canvas.text((width - canvas.text_width(x_label)) // 2, bottom, x_label, scale=scale)
+    canvas.text((width - canvas.text_width(x_label)) // 2, bottom, x_label)
     with open(path, "wb") as f:
         f.write(canvas.to_png())
+
+
+@dataclass(frozen=True)
+class Box:
+    """A plot area in pixels (inclusive edges)."""
+
+    left: int
+    top: int
+    right: int
+    bottom: int
+
+
+def _draw_panel(canvas: Canvas, panel: Panel, box: Box, x_lo: float, x_hi: float) -> None:
+    """Grid, ticks and labels, markers, the series, then the frame of one panel."""
+    lo, hi = _panel_range(panel)
+
+    def px(x: float) -> int:
+        return round(box.left + (x - x_lo) / (x_hi - x_lo) * (box.right - box.left))
+
+    def py(axis_value: float) -> int:
+        return round(box.bottom - (axis_value - lo) / (hi - lo) * (box.bottom - box.top))
+
+    for tick, label in _y_ticks(panel, lo, hi):
+        y = py(tick)
+        canvas.line(box.left, y, box.right, y, GRID)
+        canvas.line(box.left - 6, y, box.left, y, BLACK)
+        canvas.text(box.left - 10 - canvas.text_width(label), y - GLYPH_H, label)
+    for tick in nice_ticks(x_lo, x_hi, target=8):
+        x = px(tick)
+        canvas.line(x, box.top, x, box.bottom, GRID)
+        canvas.line(x, box.bottom, x, box.bottom + 6, BLACK)
+        label = format_tick(tick)
+        canvas.text(x - canvas.text_width(label) // 2, box.bottom + 10, label)
+    for marker in panel.markers:
+        canvas.line(px(marker), box.top + 1, px(marker), box.bottom - 1, MARKER_LINE)
+        canvas.line(px(marker), box.top + 1, px(marker), box.top + 12, panel.marker_color, width=3)
+    for series in panel.series:
+        points = [(px(x), py(math.log2(y) if panel.log2_y else y)) for x, y in zip(series.xs, series.ys)
+                  if math.isfinite(y) and (y > 0 or not panel.log2_y)]
+        for (xa, ya), (xb, yb) in zip(points, points[1:]):
+            if series.steps:
+                canvas.line(xa, ya, xb, ya, series.color, width=2)
+                canvas.line(xb, ya, xb, yb, series.color, width=2)
+            else:
+                canvas.line(xa, ya, xb, yb, series.color, width=2)
+        if len(points) == 1:
+            x, y = points[0]
+            canvas.fill_rect(x - 2, y - 2, x + 2, y + 2, series.color)
+    for x0, y0, x1, y1 in ((box.left, box.top, box.right, box.top), (box.left, box.bottom, box.right, box.bottom),
+                           (box.left, box.top, box.left, box.bottom), (box.right, box.top, box.right, box.bottom)):
+        canvas.line(x0, y0, x1, y1, BLACK)

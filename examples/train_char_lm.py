@@ -43,6 +43,7 @@ sys.path.insert(0, HERE)
 from plot_png import Panel, Series, plot_panels  # noqa: E402
 
 VOCAB_SIZE = 256
+MIN_CORPUS_BYTES = 100_000
 LOSS_COLOR = (31, 119, 180)
 SCALE_COLOR = (255, 127, 14)
 # Settings that decide the model or the data order; a resumed run must use the same ones.
@@ -152,14 +153,18 @@ class CharTransformer(nn.Module):
 def load_corpus(max_megabytes: float) -> torch.Tensor:
     """The first `max_megabytes` MB of the sorted `<stdlib>/*.py` files, concatenated, as byte values."""
     limit = int(max_megabytes * 1_000_000)
+    stdlib = os.path.dirname(os.__file__)
     chunks, total = [], 0
-    for path in sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py"))):
+    for path in sorted(glob.glob(os.path.join(stdlib, "*.py"))):
         with open(path, "rb") as f:
             chunks.append(f.read())
         total += len(chunks[-1])
         if total >= limit:
             break
     data = b"".join(chunks)[:limit]
+    if len(data) < MIN_CORPUS_BYTES:
+        raise SystemExit(f"found only {len(data)} bytes of Python source in {stdlib}; the example needs at least "
+                         f"{MIN_CORPUS_BYTES} (raise --data_mb, or use a Python install that ships its .py files)")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
@@ -219,105 +224,135 @@ def validation_loss(engine, data: torch.Tensor, args: argparse.Namespace, rank: 
 
 
 # ---------------------------------------------------------------------------------------------- training
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    torch.manual_seed(args.seed)
-    model = CharTransformer(args.seq_len, args.n_layer, args.n_head, args.d_model)
-    engine, _, _, _ = deepspeed.initialize(args=args, model=model)
-    model.use_fp32_matmul(engine.device.type == "cpu")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    run_config = {key: getattr(args, key) for key in RUN_KEYS}
+class Run:
+    """One training run: the engine, the data, the per-step history, and what rank 0 prints."""
 
-    def report(message: str) -> None:
-        if rank == 0:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        torch.manual_seed(args.seed)
+        self.model = CharTransformer(args.seq_len, args.n_layer, args.n_head, args.d_model)
+        self.engine, _, _, _ = deepspeed.initialize(args=args, model=self.model)
+        self.model.use_fp32_matmul(self.engine.device.type == "cpu")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.run_config = {key: getattr(args, key) for key in RUN_KEYS}
+        corpus = load_corpus(args.data_mb)
+        split = int(len(corpus) * 0.95)
+        self.train_data, self.val_data = corpus[:split], corpus[split:]
+        self.history = {"step": [], "loss": [], "loss_scale": [], "skipped": [], "tokens_per_s": []}
+        engine = self.engine
+        self.precision = "fp16" if engine.fp16_enabled() else "bf16" if engine.bfloat16_enabled() else "fp32"
+        self.report(f"char LM: {sum(p.numel() for p in self.model.parameters()) / 1e6:.2f}M params, "
+                    f"{len(corpus) / 1e6:.2f} MB of stdlib source, {self.world} rank(s) on {engine.device.type}, "
+                    f"{engine.optimizer_name()}, {self.precision}, ZeRO stage {engine.zero_optimization_stage()}, "
+                    f"global batch {engine.train_batch_size()} x {args.seq_len} chars")
+
+    def report(self, message: str) -> None:
+        if self.rank == 0:
             print(message, flush=True)
 
-    corpus = load_corpus(args.data_mb)
-    split = int(len(corpus) * 0.95)
-    train_data, val_data = corpus[:split], corpus[split:]
-    micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    tokens_per_step = engine.train_batch_size() * args.seq_len
-    n_params = sum(p.numel() for p in model.parameters())
-    precision = "fp16" if engine.fp16_enabled() else "bf16" if engine.bfloat16_enabled() else "fp32"
-    report(f"char LM: {n_params / 1e6:.2f}M params, {len(corpus) / 1e6:.2f} MB of stdlib source, {world} rank(s) on "
-           f"{engine.device.type}, {engine.optimizer_name()}, {precision}, ZeRO stage "
-           f"{engine.zero_optimization_stage()}, global batch {engine.train_batch_size()} x {args.seq_len} chars")
-
-    history = {"step": [], "loss": [], "loss_scale": [], "skipped": [], "tokens_per_s": []}
-    if args.resume:
-        load_path, client_state = engine.load_checkpoint(args.save_dir)
+    def resume(self) -> None:
+        """Load the latest checkpoint of --save_dir, if any, with the history it carries."""
+        engine = self.engine
+        load_path, client_state = engine.load_checkpoint(self.args.save_dir)
         if load_path is None:
-            report(f"--resume: no checkpoint in {args.save_dir}; starting from step 0")
-        else:
-            saved = client_state["run_config"]
-            changed = {key: (saved[key], run_config[key]) for key in RUN_KEYS if saved[key] != run_config[key]}
-            if changed:
-                raise SystemExit(f"--resume: these settings differ from the checkpoint's (saved, now): {changed}")
-            history = {key: values[:engine.global_steps] for key, values in client_state["history"].items()}
-            report(f"resumed from {load_path} at step {engine.global_steps} "
-                   f"(loss scale {engine.optimizer.cur_scale:g}, {engine.skipped_steps} skipped so far)")
+            self.report(f"--resume: no checkpoint in {self.args.save_dir}; starting from step 0")
+            return
+        saved = client_state.get("run_config", {})
+        changed = {key: (saved.get(key), value) for key, value in self.run_config.items() if saved.get(key) != value}
+        if changed:
+            raise SystemExit(f"--resume: these settings differ from the checkpoint's (saved, now): {changed}")
+        saved_history = client_state.get("history", {})
+        self.history = {key: saved_history.get(key, [])[:engine.global_steps] for key in self.history}
+        self.report(f"resumed from {load_path} at step {engine.global_steps} "
+                    f"(loss scale {engine.optimizer.cur_scale:g}, {engine.skipped_steps} skipped so far)")
 
-    def save() -> None:
-        engine.save_checkpoint(args.save_dir, client_state={"history": history, "run_config": run_config})
-        report(f"saved checkpoint {os.path.join(args.save_dir, f'global_step{engine.global_steps}')}")
+    def save(self) -> None:
+        self.engine.save_checkpoint(self.args.save_dir,
+                                    client_state={"history": self.history, "run_config": self.run_config})
+        self.report(f"saved checkpoint {os.path.join(self.args.save_dir, f'global_step{self.engine.global_steps}')}")
 
-    wall_start = time.time()
-    interval_start, interval_steps = time.time(), 0
-    while engine.global_steps < args.steps:
-        step = engine.global_steps
+    def train_step(self) -> None:
+        """One optimizer step (all its micro-batches), recorded in the history."""
+        engine, args = self.engine, self.args
+        step, accum = engine.global_steps, engine.gradient_accumulation_steps()
+        micro = engine.train_micro_batch_size_per_gpu()
         step_start = time.time()
         scale_used = float(engine.optimizer.cur_scale)
         micro_losses = []
         for micro_step in range(accum):
-            x, y = batch_for_step(train_data, step, micro_step, args.seed, micro, args.seq_len, rank, world, accum)
+            x, y = batch_for_step(self.train_data, step, micro_step, args.seed, micro, args.seq_len, self.rank,
+                                  self.world, accum)
             loss = engine(x.to(engine.device), y.to(engine.device))
             engine.backward(loss)
             engine.step()
             micro_losses.append(loss.detach().float())
-        step_loss = mean_over_ranks(torch.stack(micro_losses).mean())
-        skipped = not engine.was_step_applied()
-        step_time = time.time() - step_start
-        history["step"].append(engine.global_steps)
-        history["loss"].append(step_loss)
-        history["loss_scale"].append(scale_used)
-        history["skipped"].append(skipped)
-        history["tokens_per_s"].append(round(tokens_per_step / step_time, 1))
-        interval_steps += 1
-        if skipped:
-            report(f"step {engine.global_steps}: gradient overflow at loss scale {scale_used:g}, step skipped "
-                   f"(loss scale now {engine.optimizer.cur_scale:g})")
-        if engine.global_steps % args.log_interval == 0 or engine.global_steps in (1, args.steps):
-            tokens_per_s = interval_steps * tokens_per_step / (time.time() - interval_start)
-            report(f"step {engine.global_steps:5d}/{args.steps} | loss {step_loss:.4f} | loss scale "
-                   f"{engine.optimizer.cur_scale:g} | skipped {engine.skipped_steps} | {tokens_per_s:,.0f} tok/s")
-            interval_start, interval_steps = time.time(), 0
-        if engine.global_steps == args.steps or (args.save_interval and engine.global_steps % args.save_interval == 0):
-            save()
-            interval_start, interval_steps = time.time(), 0
-
-    val_loss = validation_loss(engine, val_data, args, rank, world)
-    if rank == 0:
-        losses = history["loss"]
-        tail = losses[-min(10, len(losses)):]
-        summary = {
-            "title": f"char lm: {engine.optimizer_name()}, {precision}, zero {engine.zero_optimization_stage()}, "
-                     f"{world} rank(s)",
-            "steps": engine.global_steps,
-            "skipped_steps": engine.skipped_steps,
-            "first_loss": losses[0] if losses else math.nan,
-            "final_loss_last10_mean": sum(tail) / len(tail) if tail else math.nan,
-            "val_loss": val_loss,
-            "final_loss_scale": float(engine.optimizer.cur_scale),
-            "train_seconds_this_run": round(time.time() - wall_start, 1),
-            "world_size": world,
-            "run_config": run_config,
+        record = {
+            "step": engine.global_steps,
+            "loss": mean_over_ranks(torch.stack(micro_losses).mean()),
+            "loss_scale": scale_used,
+            "skipped": not engine.was_step_applied(),
+            "tokens_per_s": round(engine.train_batch_size() * args.seq_len / (time.time() - step_start), 1),
         }
-        paths = write_outputs(args.out_dir, history, summary)
-        print(f"done: loss {summary['first_loss']:.3f} (step 1) -> {summary['final_loss_last10_mean']:.3f} "
-              f"(mean of the last {len(tail)} steps), validation loss {val_loss:.3f}; "
-              f"{engine.skipped_steps} skipped step(s); final loss scale {summary['final_loss_scale']:g}", flush=True)
-        print(f"wrote {paths['loss.png']}, {paths['log.json']}, {paths['log.csv']}", flush=True)
-    dist.barrier()
+        for key, value in record.items():
+            self.history[key].append(value)
+        if record["skipped"]:
+            self.report(f"step {engine.global_steps}: gradient overflow at loss scale {scale_used:g}, step skipped "
+                        f"(loss scale now {engine.optimizer.cur_scale:g})")
+
+    def train(self) -> None:
+        engine, args = self.engine, self.args
+        tokens_per_step = engine.train_batch_size() * args.seq_len
+        interval_start, interval_steps = time.time(), 0
+        while engine.global_steps < args.steps:
+            self.train_step()
+            interval_steps += 1
+            if engine.global_steps % args.log_interval == 0 or engine.global_steps in (1, args.steps):
+                tokens_per_s = interval_steps * tokens_per_step / (time.time() - interval_start)
+                self.report(f"step {engine.global_steps:5d}/{args.steps} | loss {self.history['loss'][-1]:.4f} | "
+                            f"loss scale {engine.optimizer.cur_scale:g} | skipped {engine.skipped_steps} | "
+                            f"{tokens_per_s:,.0f} tok/s")
+                interval_start, interval_steps = time.time(), 0
+            is_last = engine.global_steps == args.steps
+            if is_last or (args.save_interval and engine.global_steps % args.save_interval == 0):
+                self.save()
+                interval_start, interval_steps = time.time(), 0
+
+    def finish(self, seconds: float) -> None:
+        """Validation loss (all ranks), then rank 0 writes the logs and the plot."""
+        engine = self.engine
+        val_loss = validation_loss(engine, self.val_data, self.args, self.rank, self.world)
+        if self.rank == 0:
+            losses = self.history["loss"]
+            tail = losses[-10:]
+            summary = {
+                "title": f"char lm: {engine.optimizer_name()}, {self.precision}, zero "
+                         f"{engine.zero_optimization_stage()}, {self.world} rank(s)",
+                "steps": engine.global_steps,
+                "skipped_steps": engine.skipped_steps,
+                "first_loss": losses[0] if losses else math.nan,
+                "final_loss_last10_mean": sum(tail) / len(tail) if tail else math.nan,
+                "val_loss": val_loss,
+                "final_loss_scale": float(engine.optimizer.cur_scale),
+                "train_seconds_this_run": round(seconds, 1),
+                "world_size": self.world,
+                "run_config": self.run_config,
+            }
+            paths = write_outputs(self.args.out_dir, self.history, summary)
+            print(f"done: loss {summary['first_loss']:.3f} (step 1) -> {summary['final_loss_last10_mean']:.3f} "
+                  f"(mean of the last {len(tail)} steps), validation loss {val_loss:.3f}; "
+                  f"{engine.skipped_steps} skipped step(s); final loss scale {summary['final_loss_scale']:g}",
+                  flush=True)
+            print(f"wrote {paths['loss.png']}, {paths['log.json']}, {paths['log.csv']}", flush=True)
+        dist.barrier()
+
+
+def main(argv: list[str] | None = None) -> None:
+    run = Run(parse_args(argv))
+    if run.args.resume:
+        run.resume()
+    start = time.time()
+    run.train()
+    run.finish(time.time() - start)
 
 
 if __name__ == "__main__":

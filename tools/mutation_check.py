@@ -221,6 +221,21 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "                    view = hp[start:start + fragment.numel].view(shape)\n"
                   "                    self._hp_slots[id(view)] = _HpSlot(g, start, fragment.numel, shape)\n"
                   "                    params.append(view)\n"),
+            # Keep safe_get_full_optimizer_state working on slices, so what fails is the math, not the getter.
+            Patch(STAGE,
+                  "            return self._gather_full(param, lambda g, start, n, frag: "
+                  "self._muon_state(g, index, key).reshape(-1))\n",
+                  "            return self._gather_full(param, lambda g, start, n, frag: "
+                  "self._slice_state(g, start, key).reshape(-1))\n"),
+            Patch(STAGE,
+                  "    def _muon_state(self, group: int, index: int, key: str) -> torch.Tensor:\n",
+                  "    def _slice_state(self, group: int, start: int, key: str) -> torch.Tensor:\n"
+                  "        for hp in self.optimizer.param_groups[group]['params']:\n"
+                  "            if self._hp_slots[id(hp)].start == start and key in self.optimizer.state.get(hp, {}):\n"
+                  "                return self.optimizer.state[hp][key]\n"
+                  "        raise ValueError(f'{key} not found in optimizer state fragment')\n"
+                  "\n"
+                  "    def _muon_state(self, group: int, index: int, key: str) -> torch.Tensor:\n"),
         ),
     ),
 )
@@ -283,6 +298,7 @@ def check_patches_apply(root: Path = REPO_ROOT, mutations: Sequence[Mutation] = 
 class SuiteRun:
     returncode: int
     failed: List[str]
+    reasons: Dict[str, str]
     summary: str
     seconds: float
     output_tail: str
@@ -292,8 +308,27 @@ class SuiteRun:
         return self.returncode == 0
 
 
-_FAILED_LINE = re.compile(r"^(FAILED|ERROR) (\S+)")
+_FAILED_LINE = re.compile(r"^(FAILED|ERROR) (\S+)(?: - (.*))?$")
 _SUMMARY_LINE = re.compile(r"^=*\s*(\d+ (passed|failed|error).*?)\s*=*$")
+
+
+# pytest centres the title in underscores; a long test id leaves a single one on each side.
+_SECTION_HEADER = re.compile(r"^_+ (\S+) _+$")
+_REASON_LINE = re.compile(r"^(\w*(Error|Exception)\b.*|Worker \d+ .*|.*timed out.*)$")
+
+
+def _section_reasons(output: str) -> Dict[str, str]:
+    """First error line of each failure section of pytest's report, keyed by the section's 'Class.test[id]'."""
+    reasons: Dict[str, str] = {}
+    current = None
+    for line in output.splitlines():
+        header = _SECTION_HEADER.match(line)
+        if header:
+            current = header.group(1)
+            continue
+        if current and current not in reasons and _REASON_LINE.match(line.strip()):
+            reasons[current] = line.strip()
+    return reasons
 
 
 def _environment(tree: Path) -> Dict[str, str]:
@@ -327,15 +362,19 @@ def run_suite(tree: Path, full: bool, timeout_s: float) -> SuiteRun:
         output = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         output += f"\n[mutation_check] suite timed out after {timeout_s:.0f} s"
     seconds = time.monotonic() - start
-    failed, summary = [], ""
+    failed, reasons, summary = [], {}, ""
+    section_reasons = _section_reasons(output)
     for line in output.splitlines():
         match = _FAILED_LINE.match(line)
         if match and match.group(2) not in failed:
-            failed.append(match.group(2))
+            test_id = match.group(2)
+            failed.append(test_id)
+            section = test_id.split("::", 1)[-1].replace("::", ".")
+            reasons[test_id] = (match.group(3) or section_reasons.get(section, ""))[:300]
         summary_match = _SUMMARY_LINE.match(line.strip())
         if summary_match:
             summary = summary_match.group(1)
-    return SuiteRun(returncode, failed, summary, seconds, output[-4000:])
+    return SuiteRun(returncode, failed, reasons, summary, seconds, output[-4000:])
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -408,7 +447,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             verdict = "caught" if caught else "NOT CAUGHT"
             print(f"    {verdict} in {run.seconds:.0f} s: {run.summary or f'exit {run.returncode}'}", flush=True)
             for test_id in run.failed:
-                print(f"      {_short(test_id)}", flush=True)
+                print(f"      {_short(test_id)}: {run.reasons.get(test_id, '')[:160]}", flush=True)
             if caught and not run.failed:
                 print(run.output_tail, flush=True)
             results[mutation.key] = {"title": mutation.title, "upstream": mutation.upstream, "caught": caught,

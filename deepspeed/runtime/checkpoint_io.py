@@ -5,10 +5,11 @@ Layout (upstream's): <dir>/<tag>/mp_rank_00_model_states.pt (written by data-par
 
 A save is a transaction: every rank writes its files under temporary names; the ranks agree that every
 write succeeded; only then each rank renames its files to their final names, and after a second
-agreement rank 0 replaces `latest`. A failed save leaves no file under a final name and `latest` as it
-was. A load is one too: every rank reads and validates what it needs, the ranks agree, and only then is
-the engine changed. Files hold plain data and tensors only and are read with torch.load(weights_only=True),
-so loading runs no pickled code. docs/checkpoints.md describes the format and where it differs from upstream.
+agreement rank 0 replaces `latest`. A save that fails while writing leaves no file under a final name and
+`latest` as it was. A load is one too: every rank reads and validates what it needs, the ranks agree, and
+only then is the engine changed. A failure on one rank is raised on every rank, never left as a hang.
+Files hold plain data and tensors only and are read with torch.load(weights_only=True), so loading runs
+no pickled code. docs/checkpoints.md describes the format and where it differs from upstream.
 """
 
 import os
@@ -16,7 +17,7 @@ import random
 import shutil
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -24,12 +25,12 @@ import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.git_version_info import version
 from deepspeed.runtime.zero.partition_state import validate_zero_state
+from deepspeed.runtime.zero.utils import ZeRORuntimeException
 from deepspeed.utils.logging import logger
 
 LATEST_FILE = "latest"
 MODEL_FILE = "mp_rank_00_model_states.pt"
 CHECKPOINT_FORMAT = 1
-PRECISIONS = ("fp32", "fp16", "bf16")
 # Keys of the model file that belong to DeepSpeed; client_state may not use them.
 RESERVED_KEYS = frozenset({
     "format", "module", "buffer_names", "optimizer", "param_shapes", "shared_params", "lr_scheduler",
@@ -42,6 +43,10 @@ _PLAIN_SCALARS = (bool, int, float, str, type(None), torch.dtype, torch.device, 
 
 class CheckpointError(ValueError):
     """A checkpoint file is missing, unreadable, or does not match this engine; the message names the file."""
+
+
+# Raised with the same type on every rank when one rank hits them.
+_SHARED_ERRORS = {"CheckpointError": CheckpointError, "ZeRORuntimeException": ZeRORuntimeException}
 
 
 def optim_file_name(dp_rank: int, bf16: bool) -> str:
@@ -61,7 +66,8 @@ def _rank() -> int:
 def _agree(error: Optional[BaseException], what: str) -> None:
     """Make a local failure everybody's: every rank raises when any rank failed, so no rank waits forever.
 
-    The failing rank re-raises its own exception; the others raise a RuntimeError quoting it.
+    The failing rank re-raises its own exception. The others raise one that quotes it, of the same type when
+    that is a checkpoint error (so that `except CheckpointError` behaves alike on every rank), else RuntimeError.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         if error is not None:
@@ -73,12 +79,14 @@ def _agree(error: Optional[BaseException], what: str) -> None:
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item() == 0:
         return
-    messages: List[Optional[str]] = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
+    reports: List[Optional[Tuple[str, str]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, None if error is None else (type(error).__name__, str(error)))
     if error is not None:
         raise error
-    failures = "; ".join(f"rank {rank}: {message}" for rank, message in enumerate(messages) if message is not None)
-    raise RuntimeError(f"{what} failed on another rank ({failures})")
+    failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
+    details = "; ".join(f"rank {rank}: {name}: {message}" for rank, (name, message) in failed)
+    exception_type = _SHARED_ERRORS.get(failed[0][1][0], RuntimeError)
+    raise exception_type(f"{what} failed on another rank ({details})")
 
 
 # ---------------------------------------------------------------------------------------------- save
@@ -192,9 +200,13 @@ def _temporary_name(path: str) -> str:
 
 
 def _write_temporary(obj, path: str, pending: List[Tuple[str, str]], serialization: bool) -> None:
+    """torch.save to a temporary name, flushed to disk so that the later rename commits whole files."""
     tmp = _temporary_name(path)
     pending.append((tmp, path))
-    torch.save(obj, tmp, _use_new_zipfile_serialization=serialization)
+    with open(tmp, "wb") as f:
+        torch.save(obj, f, _use_new_zipfile_serialization=serialization)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _discard(pending: List[Tuple[str, str]]) -> None:
@@ -205,14 +217,24 @@ def _discard(pending: List[Tuple[str, str]]) -> None:
             pass
 
 
+def _run_agreed(action: Callable[[], None], what: str) -> None:
+    """Run this rank's part of a phase, then agree with the other ranks that every part succeeded."""
+    error: Optional[BaseException] = None
+    try:
+        action()
+    except Exception as exc:  # noqa: BLE001 -- re-raised by _agree, on every rank
+        error = exc
+    _agree(error, what)
+
+
 def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True,
                     exclude_frozen_parameters: bool = False) -> bool:
     """Write a checkpoint of `engine`; every rank must call it. Returns True.
 
-    Raises (on every rank, whichever rank failed):
+    Raises (on every rank, whichever rank failed; the previous `latest` is then left untouched):
         ValueError: bad save_dir, or client_state/scheduler state that is not plain data.
         KeyError: client_state uses a key reserved by DeepSpeed.
-        RuntimeError: another rank failed; the previous `latest` is left untouched.
+        RuntimeError: another rank failed (quoting its error).
     """
     if not isinstance(save_dir, (str, os.PathLike)) or str(save_dir) == "":
         raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
@@ -224,55 +246,54 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
                        "accumulated since the last optimizer step are not saved")
     what = f"checkpoint save of tag '{tag}' to {save_dir}"
     tag_dir = os.path.join(save_dir, tag)
+    client_state = dict(client_state or {})
+    _run_agreed(lambda: _prepare_tag_dir(tag_dir, client_state), what)
     pending: List[Tuple[str, str]] = []
-    error: Optional[BaseException] = None
     try:
-        _check_client_state(dict(client_state or {}))
-        if _rank() == 0:
-            os.makedirs(tag_dir, exist_ok=True)
-    except Exception as exc:  # noqa: BLE001 -- re-raised by _agree on every rank
-        error = exc
-    _agree(error, what)
-    serialization = engine._config.checkpoint_config.checkpoint_serialization
-    try:
-        if engine.optimizer is not None:
-            path = os.path.join(tag_dir, optim_file_name(engine.optimizer.dp_rank, engine.bfloat16_enabled()))
-            _write_temporary(_optim_state(engine), path, pending, serialization)
-        if _rank() == 0:
-            model_state = _model_state(engine, dict(client_state or {}), exclude_frozen_parameters)
-            _write_temporary(model_state, os.path.join(tag_dir, MODEL_FILE), pending, serialization)
-    except Exception as exc:  # noqa: BLE001 -- re-raised by _agree on every rank
-        error = exc
-    try:
-        _agree(error, what)
+        _run_agreed(lambda: _write_files(engine, tag_dir, client_state, exclude_frozen_parameters, pending), what)
+        _run_agreed(lambda: [os.replace(tmp, path) for tmp, path in pending], what)
     except BaseException:
         _discard(pending)
         raise
-    try:
-        for tmp, path in pending:
-            os.replace(tmp, path)
-    except Exception as exc:  # noqa: BLE001 -- re-raised by _agree on every rank
-        error = exc
-        _discard(pending)
-    _agree(error, what)
-    try:
-        if _rank() == 0:
-            _copy_zero_to_fp32(save_dir)
-            if save_latest:
-                _atomic_write_text(os.path.join(save_dir, LATEST_FILE), tag)
-    except Exception as exc:  # noqa: BLE001 -- re-raised by _agree on every rank
-        error = exc
-    _agree(error, what)
+    _run_agreed(lambda: _publish(save_dir, tag, save_latest), what)
     return True
+
+
+def _prepare_tag_dir(tag_dir: str, client_state: dict) -> None:
+    _check_client_state(client_state)
+    if _rank() == 0:
+        os.makedirs(tag_dir, exist_ok=True)
+
+
+def _write_files(engine, tag_dir: str, client_state: dict, exclude_frozen: bool,
+                 pending: List[Tuple[str, str]]) -> None:
+    serialization = engine._config.checkpoint_config.checkpoint_serialization
+    if engine.optimizer is not None:
+        path = os.path.join(tag_dir, optim_file_name(engine.optimizer.dp_rank, engine.bfloat16_enabled()))
+        _write_temporary(_optim_state(engine), path, pending, serialization)
+    if _rank() == 0:
+        model_state = _model_state(engine, client_state, exclude_frozen)
+        _write_temporary(model_state, os.path.join(tag_dir, MODEL_FILE), pending, serialization)
+
+
+def _publish(save_dir: str, tag: str, save_latest: bool) -> None:
+    if _rank() == 0:
+        _copy_zero_to_fp32(save_dir)
+        if save_latest:
+            _atomic_write_text(os.path.join(save_dir, LATEST_FILE), tag)
 
 
 def _atomic_write_text(path: str, text: str) -> None:
     tmp = _temporary_name(path)
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _discard([(tmp, path)])
+        raise
 
 
 def _copy_zero_to_fp32(save_dir: str) -> None:
@@ -351,7 +372,6 @@ def _check_model_file(engine, state: dict, path: str, load_optimizer: bool) -> N
     if not load_optimizer:
         return
     if state["dp_world_size"] != engine.dp_world_size:
-        from deepspeed.runtime.zero.utils import ZeRORuntimeException
         raise ZeRORuntimeException(f"The checkpoint being loaded used a DP world size of {state['dp_world_size']} "
                                    f"but the current world size is {engine.dp_world_size}. Automatic adjustment of "
                                    "ZeRO's optimizer state partitioning with a new world size is not currently "
@@ -426,19 +446,27 @@ def _prepare_load(engine, tag_dir: str, load_module_strict: bool, load_optimizer
 
 def _apply_load(engine, plan: _LoadPlan, load_module_strict: bool, load_lr_scheduler_states: bool,
                 load_module_only: bool, custom_load_fn) -> None:
-    """Mutate the engine from a validated plan; identical on every rank up to the optimizer's all-gather."""
+    """Change the engine as the validated plan says.
+
+    The local part (scheduler, module) runs first and the ranks agree on it, so that a failure there (a
+    custom_load_fn, a scheduler of another type) cannot leave one rank waiting in the optimizer's all-gather.
+    """
     state = plan.model_state
-    if not load_module_only and load_lr_scheduler_states and engine.lr_scheduler is not None \
-            and state.get("lr_scheduler") is not None:
-        try:
-            engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"checkpoint file {plan.model_path}: the LR scheduler state does not fit "
-                                  f"{type(engine.lr_scheduler).__name__}: {exc}") from exc
-    if custom_load_fn is not None:
-        custom_load_fn(src=state["module"], dst=engine.module)
-    else:
-        engine.module.load_state_dict(state["module"], strict=load_module_strict)
+
+    def load_scheduler_and_module() -> None:
+        if not load_module_only and load_lr_scheduler_states and engine.lr_scheduler is not None \
+                and state.get("lr_scheduler") is not None:
+            try:
+                engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"checkpoint file {plan.model_path}: the LR scheduler state does not fit "
+                                      f"{type(engine.lr_scheduler).__name__}: {exc}") from exc
+        if custom_load_fn is not None:
+            custom_load_fn(src=state["module"], dst=engine.module)
+        else:
+            engine.module.load_state_dict(state["module"], strict=load_module_strict)
+
+    _run_agreed(load_scheduler_and_module, f"checkpoint load of {plan.model_path}")
     if plan.optim_state is not None:
         engine.optimizer.load_state_dict(plan.optim_state["optimizer_state_dict"], path=plan.optim_path,
                                          load_from_fp32_weights=engine._config.zero_config.load_from_fp32_weights)
@@ -465,11 +493,16 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
         (load_path, client_state): the model-states file read and the `client_state` given to
         save_checkpoint; (None, None) when `tag` is None and there is no `latest` file.
 
-    Raises (on every rank, whichever rank failed; the engine is then unchanged):
+    Raises (on every rank, whichever rank failed; a file that fails validation leaves the engine unchanged):
+        ValueError: checkpoint.load_universal is set (universal checkpoints are not supported).
         CheckpointError: a missing, unreadable or mismatched file (the message names it and the mismatch).
         ZeRORuntimeException: optimizer states saved at another data-parallel world size.
         RuntimeError: another rank failed.
     """
+    if engine._config.load_universal_checkpoint:
+        raise ValueError("checkpoint.load_universal is not supported by this DeepSpeed: its checkpoints load only at "
+                         "the data-parallel world size they were saved with; remove the key, or load with "
+                         "load_module_only=True to change the world size")
     load_dir = str(load_dir)
     tag = _resolve_tag(load_dir, tag)
     if tag is None:

@@ -420,7 +420,8 @@ class DeepSpeedZeroOptimizer:
         from deepspeed.runtime.zero.partition_state import zero_state_dict
         return zero_state_dict(self)
 
-    def load_state_dict(self, state_dict: dict, path: str = "<state_dict>", load_from_fp32_weights: bool = True) -> None:
+    def load_state_dict(self, state_dict: dict, path: str = "<state_dict>",
+                        load_from_fp32_weights: bool = True) -> None:
         """Restore masters, optimizer state and loss scaler, then republish the lp weights.
 
         Args:

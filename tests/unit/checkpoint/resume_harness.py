@@ -71,22 +71,29 @@ def full_snapshot(engine):
         "states": {f"{i}.{key}": safe_get_full_optimizer_state(p, key).cpu().clone()
                    for i, p in enumerate(params) for key in state_keys(p)} if _any_rank_has_state(engine) else None,
         "local_states": local_optimizer_state(engine),
+        "local_devices": [{key: str(value.device) for key, value in state.items() if torch.is_tensor(value)}
+                          for state in _live_states(engine)],
         "counters": counters(engine),
     }
 
 
 def _any_rank_has_state(engine):
     # The full-state getters are collectives; a fresh optimizer has nothing to gather on any rank.
-    flag = torch.tensor([float(any(len(state) > 0 for state in engine.optimizer.optimizer.state.values()))])
+    has_state = any(len(state) > 0 for state in engine.optimizer.optimizer.state.values())
+    flag = torch.tensor([float(has_state)], device=engine.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return flag.item() > 0
 
 
+def _live_states(engine):
+    basic = engine.optimizer.optimizer
+    return [basic.state.get(p, {}) for group in basic.param_groups for p in group["params"]]
+
+
 def local_optimizer_state(engine):
     """This rank's basic-optimizer state, every tensor (step counts included) with its dtype."""
-    basic = engine.optimizer.optimizer
-    return [{key: value.cpu().clone() if torch.is_tensor(value) else value
-             for key, value in basic.state.get(p, {}).items()} for group in basic.param_groups for p in group["params"]]
+    return [{key: value.cpu().clone() if torch.is_tensor(value) else value for key, value in state.items()}
+            for state in _live_states(engine)]
 
 
 def counters(engine):

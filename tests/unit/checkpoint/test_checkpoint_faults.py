@@ -120,6 +120,10 @@ class TestLayout(DistributedTest):
                    "checkpoint please ensure this file exists or pass an explicit checkpoint tag when loading a "
                    "checkpoint." in record.getMessage() for record in records)
         assert engine.global_steps == 0
+        config = checkpoint_config(1, "fp32")
+        config["checkpoint"] = {"load_universal": True}
+        with pytest.raises(ValueError, match="checkpoint.load_universal is not supported"):
+            new_engine(config).load_checkpoint(directory)
 
 
 class TestInterruptedSave(DistributedTest):
@@ -137,16 +141,18 @@ class TestInterruptedSave(DistributedTest):
         real_save = torch.save
         calls = []
 
-        def failing_save(*args, **kwargs):
-            calls.append(args[1])
+        def failing_save(obj, f, *args, **kwargs):
+            calls.append(f)
             if dist.get_rank() == failing_rank and len(calls) == failing_call:
+                f.write(b"PK partial")  # a half-written file, then the failure
                 raise OSError("disk full (injected)")
-            return real_save(*args, **kwargs)
+            return real_save(obj, f, *args, **kwargs)
 
         for tag in ("bad", "good"):  # a new tag, then overwriting the committed one
             calls.clear()
             with mock.patch.object(torch, "save", failing_save):
-                error = _raises_everywhere(lambda: engine.save_checkpoint(directory, tag=tag), "disk full (injected)")
+                error = _raises_everywhere(lambda tag=tag: engine.save_checkpoint(directory, tag=tag),
+                                           "disk full (injected)")
             if dist.get_rank() != failing_rank:
                 assert isinstance(error, RuntimeError) and f"rank {failing_rank}" in str(error)
             dist.barrier()  # every rank has cleaned up its temporary files
@@ -191,10 +197,12 @@ class TestRefusedLoads(DistributedTest):
             (_optim_file(1), "delete", ["incomplete", _optim_file(1)]),
         ]:
             backup = damage(name, action)
-            _raises_everywhere(lambda: fresh.load_checkpoint(directory, tag="t"), *fragments)
+            # Only rank 1 reads a damaged optim file of rank 1; every rank raises a CheckpointError naming it.
+            error = _raises_everywhere(lambda: fresh.load_checkpoint(directory, tag="t"), *fragments)
+            assert isinstance(error, CheckpointError)
             # Refused before anything changed, on every rank.
             assert_identical(full_snapshot(fresh), before, f"engine after a refused load ({action} {name})")
-            _on_rank0(lambda: os.replace(backup, os.path.join(tag_dir, name)))
+            _on_rank0(lambda backup=backup, name=name: os.replace(backup, os.path.join(tag_dir, name)))
         # Even a module-only load refuses a tag whose files are not all there.
         damage(_optim_file(0), "delete")
         _raises_everywhere(lambda: fresh.load_checkpoint(directory, tag="t", load_module_only=True), _optim_file(0))
@@ -216,7 +224,8 @@ class TestRefusedLoads(DistributedTest):
         for config, model, fragments in cases:
             engine = new_engine(config, seed=1, **model)
             before = full_snapshot(engine)
-            _raises_everywhere(lambda: engine.load_checkpoint(directory), *fragments)
+            error = _raises_everywhere(lambda engine=engine: engine.load_checkpoint(directory), *fragments)
+            assert isinstance(error, CheckpointError)
             assert_identical(full_snapshot(engine), before, f"engine after a refused load {fragments}")
 
 
@@ -286,7 +295,7 @@ class TestOtherWorldSize(DistributedTest):
         error = _raises_everywhere(lambda: engine.load_checkpoint(directory),
                                    os.path.join(directory, "global_step2", MODEL_FILE), "DP world size of 1",
                                    "current world size is 2")
-        assert isinstance(error, ZeRORuntimeException) or "ZeRORuntimeException" in str(error)
+        assert isinstance(error, ZeRORuntimeException)
         engine.load_checkpoint(directory, load_module_only=True)
         saved = torch.load(os.path.join(str(class_tmpdir), "world1-params.pt"), weights_only=True)
         got = full_snapshot(engine)

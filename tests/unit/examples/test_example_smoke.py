@@ -17,7 +17,6 @@ import subprocess
 import sys
 import zlib
 
-import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 EXAMPLE = os.path.join(REPO_ROOT, "examples", "train_char_lm.py")
@@ -90,26 +89,28 @@ def count_color(pixels: bytes, color) -> int:
     return sum(1 for i in range(0, len(pixels), 3) if pixels[i:i + 3] == target)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """An uninterrupted fp16 run, and the same run interrupted after its step-15 checkpoint, then resumed.
+# One test rather than several sharing a module fixture: pytest-xdist would rerun the fixture on every worker.
+def test_fp16_muon_zero2_run_and_resume(tmp_path):
+    """An uninterrupted fp16 run, then the same run interrupted after its step-15 checkpoint and resumed.
 
     The interrupted run's directory is what a run killed between steps 15 and 30 leaves behind: the
     step-15 checkpoint with `latest` naming it (copied from the uninterrupted run, which saves the same
     checkpoint at step 15; this saves a launch).
     """
-    work = tmp_path_factory.mktemp("char_lm")
-    full = launch(work, *SHORT_RUN, "--steps", str(STEPS), "--out_dir", str(work / "full"))
+    full = launch(tmp_path, *SHORT_RUN, "--steps", str(STEPS), "--out_dir", str(tmp_path / "full"))
+    check_learns_and_recovers_from_overflow(read_log(tmp_path / "full"), full.stdout)
+    check_outputs(tmp_path / "full")
+
     tag = f"global_step{CHECKPOINT_STEP}"
-    interrupted = work / "resumed" / "checkpoints"
-    shutil.copytree(work / "full" / "checkpoints" / tag, interrupted / tag)
+    interrupted = tmp_path / "resumed" / "checkpoints"
+    shutil.copytree(tmp_path / "full" / "checkpoints" / tag, interrupted / tag)
     (interrupted / "latest").write_text(tag)
-    resumed = launch(work, *SHORT_RUN, "--steps", str(STEPS), "--out_dir", str(work / "resumed"), "--resume")
-    return {"dir": work, "full": full, "resumed": resumed}
+    resumed = launch(tmp_path, *SHORT_RUN, "--steps", str(STEPS), "--out_dir", str(tmp_path / "resumed"), "--resume")
+    assert "resumed from" in resumed.stdout and f"at step {CHECKPOINT_STEP}" in resumed.stdout
+    check_same_trajectory(read_log(tmp_path / "resumed")["steps"], read_log(tmp_path / "full")["steps"])
 
 
-def test_fp16_muon_zero2_run_learns_and_recovers_from_overflow(runs):
-    log = read_log(runs["dir"] / "full")
+def check_learns_and_recovers_from_overflow(log: dict, stdout: str) -> None:
     steps, summary = log["steps"], log["summary"]
     assert steps["step"] == list(range(1, STEPS + 1))
     losses = steps["loss"]
@@ -124,14 +125,12 @@ def test_fp16_muon_zero2_run_learns_and_recovers_from_overflow(runs):
     assert min(steps["loss_scale"]) < 2.0**16, "an overflow must have lowered the loss scale"
     assert not any(steps["skipped"][-10:]), "training should have recovered: the last 10 steps applied"
     assert sum(losses[-10:]) / 10 < sum(losses[skipped_at[-1]:skipped_at[-1] + 5]) / 5
-    stdout = runs["full"].stdout
     assert "gradient overflow at loss scale 65536, step skipped" in stdout
     assert f"step    {STEPS}/{STEPS} | loss" in stdout and "tok/s" in stdout
     assert "done: loss" in stdout
 
 
-def test_outputs_png_csv_and_checkpoints(runs):
-    out = runs["dir"] / "full"
+def check_outputs(out) -> None:
     example = _load_example()
     width, height, pixels = read_png(out / "loss.png")
     assert width >= 400 and height >= 300
@@ -143,9 +142,7 @@ def test_outputs_png_csv_and_checkpoints(runs):
     assert (out / "checkpoints" / f"global_step{CHECKPOINT_STEP}" / "mp_rank_00_model_states.pt").is_file()
 
 
-def test_resume_continues_the_same_trajectory(runs):
-    assert "resumed from" in runs["resumed"].stdout and f"at step {CHECKPOINT_STEP}" in runs["resumed"].stdout
-    full, resumed = read_log(runs["dir"] / "full")["steps"], read_log(runs["dir"] / "resumed")["steps"]
+def check_same_trajectory(resumed: dict, full: dict) -> None:
     assert resumed["step"] == full["step"], "the resumed log should hold the whole run, steps 1..30"
     differing = {key: (resumed[key], full[key]) for key in ("loss", "loss_scale", "skipped")
                  if resumed[key] != full[key]}

@@ -1,9 +1,10 @@
 """Helpers of the Muon regression suite, written against the public DeepSpeed API and plain torch only.
 
-Public API used: ``deepspeed.initialize``, the engine's forward/backward/step, counters and checkpoint
-methods, ``engine.optimizer.cur_scale``, ``deepspeed.comm``, ``get_accelerator`` and the
-``deepspeed.utils`` ``safe_get_full_*`` getters. Every tensor a test creates lives on the engine's device
-(so the suite runs on CPU/gloo and on GPUs/NCCL alike); comparisons happen on CPU copies.
+Public API used: ``deepspeed.initialize``, the engine's forward/backward/step, ``was_step_applied()``,
+counters (``global_steps``, ``skipped_steps``) and checkpoint methods, ``engine.module``, ``engine.device``,
+``engine.optimizer.cur_scale``, ``deepspeed.comm`` and the ``deepspeed.utils`` ``safe_get_full_*`` getters;
+no ``deepspeed.runtime`` import and no private attribute. Every tensor a test hands to the engine lives on
+the engine's device (so the suite runs on CPU/gloo and on GPUs/NCCL alike); comparisons happen on CPU copies.
 
 Parameter-change checks go through :func:`moved_parameters`, which refuses to compare tensors of
 different dtypes: an fp32 tensor captured before ``deepspeed.initialize`` and the fp16 parameter after it

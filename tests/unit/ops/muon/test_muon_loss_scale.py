@@ -17,10 +17,10 @@ from muon_suite import (fp32_masters, global_batches, initialize, make_model, mu
 STEPS = 12
 GLOBAL_BATCH = 16
 # Relative error of the parameter change after 12 steps. Between two scales large enough that no fp16
-# gradient underflows (1024, and the dynamic 2**15), scaling by a power of two is exact: measured 0 on CPU.
-# At scale 1 small fp16 gradients underflow into subnormals: measured worst 8.5e-3 (fc3.weight). An update
-# divided by the loss scale is off by ~100% (32x or 1024x).
-TOLERANCE_SCALED = 1e-4
+# gradient underflows (1024, and the dynamic 2**15), scaling by a power of two is exact: measured 0 on CPU
+# (the bound leaves room for GPU kernels that reduce in fp16). At scale 1 small fp16 gradients underflow into
+# subnormals: measured worst 8.5e-3 (fc3.weight). An update divided by the loss scale is off by ~100% (0.97).
+TOLERANCE_SCALED = 1e-3
 TOLERANCE_UNSCALED = 5e-2
 
 
@@ -40,7 +40,7 @@ class TestMuonLossScaleIndependence(DistributedTest):
             if dynamic.was_step_applied():
                 applied_batches.append(batch)
         assert dynamic.skipped_steps >= 1, "the default scale 2**16 should overflow on the first steps"
-        assert len(applied_batches) >= STEPS - 3
+        assert len(applied_batches) >= STEPS - 3, f"the dynamic run applied {len(applied_batches)} of {STEPS} steps"
         results = {"dynamic": fp32_masters(dynamic)}
 
         for scale in (1.0, 1024.0):

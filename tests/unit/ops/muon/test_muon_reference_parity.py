@@ -25,8 +25,8 @@ STEPS = 6
 # amplified by Newton-Schulz in near-null directions.
 GLOBAL_BATCH = 64
 LR, ADAM_LR = 0.05, 0.01
-# Measured worst on CPU: ~1e-6 (summation order of the reduction). Orthogonalising half of fc2 separately
-# gives ~0.5.
+# Relative error of each parameter's change after 6 steps. Measured worst on CPU: 5e-6 (summation order of the
+# reduction). Orthogonalising the two halves of fc2 separately: 0.68 on fc2.weight, 8e-2 on fc1.weight.
 TOLERANCE = 1e-3
 
 
@@ -48,9 +48,9 @@ class TestMuonReferenceParity(DistributedTest):
         train(engine, batches, "fp32")
         assert engine.skipped_steps == 0
         got = fp32_masters(engine)
-        for name in start:
-            error = relative_error(got[name] - start[name], expected[name] - start[name])
-            assert error <= TOLERANCE, f"{name}: relative error {error:.2e} vs the reference"
+        errors = {name: relative_error(got[name] - start[name], expected[name] - start[name]) for name in start}
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= TOLERANCE, f"relative error vs the reference: {errors}"
 
     @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
     def test_optimizer_step_leaves_gradients_alone(self, dtype):

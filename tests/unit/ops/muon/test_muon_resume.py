@@ -36,7 +36,7 @@ class TestMuonResume(DistributedTest):
         engine.save_checkpoint(save_dir, tag="mid")
         saved_counters = (engine.global_steps, engine.skipped_steps)
         expected_losses = train(engine, batches[SAVE_AT:], dtype)
-        assert engine.was_step_applied()
+        assert engine.was_step_applied(), f"the uninterrupted run still skips steps ({engine.skipped_steps} skipped)"
 
         # Another initialisation: everything the resumed run needs must come from the checkpoint.
         resumed = initialize(make_model(seed=1), config)
