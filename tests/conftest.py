@@ -8,6 +8,9 @@ import warnings
 
 import pytest
 
+# Forked ranks inherit it: the first optimizer a process builds imports torch._dynamo (~3 s per rank).
+import torch._dynamo  # noqa: F401
+
 os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
 # The checkout's deepspeed wins over an installed one; sys.path[0] stays pytest's rootdir entry.
 sys.path.insert(1, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))

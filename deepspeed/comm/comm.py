@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import pickle
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -257,9 +258,35 @@ def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool 
 
 
 @_collective
+def _object_device(group: Any, device: Any = None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if torch_dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _to_bytes_tensor(obj: Any, device: torch.device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+
+
+def _from_bytes_tensor(tensor: torch.Tensor) -> Any:
+    return pickle.loads(bytes(tensor.cpu().tolist()))
+
+
+# The object collectives pickle through uint8 tensors themselves: torch's versions convert with
+# tensor.numpy(), and numpy is not a dependency of this package.
 def broadcast_object_list(object_list: list[Any], src: int, group: Any = None, device: Any = None) -> None:
     """Replace `object_list`'s items on every rank with world rank `src`'s picklable objects."""
-    torch_dist.broadcast_object_list(object_list, src, group=group, device=device)
+    target = _object_device(group, device)
+    is_src = torch_dist.get_rank() == src
+    payload = _to_bytes_tensor(list(object_list), target) if is_src else None
+    size = torch.tensor([payload.numel() if is_src else 0], dtype=torch.int64, device=target)
+    torch_dist.broadcast(size, src, group=group)
+    buffer = payload if is_src else torch.empty(int(size.item()), dtype=torch.uint8, device=target)
+    torch_dist.broadcast(buffer, src, group=group)
+    if not is_src:
+        object_list[:] = _from_bytes_tensor(buffer)
 
 
 def _all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool) -> Any:
@@ -306,7 +333,19 @@ def all_gather(
 @_collective
 def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
     """Fill `object_list[r]` with rank r's picklable `obj` on every rank of `group`."""
-    torch_dist.all_gather_object(object_list, obj, group=group)
+    device = _object_device(group)
+    payload = _to_bytes_tensor(obj, device)
+    world_size = torch_dist.get_world_size(group)
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world_size)]
+    torch_dist.all_gather(sizes, size, group=group)
+    lengths = [int(s.item()) for s in sizes]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[:payload.numel()] = payload
+    gathered = [torch.empty_like(padded) for _ in range(world_size)]
+    torch_dist.all_gather(gathered, padded, group=group)
+    for rank in range(world_size):
+        object_list[rank] = _from_bytes_tensor(gathered[rank][:lengths[rank]])
 
 
 def _check_split(big: torch.Tensor, small: torch.Tensor, world_size: int, what: str) -> None:

@@ -54,3 +54,28 @@ class TestClippingParity(DistributedTest):
         train_steps(engine, batches, "fp32")
         for got, want, start in zip(fp32_masters(engine), reference[-1], reference[0]):
             assert relative_error(got - start, want - start) <= 1e-6
+
+
+class TestUnscaleUsesTheBackwardScale(DistributedTest):
+    """Upstream unscales with the scale update_scale just doubled (Appendix A.7): a 2x too small step."""
+
+    world_size = 2
+
+    @pytest.mark.parametrize("stage", [0, 1, 2])
+    def test_step_that_doubles_the_scale_applies_the_full_update(self, stage):
+        model = make_model(HIDDEN)
+        batches = global_batches(6, 8, HIDDEN)
+        reference = reference_adamw(model, batches, dtype="fp16")
+        config = make_config(stage, "fp16", micro=4)
+        config["fp16"].update({"initial_scale_power": 4, "loss_scale_window": 1})
+        engine, _ = initialize(model, config)
+        scales = []
+        for step, batch in enumerate(batches):
+            train_steps(engine, [batch], "fp16")
+            scales.append(engine.optimizer.cur_scale)
+            assert engine.was_step_applied()
+            for got, want, start in zip(fp32_masters(engine), reference[step + 1], reference[0]):
+                assert relative_error(got - start, want - start) <= TOLERANCE["fp16"]
+        # The scale doubled on the steps after the first (stable-window rule), so these steps were unscaled
+        # right after an increase.
+        assert scales[-1] > scales[0]
