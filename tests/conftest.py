@@ -46,7 +46,8 @@ def check_environment(pytestconfig: pytest.Config) -> None:
         if expected is None:
             warnings.warn(
                 f"Running test without verifying {name} version, please provide an expected {name} "
-                f"version with --{name}_ver"
+                f"version with --{name}_ver",
+                stacklevel=2,
             )
         elif not _same_version_prefix(expected, actual):
             pytest.exit(

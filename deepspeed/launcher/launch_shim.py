@@ -7,7 +7,8 @@ the user's program (`os.execv`), so the script starts in a fresh interpreter exa
 upstream's `deepspeed.launcher.launch`, keeps the pid torchrun watches, and receives its signals.
 
 Usage (built by `deepspeed.launcher.runner`, not meant to be typed):
-    python -u launch_shim.py [--module | --no_python] [--no_local_rank] [--rank_log_prefix=P] --user_command script args
+    python -u launch_shim.py [--module | --no_python] [--no_local_rank] [--rank_log_prefix=P]
+        --user_command script args
 
 The runner starts it by file path, not with `-m`: importing the `deepspeed` package would load torch
 in every worker only to exec away from it. It therefore uses the standard library only.

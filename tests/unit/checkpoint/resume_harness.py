@@ -113,6 +113,8 @@ def assert_identical(actual, expected, what):
     """Nested dicts/lists of tensors and plain values: same structure, tensors bit-identical in the same dtype."""
     if torch.is_tensor(expected):
         assert torch.is_tensor(actual), f"{what}: expected a tensor, got {type(actual).__name__}"
+        # Compare on the CPU: on GPU runs one side may come from a file loaded onto another device.
+        actual, expected = actual.cpu(), expected.cpu()
         assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype}, expected {expected.dtype}"
         assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
         assert torch.equal(actual, expected), f"{what}: values differ (max |diff| " \

@@ -73,9 +73,9 @@ class TestLayout(DistributedTest):
         assert os.access(os.path.join(directory, "zero_to_fp32.py"), os.X_OK)
         assert _temporary_files(directory) == []
         for name in expected:
-            state = torch.load(os.path.join(directory, tag, name), weights_only=True)
+            state = torch.load(os.path.join(directory, tag, name), map_location="cpu", weights_only=True)
             assert isinstance(state, dict)
-        model_state = torch.load(os.path.join(directory, tag, MODEL_FILE), weights_only=True)
+        model_state = torch.load(os.path.join(directory, tag, MODEL_FILE), map_location="cpu", weights_only=True)
         assert model_state["global_steps"] == 2 and model_state["dp_world_size"] == 2
         assert model_state["zero_stage"] == stage and model_state["precision"] == dtype
         assert list(model_state["module"]) == list(engine.module.state_dict())
@@ -297,7 +297,7 @@ class TestOtherWorldSize(DistributedTest):
                                    "current world size is 2")
         assert isinstance(error, ZeRORuntimeException)
         engine.load_checkpoint(directory, load_module_only=True)
-        saved = torch.load(os.path.join(str(class_tmpdir), "world1-params.pt"), weights_only=True)
+        saved = torch.load(os.path.join(str(class_tmpdir), "world1-params.pt"), map_location="cpu", weights_only=True)
         got = full_snapshot(engine)
         assert_identical(got["params"], saved, "params from a world-size-1 checkpoint")
         assert_identical(got["masters"], saved, "masters rebuilt from them")

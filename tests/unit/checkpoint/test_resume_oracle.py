@@ -67,7 +67,7 @@ class TestResumeOracle(DistributedTest):
         for dtype, gas in COMBOS:
             where = f"stage {stage} {optimizer} {dtype} gas {gas}"
             directory = _combo_dir(class_tmpdir, stage, optimizer, dtype, gas)
-            reference = torch.load(rank_file(directory, "reference"), weights_only=True)
+            reference = torch.load(rank_file(directory, "reference"), map_location="cpu", weights_only=True)
             engine = new_engine(checkpoint_config(stage, dtype, optimizer, gas), seed=1)
             load_path, client_state = engine.load_checkpoint(directory)
             assert load_path == os.path.join(directory, f"global_step{K}", "mp_rank_00_model_states.pt"), where

@@ -97,7 +97,7 @@ class SavedForCommandLine(DistributedFixture):
 
 def test_command_line_output_loads_into_plain_pytorch(SavedForCommandLine, tmpdir, monkeypatch):
     checkpoint = os.path.join(str(tmpdir), "checkpoint")
-    masters = torch.load(os.path.join(str(tmpdir), "masters.pt"), weights_only=True)
+    masters = torch.load(os.path.join(str(tmpdir), "masters.pt"), map_location="cpu", weights_only=True)
     env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     command = [sys.executable, "-m", "deepspeed.utils.zero_to_fp32", checkpoint, os.path.join(str(tmpdir), "a")]
     result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=str(tmpdir), timeout=120)
@@ -114,7 +114,8 @@ def test_command_line_output_loads_into_plain_pytorch(SavedForCommandLine, tmpdi
     monkeypatch.setattr(sys, "argv", [copy, checkpoint, os.path.join(str(tmpdir), "b"), "-t", "global_step3"])
     runpy.run_path(copy, run_name="__main__")
     for output in ("a", "b"):
-        state = torch.load(os.path.join(str(tmpdir), output, "pytorch_model.bin"), weights_only=True)
+        path = os.path.join(str(tmpdir), output, "pytorch_model.bin")
+        state = torch.load(path, map_location="cpu", weights_only=True)
         model = SimpleModel(hidden_dim=HIDDEN, nlayers=NLAYERS)
         model.load_state_dict(state, strict=True)
         for name, param in model.named_parameters():

@@ -17,7 +17,7 @@ def _device() -> str:
 
 
 def _assert_reduce_scatter_matches(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """Bit-identical where deepspeed.comm emulates the op (gloo); NCCL's own reduce-scatter may sum in another order."""
+    """Bit-identical where deepspeed.comm emulates the op (gloo); NCCL may sum in another order."""
     if dist.get_backend() == "gloo":
         _assert_same_bits(actual, expected)
     else:
