@@ -97,6 +97,7 @@ def build_zero_optimizer(engine, basic_optimizer):
                          "yet; expected 0, 1 or 2")
     model_dtype = model_dtype_of(config)
     zero = config.zero_config
+    _reject_unimplemented_offload(zero)
     fp16 = config.float16_config
     options = ZeroOptions(
         stage=config.zero_optimization_stage,
@@ -118,6 +119,16 @@ def build_zero_optimizer(engine, basic_optimizer):
     param_names = {p: n for n, p in engine.module.named_parameters()}
     return DeepSpeedZeroOptimizer(basic_optimizer, param_names, options, loss_scaler, engine.dp_process_group,
                                   engine.device)
+
+
+def _reject_unimplemented_offload(zero) -> None:
+    """Offload is parsed for config compatibility but not implemented: refuse it rather than ignore it."""
+    for key in ("offload_optimizer", "offload_param"):
+        section = getattr(zero, key, None)
+        device = getattr(getattr(section, "device", None), "value", getattr(section, "device", None))
+        if section is not None and device not in (None, "none"):
+            raise ValueError(f"zero_optimization.{key}.device '{device}' is not implemented in this fork; "
+                             "expected 'none' (or remove the section)")
 
 
 def _checks_overflow(config: DeepSpeedConfig) -> bool:

@@ -58,3 +58,14 @@ class TestMisuse(DistributedTest):
         sgd = torch.optim.SGD(model.parameters(), lr=0.1)
         with pytest.raises(AssertionError, match="zero_allow_untested_optimizer"):
             deepspeed.initialize(model=model, optimizer=sgd, config=config)
+
+
+class TestUnimplementedOptions(DistributedTest):
+    world_size = 1
+
+    @pytest.mark.parametrize("key", ["offload_optimizer"])
+    def test_offload_is_refused_not_ignored(self, key):
+        config = make_config(2, "fp32")
+        config["zero_optimization"][key] = {"device": "cpu"}
+        with pytest.raises(ValueError, match=f"zero_optimization.{key}.device 'cpu' is not implemented"):
+            initialize(make_model(), config)
