@@ -224,9 +224,9 @@ MUTATIONS: Tuple[Mutation, ...] = (
             # Keep safe_get_full_optimizer_state working on slices, so what fails is the math, not the getter.
             Patch(STAGE,
                   "            return self._gather_full(param, lambda g, start, n, frag: "
-                  "self._muon_state(g, index, key).reshape(-1))\n",
+                  "self._muon_state(g, index, key).reshape(-1),\n",
                   "            return self._gather_full(param, lambda g, start, n, frag: "
-                  "self._slice_state(g, start, key).reshape(-1))\n"),
+                  "self._slice_state(g, start, key).reshape(-1),\n"),
             Patch(STAGE,
                   "    def _muon_state(self, group: int, index: int, key: str) -> torch.Tensor:\n",
                   "    def _slice_state(self, group: int, start: int, key: str) -> torch.Tensor:\n"

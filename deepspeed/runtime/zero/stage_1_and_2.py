@@ -331,19 +331,33 @@ class DeepSpeedZeroOptimizer:
             raise ValueError(f"parameter {self.param_names.get(param, '<unnamed>')} is not managed by this optimizer")
         return param._zero_index
 
-    def _gather_full(self, param: torch.Tensor, read_fragment) -> torch.Tensor:
-        """Assemble a full fp32 tensor: each rank writes its fragment, then one SUM all-reduce."""
+    def _gather_full(self, param: torch.Tensor, read_fragment, failure: str = "reading it failed") -> torch.Tensor:
+        """Assemble a full fp32 tensor: each rank writes its fragment, then one SUM all-reduce.
+
+        A rank whose fragment cannot be read (e.g. a missing state key on the owner) must not leave the
+        others waiting in the collective: the failure rides in an extra element of the same all-reduce
+        and every rank raises.
+        """
         group, index = self._check_param(param)
         layout = self.layouts[group]
-        full = torch.zeros(param.numel(), dtype=torch.float32, device=self.device)
+        buffer = torch.zeros(param.numel() + 1, dtype=torch.float32, device=self.device)
+        full = buffer[:-1]
         rank = self._owner_rank(group)
         base = layout.partition_range(rank)[0]
-        for fragment in layout.fragments(rank):
-            if fragment.param_index == index:
-                segment = read_fragment(group, fragment.flat_start - base, fragment.numel, fragment)
-                full[fragment.param_start:fragment.param_start + fragment.numel].copy_(segment)
+        error = None
+        try:
+            for fragment in layout.fragments(rank):
+                if fragment.param_index == index:
+                    segment = read_fragment(group, fragment.flat_start - base, fragment.numel, fragment)
+                    full[fragment.param_start:fragment.param_start + fragment.numel].copy_(segment)
+        except ValueError as exc:
+            error = exc
+            buffer[-1] = 1.0
         if layout.num_partitions > 1:
-            dist.all_reduce(full, group=self.dp_process_group)
+            dist.all_reduce(buffer, group=self.dp_process_group)
+        if buffer[-1].item() > 0:
+            raise error or ValueError(f"{failure} (on the rank that holds that part of "
+                                      f"{self.param_names.get(param, '<unnamed>')})")
         return full.view(param.shape)
 
     def get_full_hp_param(self, param: torch.Tensor) -> torch.Tensor:
@@ -359,9 +373,11 @@ class DeepSpeedZeroOptimizer:
 
     def get_full_optimizer_state(self, param: torch.Tensor, key: str) -> torch.Tensor:
         group, index = self._check_param(param)
+        failure = f"{key} not found in optimizer state fragment"
         if is_muon_group(self.optimizer.param_groups[group]):
-            return self._gather_full(param, lambda g, start, n, frag: self._muon_state(g, index, key).reshape(-1))
-        return self._gather_full(param, lambda g, start, n, _: self._flat_state(g, key)[start:start + n])
+            return self._gather_full(param, lambda g, start, n, frag: self._muon_state(g, index, key).reshape(-1),
+                                     failure)
+        return self._gather_full(param, lambda g, start, n, _: self._flat_state(g, key)[start:start + n], failure)
 
     def _flat_state(self, group: int, key: str) -> torch.Tensor:
         hp = self.optimizer.param_groups[group]["params"][0]
@@ -382,8 +398,8 @@ class DeepSpeedZeroOptimizer:
                 return state[key]
         raise ValueError(f"{key} not found in optimizer state fragment")
 
-    def set_full_hp_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
-        """Write `value` into the masters (this rank's fragment) and into the lp weight (whole)."""
+    def _scatter_full(self, param: torch.Tensor, value: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy this rank's fragment of the full `value` into `target`, a partition-shaped buffer."""
         group, index = self._check_param(param)
         layout = self.layouts[group]
         rank = self._owner_rank(group)
@@ -391,28 +407,24 @@ class DeepSpeedZeroOptimizer:
         flat_value = value.detach().reshape(-1).to(device=self.device, dtype=torch.float32)
         for fragment in layout.fragments(rank):
             if fragment.param_index == index:
-                target = self.single_partition_of_fp32_groups[group]
                 start = fragment.flat_start - base
-                target[start:start + fragment.numel].copy_(
-                    flat_value[fragment.param_start:fragment.param_start + fragment.numel])
+                source = flat_value[fragment.param_start:fragment.param_start + fragment.numel]
+                target[start:start + fragment.numel].copy_(source)
+
+    def set_full_hp_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """Write `value` into the masters (this rank's fragment) and into the lp weight (whole)."""
+        group, _ = self._check_param(param)
+        self._scatter_full(param, value, self.single_partition_of_fp32_groups[group])
         param.data.copy_(value.detach().view_as(param))
 
     def set_full_hp_grad(self, param: torch.Tensor, value: torch.Tensor) -> None:
         """Replace this rank's fragment of the reduced gradient with `value` (given unscaled)."""
-        group, index = self._check_param(param)
+        group, _ = self._check_param(param)
         if not self._grads_ready:
             raise ValueError("Gradients are only available immediately after backward and before engine step")
-        layout = self.layouts[group]
-        rank = self._owner_rank(group)
-        base = layout.partition_range(rank)[0]
-        flat_value = value.detach().reshape(-1).to(device=self.device, dtype=torch.float32)
-        flat_value = flat_value * float(self.loss_scaler.cur_scale)
-        for fragment in layout.fragments(rank):
-            if fragment.param_index == index:
-                target = self.reducer.partition_grad(group)
-                start = fragment.flat_start - base
-                target[start:start + fragment.numel].copy_(
-                    flat_value[fragment.param_start:fragment.param_start + fragment.numel])
+        # The reducer holds loss-scaled gradients; the transactional step unscales them.
+        scaled = value.detach().float() * float(self.loss_scaler.cur_scale)
+        self._scatter_full(param, scaled, self.reducer.partition_grad(group))
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
