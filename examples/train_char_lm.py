@@ -353,6 +353,10 @@ def main(argv: list[str] | None = None) -> None:
     start = time.time()
     run.train()
     run.finish(time.time() - start)
+    # Tear the process group down before the interpreter exits: leaving it to exit-time destructors can
+    # abort a gloo rank ("terminate called without an active exception").
+    run.engine.destroy()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
