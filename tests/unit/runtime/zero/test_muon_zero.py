@@ -17,7 +17,7 @@ from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam, muon_param_groups
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from unit.common import DistributedTest
-from unit.runtime.engine_harness import DTYPES, global_batches, micro_batch, relative_error
+from unit.runtime.engine_harness import DTYPES, global_batches, relative_error, train_steps
 from unit.simple_model import SimpleModel
 
 HIDDEN = 16
@@ -113,15 +113,9 @@ def reference_muon(model, batches, optimizer_params, dtype="fp32", loss_scale=1.
 
 def run_engine(model, config, batches, dtype="fp32", multipliers=None, after_step=None):
     engine, _, _, _ = deepspeed.initialize(model=model, config=config)
-    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     for step, batch in enumerate(batches):
-        for gas_index in range(gas):
-            x, y = micro_batch(batch, micro, gas_index, dist.get_rank(), dist.get_world_size(), engine.device,
-                               DTYPES[dtype])
-            loss = engine(x, y)
-            multiplier = (multipliers or {}).get(step)
-            engine.backward(loss * multiplier if multiplier is not None else loss)
-            engine.step()
+        multiplier = (multipliers or {}).get(step)
+        train_steps(engine, [batch], dtype, loss_multipliers={0: multiplier} if multiplier is not None else None)
         if after_step is not None:
             after_step(engine, step)
     return engine
