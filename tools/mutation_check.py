@@ -107,10 +107,10 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "    def _apply(self, factor: float) -> None:\n"),
             # The optimizer applies the update computed before the decision instead of computing its own.
             Patch(MUON_OPTIMIZER,
-                  "            updates = muon_update_batch(\n                [p.grad for p in params],\n",
+                  "            update, scale = orthogonalized_batch(\n                [p.grad for p in params],\n",
                   "            precomputed = [self.state[p].pop('precomputed_update', None) for p in params]\n"
-                  "            updates = precomputed if all(u is not None for u in precomputed) \\\n"
-                  "                else muon_update_batch(\n"
+                  "            update, scale = (torch.stack(precomputed), 1.0) \\\n"
+                  "                if all(u is not None for u in precomputed) else orthogonalized_batch(\n"
                   "                [p.grad for p in params],\n"),
         ),
     ),

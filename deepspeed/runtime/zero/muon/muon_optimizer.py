@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from deepspeed.runtime.zero.muon.original_muon import NS_FUNCTIONS, adam_update, muon_update_batch
+from deepspeed.runtime.zero.muon.original_muon import NS_FUNCTIONS, adam_update, orthogonalized_batch, stacked_view
 
 MUON_DEFAULTS: dict[str, Any] = {
     "lr": 0.02,
@@ -162,7 +162,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                     # a dtype that changes on resume broke upstream, #7746).
                     state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
                 momenta.append(state["momentum_buffer"])
-            updates = muon_update_batch(
+            update, scale = orthogonalized_batch(
                 [p.grad for p in params],
                 momenta,
                 beta=group["momentum"],
@@ -173,7 +173,13 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             )
             if weight_decay != 0:
                 torch._foreach_mul_(params, 1 - lr * weight_decay)
-            torch._foreach_add_(params, [u.to(p.dtype) for u, p in zip(updates, params)], alpha=-lr)
+            # One fused read of the low-precision update per element: the RMS factor and the learning rate
+            # travel as alpha, computed in fp32 against the fp32 master.
+            stacked = stacked_view(params)
+            if stacked is not None:
+                stacked.add_(update, alpha=-lr * scale)
+            else:
+                torch._foreach_add_(params, list(update.unbind(0)), alpha=-lr * scale)
 
     def _adam_group_step(self, group: dict[str, Any]) -> None:
         lr, weight_decay = group["lr"], group["weight_decay"]

@@ -52,13 +52,14 @@ def resolve_ns_dtype(tensor: Tensor, dtype: torch.dtype | None = None) -> torch.
 
 
 def _normalized_wide(G: Tensor, dtype: torch.dtype | None) -> tuple[Tensor, bool]:
-    """Cast to the compute dtype, make the matrix wide (rows <= cols) and scale it to unit Frobenius norm.
+    """Cast to the compute dtype, view as a batch of wide matrices (rows <= cols), scale to unit Frobenius norm.
 
-    Returns the new tensor (never an alias of ``G``: the division allocates) and whether it was transposed.
+    Returns a 3-D tensor (never an alias of ``G``: the division allocates) and whether it was transposed.
+    Working on 3-D batches lets every product be one ``bmm``/``baddbmm`` launch.
     """
     if G.ndim < 2:
         raise ValueError(f"Newton-Schulz needs a matrix (or a batch of matrices), got shape {tuple(G.shape)}")
-    X = G.to(resolve_ns_dtype(G, dtype))
+    X = G.to(resolve_ns_dtype(G, dtype)).reshape(-1, *G.shape[-2:])
     is_transposed = X.size(-2) > X.size(-1)
     if is_transposed:
         X = X.mT
@@ -67,12 +68,20 @@ def _normalized_wide(G: Tensor, dtype: torch.dtype | None) -> tuple[Tensor, bool
     return X, is_transposed
 
 
+def _restored_layout(X: Tensor, is_transposed: bool, like: Tensor) -> Tensor:
+    """Undo :func:`_normalized_wide`'s transpose and batch view: ``like``'s shape, the compute dtype."""
+    if is_transposed:
+        X = X.mT
+    return X.reshape(like.shape)
+
+
 def _standard_iterations(X: Tensor, steps: int) -> Tensor:
+    """X <- a X + (b A + c A^2) X with A = X X^T; the scalars ride in ``baddbmm`` (three launches per step)."""
     a, b, c = NS_COEFFICIENTS
     for _ in range(steps):
-        A = X @ X.mT
-        B = b * A + c * (A @ A)
-        X = a * X + B @ X
+        A = torch.bmm(X, X.mT)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        X = torch.baddbmm(X, B, X, beta=a)
     return X
 
 
@@ -94,8 +103,7 @@ def zeropower_via_newtonschulz5(G: Tensor, steps: int = 5, dtype: torch.dtype | 
         ValueError: if ``G`` has fewer than two dimensions.
     """
     X, is_transposed = _normalized_wide(G, dtype)
-    X = _standard_iterations(X, steps)
-    return X.mT if is_transposed else X
+    return _restored_layout(_standard_iterations(X, steps), is_transposed, G)
 
 
 def zeropower_via_gram_newtonschulz(G: Tensor, steps: int = 5, dtype: torch.dtype | None = None) -> Tensor:
@@ -127,27 +135,26 @@ def zeropower_via_gram_newtonschulz(G: Tensor, steps: int = 5, dtype: torch.dtyp
     X, is_transposed = _normalized_wide(G, dtype)
     rows, cols = X.shape[-2:]
     if rows == cols:
-        X = _standard_iterations(X, steps)
-        return X.mT if is_transposed else X
+        return _restored_layout(_standard_iterations(X, steps), is_transposed, G)
     a, b, c = NS_COEFFICIENTS
     eye = torch.eye(rows, dtype=X.dtype, device=X.device)
-    R = X @ X.mT
+    R = torch.bmm(X, X.mT)
     Q = None
     for k in range(steps):
         if k in GRAM_RESTART_ITERATIONS and Q is not None:
-            X = Q @ X
-            R = X @ X.mT
+            X = torch.bmm(Q, X)
+            R = torch.bmm(X, X.mT)
             Q = None
-        Z = b * R + c * (R @ R)
+        Z = torch.baddbmm(R, R, R, beta=b, alpha=c)
         # P = a I + Z; the first factor needs no product.
-        Q = Z + a * eye if Q is None else a * Q + Z @ Q
+        Q = torch.add(Z, eye, alpha=a) if Q is None else torch.baddbmm(Q, Z, Q, beta=a)
         is_last_before_rebuild = k + 1 == steps or k + 1 in GRAM_RESTART_ITERATIONS
         if not is_last_before_rebuild:
-            PR = a * R + Z @ R
-            R = a * PR + Z @ PR
+            PR = torch.baddbmm(R, Z, R, beta=a)
+            R = torch.baddbmm(PR, Z, PR, beta=a)
     if Q is not None:
-        X = Q @ X
-    return X.mT if is_transposed else X
+        X = torch.bmm(Q, X)
+    return _restored_layout(X, is_transposed, G)
 
 
 NSFunction = Callable[..., Tensor]
@@ -239,7 +246,31 @@ def muon_update(
     return (update.float() * scale).reshape(grad.shape)
 
 
-def muon_update_batch(
+def stacked_view(tensors: Sequence[Tensor]) -> Tensor | None:
+    """A (len, *shape) view over same-shape tensors that lie back to back in one storage, else None.
+
+    Under ZeRO an owner's matrices of one shape are usually adjacent slices of its flat fp32 partition (and
+    so are their gradients), so they can be read and written as one batch without a copy.
+    """
+    first = tensors[0]
+    if not first.is_contiguous():
+        return None
+    numel, step = first.numel(), first.numel() * first.element_size()
+    for index, tensor in enumerate(tensors):
+        if (tensor.shape != first.shape or tensor.dtype != first.dtype or not tensor.is_contiguous()
+                or tensor.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or tensor.data_ptr() != first.data_ptr() + index * step):
+            return None
+    return first.as_strided((len(tensors), *first.shape), (numel, *first.stride()), first.storage_offset())
+
+
+def _stacked(tensors: Sequence[Tensor]) -> Tensor:
+    """:func:`stacked_view` when possible, else a stacked copy."""
+    view = stacked_view(tensors)
+    return view if view is not None else torch.stack(list(tensors))
+
+
+def orthogonalized_batch(
     grads: Sequence[Tensor],
     momenta: Sequence[Tensor],
     beta: float = 0.95,
@@ -247,11 +278,11 @@ def muon_update_batch(
     nesterov: bool = True,
     ns_method: str = "gram",
     ns_dtype: torch.dtype | None = None,
-) -> list[Tensor]:
-    """:func:`muon_update` for several matrices of one shape, with one batched Newton-Schulz call.
+) -> tuple[Tensor, float]:
+    """Fold same-shape gradients into their momenta and orthogonalise all directions with one batched call.
 
-    The math is :func:`muon_update`'s for each (grad, momentum) pair; only the Newton-Schulz matmuls run
-    batched, which turns a launch-bound loop of small kernels into a few large ones.
+    The math is :func:`muon_update`'s for each (grad, momentum) pair; the matrices run as one batch, which
+    turns a launch-bound loop of small kernels into a few large ones.
 
     Args:
         grads: 2-D or 4-D gradients, all of one shape; never written.
@@ -259,13 +290,16 @@ def muon_update_batch(
         beta, ns_steps, nesterov, ns_method, ns_dtype: as :func:`muon_update`.
 
     Returns:
-        One new fp32 update per gradient, in order.
+        (update, scale): the orthogonalised directions stacked as (len(grads), *shape) in the Newton-Schulz
+        compute dtype, and the RMS factor sqrt(max(1, rows / cols)) the caller multiplies them by. Keeping
+        the factor apart lets the caller fold it into the step's ``alpha`` instead of another pass.
 
     Raises:
-        ValueError: as :func:`muon_update`, or for gradients of different shapes or a 3-D gradient.
+        ValueError: as :func:`muon_update`, or for no gradients, gradients of different shapes or a 3-D
+            gradient.
     """
     if not grads:
-        return []
+        raise ValueError("orthogonalized_batch needs at least one gradient")
     shape = grads[0].shape
     if ns_method not in NS_FUNCTIONS:
         raise ValueError(f"ns_method must be one of {{'standard', 'gram'}}, got {ns_method}")
@@ -281,15 +315,43 @@ def muon_update_batch(
         if momentum.dtype != torch.float32 or momentum.shape != shape:
             raise ValueError(f"Muon momentum must be a float32 tensor shaped like the gradient {tuple(shape)}, "
                              f"got {momentum.dtype} {tuple(momentum.shape)}")
-    # stack() copies, so everything below writes only fresh tensors and the momenta.
-    grad32 = torch.stack([grad.float() for grad in grads])
+    # grad32 may be a view of the gradients: below it is only read, and lerp (not lerp_) allocates.
+    grad32 = _stacked([grad.float() for grad in grads])
     torch._foreach_lerp_(list(momenta), list(grad32.unbind(0)), 1 - beta)
-    momentum32 = torch.stack(list(momenta))
+    momentum32 = _stacked(momenta)
     direction = grad32.lerp(momentum32, beta) if nesterov else momentum32
     direction = direction.reshape(len(grads), shape[0], -1)
     update = NS_FUNCTIONS[ns_method](direction, steps=ns_steps, dtype=ns_dtype)
     scale = max(1.0, direction.size(-2) / direction.size(-1)) ** 0.5
-    return list((update.float() * scale).reshape(len(grads), *shape).unbind(0))
+    return update.reshape(len(grads), *shape), scale
+
+
+def muon_update_batch(
+    grads: Sequence[Tensor],
+    momenta: Sequence[Tensor],
+    beta: float = 0.95,
+    ns_steps: int = 5,
+    nesterov: bool = True,
+    ns_method: str = "gram",
+    ns_dtype: torch.dtype | None = None,
+) -> list[Tensor]:
+    """:func:`muon_update` for several matrices of one shape, with one batched Newton-Schulz call.
+
+    Args:
+        grads: 2-D or 4-D gradients, all of one shape; never written.
+        momenta: fp32 buffers shaped like the gradients; updated in place.
+        beta, ns_steps, nesterov, ns_method, ns_dtype: as :func:`muon_update`.
+
+    Returns:
+        One new fp32 update per gradient, in order (scaled like :func:`muon_update`'s).
+
+    Raises:
+        ValueError: as :func:`orthogonalized_batch`.
+    """
+    if not grads:
+        return []
+    update, scale = orthogonalized_batch(grads, momenta, beta, ns_steps, nesterov, ns_method, ns_dtype)
+    return list((update.float() * scale).unbind(0))
 
 
 def adam_update(

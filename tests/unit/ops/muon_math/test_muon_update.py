@@ -152,3 +152,54 @@ def test_batched_update_rejects_mixed_shapes():
 
     with pytest.raises(ValueError, match="one shape"):
         muon_update_batch([torch.randn(4, 4), torch.randn(4, 5)], [torch.zeros(4, 4), torch.zeros(4, 5)])
+
+
+def test_stacked_view_reads_and_writes_adjacent_slices_without_a_copy():
+    from deepspeed.runtime.zero.muon.original_muon import stacked_view
+
+    flat = torch.arange(2 + 3 * 12, dtype=torch.float32)
+    slices = [flat[2 + 12 * i:2 + 12 * (i + 1)].view(3, 4) for i in range(3)]
+    view = stacked_view(slices)
+    assert view is not None and view.shape == (3, 3, 4)
+    assert torch.equal(view, torch.stack(slices))
+    view[1].fill_(-1.0)
+    assert torch.equal(slices[1], torch.full((3, 4), -1.0)), "the stacked view must alias the tensors"
+
+
+def test_stacked_view_refuses_what_is_not_one_back_to_back_run():
+    from deepspeed.runtime.zero.muon.original_muon import stacked_view
+
+    flat = torch.zeros(100)
+    gap = [flat[0:12].view(3, 4), flat[13:25].view(3, 4)]
+    out_of_order = [flat[12:24].view(3, 4), flat[0:12].view(3, 4)]
+    other_shape = [flat[0:12].view(3, 4), flat[12:24].view(4, 3)]
+    separate = [torch.zeros(3, 4), torch.zeros(3, 4)]
+    transposed = [flat[0:12].view(4, 3).t(), flat[12:24].view(4, 3).t()]
+    for tensors in (gap, out_of_order, other_shape, separate, transposed):
+        assert stacked_view(tensors) is None
+
+
+@pytest.mark.parametrize("adjacent", [True, False], ids=["one-buffer", "separate"])
+def test_batched_update_is_the_same_whether_inputs_share_a_buffer(adjacent):
+    """The zero-copy path (ZeRO's adjacent slices) and the stacking path compute the same bits."""
+    from deepspeed.runtime.zero.muon.original_muon import muon_update_batch
+
+    shape = (24, 40)
+    torch.manual_seed(0)
+    grads = [torch.randn(shape) for _ in range(3)]
+    momenta = [torch.randn(shape) for _ in range(3)]
+    expected_momenta = [m.clone() for m in momenta]
+    expected = muon_update_batch([g.clone() for g in grads], expected_momenta, beta=0.9)
+    if adjacent:
+        flat_grads, flat_momenta = torch.cat([g.reshape(-1) for g in grads]), torch.cat([m.reshape(-1) for m in momenta])
+        n = grads[0].numel()
+        grads = [flat_grads[i * n:(i + 1) * n].view(shape) for i in range(3)]
+        momenta = [flat_momenta[i * n:(i + 1) * n].view(shape) for i in range(3)]
+    grads_before = [g.clone() for g in grads]
+    got = muon_update_batch(grads, momenta, beta=0.9)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+    for a, b in zip(momenta, expected_momenta):
+        assert torch.equal(a, b)
+    for g, before in zip(grads, grads_before):
+        assert torch.equal(g, before), "the batched update wrote into a gradient"

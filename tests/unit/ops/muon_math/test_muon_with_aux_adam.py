@@ -307,3 +307,26 @@ def test_muon_param_groups_errors():
         muon_param_groups([("w", w), ("layer.untagged", untagged)], {})
     assert MISSING_USE_MUON_MESSAGE in str(error.value)
     assert "layer.untagged" in str(error.value)
+
+
+def test_params_in_one_buffer_step_exactly_like_separate_params():
+    """Masters that are adjacent slices of one buffer (as under ZeRO) take the one-launch update path; it
+    must give the same bits as separate tensors."""
+    shape, count = (24, 40), 3
+    generator = torch.Generator().manual_seed(0)
+    initial = [torch.randn(shape, generator=generator) for _ in range(count)]
+    flat = torch.cat([t.reshape(-1) for t in initial])
+    n = initial[0].numel()
+    sliced = [flat[i * n:(i + 1) * n].view(shape) for i in range(count)]
+    separate = [t.clone() for t in initial]
+    optimizers = [MuonWithAuxAdam([{"params": params, "use_muon": True, **MUON_OPTIONS}])
+                  for params in (sliced, separate)]
+    for step in range(3):
+        grads = [torch.randn(shape, generator=generator) for _ in range(count)]
+        for params, optimizer in zip((sliced, separate), optimizers):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            optimizer.step()
+    for a, b in zip(sliced, separate):
+        assert torch.equal(a, b)
+    assert not torch.equal(sliced[0], initial[0])

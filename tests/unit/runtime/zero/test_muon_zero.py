@@ -313,3 +313,19 @@ class TestMuonWorkSplit(DistributedTest):
         ideal = sum(newton_schulz_cost(p.shape) for p in matrices) / 2
         assert max(c.item() for c in all_costs) <= 2 * ideal
         assert min(c.item() for c in all_calls) > 0
+
+    @pytest.mark.parametrize("stage", [0, 1, 2])
+    def test_owned_same_shape_masters_are_one_zero_copy_batch(self, stage):
+        """The owner layout keeps a rank's same-shape Muon masters back to back, so the batched update reads
+        and writes them (and their gradients, which share the offsets) without stacking copies."""
+        torch.manual_seed(0)
+        engine, _, _, _ = deepspeed.initialize(model=TinyTransformer(layers=3), config=muon_config(stage))
+        basic = engine.optimizer.optimizer
+        muon_groups = [group for group in basic.param_groups if group["use_muon"]]
+        assert len(muon_groups) == 1
+        by_shape = {}
+        for master in muon_groups[0]["params"]:
+            by_shape.setdefault(tuple(master.shape), []).append(master)
+        assert any(len(masters) > 1 for masters in by_shape.values()), "the test needs a rank owning a batch"
+        for shape, masters in by_shape.items():
+            assert original_muon.stacked_view(masters) is not None, f"masters of shape {shape} are not adjacent"
