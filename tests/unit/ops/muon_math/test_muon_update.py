@@ -191,7 +191,8 @@ def test_batched_update_is_the_same_whether_inputs_share_a_buffer(adjacent):
     expected_momenta = [m.clone() for m in momenta]
     expected = muon_update_batch([g.clone() for g in grads], expected_momenta, beta=0.9)
     if adjacent:
-        flat_grads, flat_momenta = torch.cat([g.reshape(-1) for g in grads]), torch.cat([m.reshape(-1) for m in momenta])
+        flat_grads = torch.cat([g.reshape(-1) for g in grads])
+        flat_momenta = torch.cat([m.reshape(-1) for m in momenta])
         n = grads[0].numel()
         grads = [flat_grads[i * n:(i + 1) * n].view(shape) for i in range(3)]
         momenta = [flat_momenta[i * n:(i + 1) * n].view(shape) for i in range(3)]

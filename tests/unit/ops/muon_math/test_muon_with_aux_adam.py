@@ -321,7 +321,7 @@ def test_params_in_one_buffer_step_exactly_like_separate_params():
     separate = [t.clone() for t in initial]
     optimizers = [MuonWithAuxAdam([{"params": params, "use_muon": True, **MUON_OPTIONS}])
                   for params in (sliced, separate)]
-    for step in range(3):
+    for _ in range(3):
         grads = [torch.randn(shape, generator=generator) for _ in range(count)]
         for params, optimizer in zip((sliced, separate), optimizers):
             for p, g in zip(params, grads):
