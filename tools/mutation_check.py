@@ -183,14 +183,13 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "    if dist.is_initialized() and dist.get_world_size(group) > 1:\n"
                   "        dist.all_reduce(stats, op=dist.ReduceOp.MAX if replicated else dist.ReduceOp.SUM, "
                   "group=group)\n"
-                  "    sum_of_squares, flag = stats.tolist()\n"
-                  "    return sum_of_squares, flag > 0\n",
-                  "    local_flag = stats[1].item()\n"
+                  "    return stats\n",
+                  "    local_flag = stats[1].clone()\n"
                   "    if dist.is_initialized() and dist.get_world_size(group) > 1:\n"
                   "        dist.all_reduce(stats, op=dist.ReduceOp.MAX if replicated else dist.ReduceOp.SUM, "
                   "group=group)\n"
-                  "    sum_of_squares, _ = stats.tolist()\n"
-                  "    return sum_of_squares, local_flag > 0\n"),
+                  "    stats[1] = local_flag\n"
+                  "    return stats\n"),
         ),
     ),
     Mutation(

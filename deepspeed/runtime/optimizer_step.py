@@ -11,8 +11,7 @@ leaves parameters, masters and optimizer state bit-identical everywhere.
 """
 
 import math
-from dataclasses import dataclass
-from typing import Callable, Sequence, Tuple
+from typing import Callable, Sequence, Tuple, Union
 
 import torch
 
@@ -22,23 +21,36 @@ import deepspeed.comm as dist
 NON_FINITE_NORM = -1.0
 
 
-@dataclass(frozen=True)
 class StepOutcome:
     """What a step did.
 
     Attributes:
         applied: False when the step was skipped because of non-finite gradients.
-        grad_norm: global L2 norm of the unscaled, unclipped gradient (-1.0 when not finite).
         loss_scale: the loss scale the backward used.
+        grad_norm: global L2 norm of the unscaled, unclipped gradient (-1.0 when not finite). When the step
+            made no host-side decision the norm stays on the device until this is first read, so a training
+            loop that never reads it never waits for the device.
     """
 
-    applied: bool
-    grad_norm: float
-    loss_scale: float
+    __slots__ = ("applied", "loss_scale", "_grad_norm")
+
+    def __init__(self, applied: bool, grad_norm: Union[float, torch.Tensor], loss_scale: float) -> None:
+        self.applied = applied
+        self.loss_scale = loss_scale
+        self._grad_norm = grad_norm
+
+    @property
+    def grad_norm(self) -> float:
+        if isinstance(self._grad_norm, torch.Tensor):
+            self._grad_norm = self._grad_norm.item()
+        return self._grad_norm
+
+    def __repr__(self) -> str:
+        return f"StepOutcome(applied={self.applied}, grad_norm={self.grad_norm}, loss_scale={self.loss_scale})"
 
 
-def gradient_statistics(grads: Sequence[torch.Tensor], replicated: bool, group=None) -> Tuple[float, bool]:
-    """Global squared norm and non-finite flag of `grads`, with a single collective.
+def reduced_statistics(grads: Sequence[torch.Tensor], replicated: bool, group=None) -> torch.Tensor:
+    """[global sum of squares, non-finite flag] of `grads` as a float64 device tensor, with one collective.
 
     Args:
         grads: the gradient tensors this rank holds (its partition; every tensor when `replicated`).
@@ -47,7 +59,7 @@ def gradient_statistics(grads: Sequence[torch.Tensor], replicated: bool, group=N
         group: the data-parallel process group.
 
     Returns:
-        (sum of squares, has_non_finite).
+        A 2-element float64 tensor on the gradients' device; the sum of squares is 0 when the flag is set.
     """
     device = grads[0].device if grads else torch.device("cpu")
     stats = torch.zeros(2, dtype=torch.float64, device=device)
@@ -60,7 +72,16 @@ def gradient_statistics(grads: Sequence[torch.Tensor], replicated: bool, group=N
     stats[0] = torch.where(stats[1] > 0, torch.zeros_like(stats[0]), stats[0])
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(stats, op=dist.ReduceOp.MAX if replicated else dist.ReduceOp.SUM, group=group)
-    sum_of_squares, flag = stats.tolist()
+    return stats
+
+
+def gradient_statistics(grads: Sequence[torch.Tensor], replicated: bool, group=None) -> Tuple[float, bool]:
+    """Global squared norm and non-finite flag of `grads` on the host (see `reduced_statistics`).
+
+    Returns:
+        (sum of squares, has_non_finite).
+    """
+    sum_of_squares, flag = reduced_statistics(grads, replicated, group).tolist()
     return sum_of_squares, flag > 0
 
 
@@ -74,8 +95,22 @@ def clip_coefficient(grad_norm: float, clip: float) -> float:
     return max(1.0, (grad_norm + 1e-6) / clip)
 
 
+def device_norm_and_factor(stats: torch.Tensor, scale: float, clip: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`clip_coefficient`'s arithmetic on the device: (grad norm or -1, fp32 unscale-and-clip factor).
+
+    The same float64 operations as the host path, so both give the same factor bits.
+    """
+    is_finite = stats[1] == 0
+    norm = stats[0].sqrt() / scale
+    grad_norm = torch.where(is_finite, norm, torch.full_like(norm, NON_FINITE_NORM))
+    coefficient = torch.ones_like(norm)
+    if clip > 0:
+        coefficient = torch.where(is_finite, torch.clamp((norm + 1e-6) / clip, min=1.0), coefficient)
+    return grad_norm, (1.0 / (scale * coefficient)).float()
+
+
 def transactional_step(grads: Sequence[torch.Tensor], loss_scaler, clip: float, check_overflow: bool,
-                       replicated: bool, group, apply: Callable[[float], None]) -> StepOutcome:
+                       replicated: bool, group, apply: Callable[[Union[float, torch.Tensor]], None]) -> StepOutcome:
     """Run one optimizer step as a transaction.
 
     Args:
@@ -83,21 +118,31 @@ def transactional_step(grads: Sequence[torch.Tensor], loss_scaler, clip: float, 
         loss_scaler: a LossScaler/DynamicLossScaler; its `update_scale` may raise at the minimum scale.
         clip: gradient_clipping (global L2 norm of the unscaled gradient); <= 0 disables.
         check_overflow: skip the step on non-finite gradients (fp16 always; bf16 when configured).
-        replicated: see `gradient_statistics`.
+        replicated: see `reduced_statistics`.
         group: the data-parallel process group.
         apply: called with the single factor (1 / (scale * clip_coefficient)) that unscales and clips;
-            it performs every mutation of the step.
+            it performs every mutation of the step. The factor is a Python float after a host-side
+            decision, else a 0-d fp32 tensor on the gradients' device.
 
     Returns:
         The StepOutcome.
     """
-    sum_of_squares, has_non_finite = gradient_statistics(grads, replicated, group)
+    stats = reduced_statistics(grads, replicated, group)
     scale_used = float(loss_scaler.cur_scale)
-    has_overflow = has_non_finite and check_overflow
+    if not check_overflow:
+        # No decision is taken on the host (the step is applied whatever the gradients hold), so the norm and
+        # the clip factor stay on the device and the whole step is queued behind the backward without waiting
+        # for it: the host's launch work then overlaps the device's.
+        loss_scaler.update_scale(False)
+        grad_norm, factor = device_norm_and_factor(stats, scale_used, clip)
+        apply(factor)
+        return StepOutcome(applied=True, grad_norm=grad_norm, loss_scale=scale_used)
+    sum_of_squares, flag = stats.tolist()
+    has_overflow = flag > 0
     loss_scaler.update_scale(has_overflow)
     if has_overflow:
         return StepOutcome(applied=False, grad_norm=NON_FINITE_NORM, loss_scale=scale_used)
-    grad_norm = math.sqrt(sum_of_squares) / scale_used if not has_non_finite else NON_FINITE_NORM
+    grad_norm = math.sqrt(sum_of_squares) / scale_used
     factor = 1.0 / (scale_used * clip_coefficient(grad_norm, clip))
     apply(factor)
     return StepOutcome(applied=True, grad_norm=grad_norm, loss_scale=scale_used)

@@ -98,7 +98,7 @@ class DeepSpeedZeroOptimizer:
                                    self._reducer_options(), self.device)
         self._hook_handles = self._register_grad_hooks()
         self.overflow = False
-        self._global_grad_norm = 0.0
+        self._last_outcome: Optional[StepOutcome] = None
         self._grads_ready = False
         self.micro_step_id = 0
 
@@ -200,6 +200,11 @@ class DeepSpeedZeroOptimizer:
 
     # ------------------------------------------------------------------ properties upstream exposes
     @property
+    def _global_grad_norm(self) -> float:
+        """The last step's global gradient norm (read from the device on first access; 0.0 before any step)."""
+        return self._last_outcome.grad_norm if self._last_outcome is not None else 0.0
+
+    @property
     def loss_scale(self) -> float:
         return self.loss_scaler.cur_scale
 
@@ -279,7 +284,7 @@ class DeepSpeedZeroOptimizer:
         outcome = transactional_step(grads, self.loss_scaler, self.options.clip_grad, self.options.check_overflow,
                                      replicated, self.dp_process_group, self._apply)
         self.overflow = not outcome.applied
-        self._global_grad_norm = outcome.grad_norm
+        self._last_outcome = outcome
         self.reducer.zero()
         self._grads_ready = False
         self.micro_step_id = 0
