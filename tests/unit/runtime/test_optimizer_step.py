@@ -45,7 +45,7 @@ class TestStepDoesNotWaitForTheDevice(DistributedTest):
     @pytest.mark.parametrize("optimizer", ["muon", "adamw"])
     def test_bf16_step_issues_no_synchronising_call(self, stage, optimizer):
         model = make_model(hidden_dim=32, nlayers=3)
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             param.use_muon = param.ndim == 2
         optimizer_config = {"type": "Muon", "params": {"lr": 0.02}} if optimizer == "muon" else None
         config = make_config(stage, "bf16", micro=4, optimizer=optimizer_config, clip=1.0)
