@@ -5,21 +5,27 @@ Launch (whole table, 2 GPUs; benchmarks/run_all.sh does this):
 End-to-end check on CPU (two gloo processes, a tiny model, well under a minute):
     python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/muon_zero_bench.py --smoke
 
-Per mode and round: a fresh model and engine, warm-up steps, then two timed phases of --steps steps each:
-(1) whole steps, synchronised only at step ends; (2) steps with a synchronisation before the optimizer step
-too, which time the optimizer step alone. In the first round it also times every Newton-Schulz call
-(synchronised, per rank) and, for --profile-modes, records torch.profiler tables. Results go to $OUT when
-set, else benchmarks/results/: JSON, a markdown table and a PNG chart (report.py). Method and figures:
+Every selected mode is built once, warmed up and kept alive beside the others (its peak memory measured
+while it is built and warmed up). Then --blocks blocks: in each, every mode in turn runs --rewarm-steps
+untimed steps, --block-steps whole steps (synchronised only at step ends) and --block-steps steps with a
+synchronisation before the optimizer step too (which time the optimizer step alone). The order of the
+modes changes from block to block, so a slow period of a shared machine hits all modes alike, and the
+even and odd blocks are two reruns interleaved in time (the report compares them). After the blocks,
+mode by mode: the optimizer step's phases, every Newton-Schulz call (synchronised, per rank) and, for
+--profile-modes, torch.profiler tables. Results go to $OUT when set, else benchmarks/results/: JSON, a
+markdown table and a PNG chart (report.py), rewritten after every block. Method and figures:
 docs/performance.md.
 """
 
 import argparse
+import contextlib
 import functools
 import gc
 import os
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,8 +37,8 @@ sys.path.insert(0, str(REPO_ROOT))
 DEFAULT_PROFILE_MODES = "ds-z2-bf16-muon,ds-z2-bf16-adamw,ddp-bf16-muon"
 SMOKE_DEFAULTS = {
     "layers": 2, "d_model": 64, "heads": 2, "seq_len": 64, "vocab": 512, "micro_batch": 2, "grad_accum": 2,
-    "warmup": 1, "steps": 4, "rounds": 2, "ns_timing_steps": 1, "profile_steps": 1, "standalone_reps": 2,
-    "matmul_size": 256,
+    "warmup": 1, "blocks": 4, "block_steps": 2, "rewarm_steps": 1, "ns_timing_steps": 1, "profile_steps": 1,
+    "standalone_reps": 2, "matmul_size": 256,
 }
 LAUNCH_KEYS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 
@@ -51,15 +57,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     size.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
     method = parser.add_argument_group("method")
     method.add_argument("--modes", default="all", help="comma-separated mode names, or 'all'")
-    method.add_argument("--warmup", type=int, default=10, help="untimed steps per mode and round")
-    method.add_argument("--steps", type=int, default=50, help="timed steps per phase (two phases per round)")
-    method.add_argument("--rounds", type=int, default=2, help="times the whole mode list is repeated")
+    method.add_argument("--warmup", type=int, default=10, help="untimed steps per mode right after building it")
+    method.add_argument("--blocks", type=int, default=16,
+                        help="blocks of interleaved modes; even and odd blocks are the two halves of the rerun check")
+    method.add_argument("--block-steps", type=int, default=10,
+                        help="timed steps per mode, block and phase (two phases: whole step, optimizer step)")
+    method.add_argument("--rewarm-steps", type=int, default=2,
+                        help="untimed steps of a mode at the start of its turn in a block (caches after switching)")
     method.add_argument("--ns-timing-steps", type=int, default=3,
                         help="steps with the optimizer step's phases timed, then as many with every Newton-Schulz "
-                             "call timed (first round; 0 disables)")
+                             "call timed (after the blocks; 0 disables)")
     method.add_argument("--profile-steps", type=int, default=2, help="steps under torch.profiler (0 disables)")
     method.add_argument("--profile-modes", default=DEFAULT_PROFILE_MODES,
-                        help="comma-separated modes to profile in the first round, or 'none'")
+                        help="comma-separated modes to profile after the blocks, or 'none'")
     method.add_argument("--standalone-reps", type=int, default=10,
                         help="repetitions of the one-device Newton-Schulz timings (0 disables)")
     method.add_argument("--matmul-size", type=int, default=8192, help="square matmul for the rate ceiling (0: skip)")
@@ -78,15 +88,58 @@ def parse_args(argv=None) -> argparse.Namespace:
     opt.add_argument("--fused-adamw", action=argparse.BooleanOptionalAction, default=None,
                      help="fused torch AdamW (default: on CUDA)")
     method.add_argument("--budget-s", type=float, default=450,
-                        help="skip the remaining mode-rounds once one more would end past this many seconds "
-                             "(0: no limit); the target modes come first in each round")
+                        help="run no further block (and then no further mode's extras) that would end past this "
+                             "many seconds after start-up (0: no limit); at least one block always runs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default=None, help="default: $OUT if set, else benchmarks/results")
     parser.add_argument("--name", default="muon_zero_bench", help="stem of the output files")
     first, _ = parser.parse_known_args(argv)
     if first.smoke:
         parser.set_defaults(**SMOKE_DEFAULTS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.blocks < 1 or args.block_steps < 1:
+        parser.error("--blocks and --block-steps must be at least 1")
+    return args
+
+
+@dataclass
+class Run:
+    """What every phase of the benchmark needs: settings, this process's place, the results and the clock."""
+
+    args: argparse.Namespace
+    accelerator: object
+    rank: int
+    world: int
+    results: dict
+    out_dir: Path
+    started: float
+    log: object
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def gather(self, local: dict) -> list:
+        import deepspeed.comm as dist
+
+        gathered = [None] * self.world
+        dist.all_gather_object(gathered, local)
+        return gathered
+
+    def past_budget(self, next_cost_s: float) -> bool:
+        """Whether work expected to take `next_cost_s` would end past --budget-s (rank 0's clock decides, so all
+        ranks agree)."""
+        import deepspeed.comm as dist
+
+        verdict = [bool(self.args.budget_s) and self.elapsed() + next_cost_s > self.args.budget_s]
+        dist.broadcast_object_list(verdict, src=0)
+        return verdict[0]
+
+    def write(self) -> None:
+        """Rewrite every output file (rank 0), so that a run cut short keeps what it measured."""
+        import report
+
+        if self.rank == 0:
+            report.write_all(self.results, self.out_dir, self.args.name)
 
 
 def main(argv=None) -> None:
@@ -110,46 +163,28 @@ def main(argv=None) -> None:
     else:
         accelerator.set_device(dist.get_local_rank())
         device = torch.device(accelerator.device_name(dist.get_local_rank()))
-    log = _rank0_printer(rank)
     settings, modes, shapes, results = _plan(args, deepspeed, device, world)
     out_dir = Path(args.out_dir or os.environ.get("OUT") or REPO_ROOT / "benchmarks" / "results")
-    log(f"{len(modes)} modes x {args.rounds} rounds on {world} x {results['meta'].get('gpu', device.type)}; "
-        f"{results['model']['parameters'] / 1e6:.1f}M params, {results['tokens_per_step']} tokens/step; "
-        f"out: {out_dir}")
-    started = time.perf_counter()
+    run = Run(args, accelerator, rank, world, results, out_dir, time.perf_counter(), _rank0_printer(rank))
+    run.log(f"{len(modes)} modes, {args.blocks} blocks x {args.block_steps} steps per phase on {world} x "
+            f"{results['meta'].get('gpu', device.type)}; {results['model']['parameters'] / 1e6:.1f}M params, "
+            f"{results['tokens_per_step']} tokens/step; out: {out_dir}")
     if rank == 0:
-        _one_device_timings(args, shapes, device, world, results, log)
+        _one_device_timings(args, shapes, device, world, results, run.log)
         _free_memory(accelerator)
     dist.barrier()
-    log(f"one-device timings done ({time.perf_counter() - started:.0f} s)")
+    run.log(f"one-device timings done ({run.elapsed():.0f} s)")
 
-    batches = make_batches(settings, device, rank)
-    profile_modes = set() if args.profile_modes == "none" else set(args.profile_modes.split(","))
-    longest_mode_s = 0.0
-    for round_index in range(args.rounds):
-        for mode in modes:
-            over_budget = [bool(args.budget_s) and time.perf_counter() - started + longest_mode_s > args.budget_s]
-            dist.broadcast_object_list(over_budget, src=0)  # rank 0's clock decides, so all ranks agree
-            if over_budget[0]:
-                log(f"budget of {args.budget_s:g} s reached: skipping {mode.name} in round {round_index + 1}")
-                results["meta"].setdefault("skipped_for_budget", []).append(f"{mode.name}@{round_index + 1}")
-                continue
-            mode_start = time.perf_counter()
-            local = run_mode(mode, settings, batches, args, accelerator, round_index == 0, mode.name in profile_modes)
-            longest_mode_s = max(longest_mode_s, time.perf_counter() - mode_start)
-            gathered = [None] * world
-            dist.all_gather_object(gathered, local)
-            if rank == 0:
-                record = merge_ranks(gathered, round_index)
-                results["modes"][mode.name]["rounds"].append(record)
-                report.write_all(results, out_dir, args.name)
-                log(f"[round {round_index + 1}/{args.rounds}] {mode.name:16s} "
-                    f"step {1e3 * _median(record['step_s']):8.2f} ms  opt {1e3 * _median(record['opt_s']):7.2f} ms  "
-                    f"peak {max(record['peak_mem_bytes']) / 2**30:6.2f} GiB  skipped {record['skipped']}  "
-                    f"({time.perf_counter() - started:.0f} s)")
+    runners = build_modes(modes, settings, make_batches(settings, device, rank), run)
+    run_blocks(modes, runners, run)
+    run_extras(modes, runners, run)
+    for runner in runners.values():
+        runner.close()
+    runners.clear()
+    _free_memory(accelerator)
     if rank == 0:
-        results["meta"]["wall_s"] = time.perf_counter() - started
-        report.write_all(results, out_dir, args.name)
+        results["meta"]["wall_s"] = run.elapsed()
+        run.write()
         print(report.summary_text(results), flush=True)
     dist.barrier()
     dist.destroy_process_group()
@@ -181,7 +216,7 @@ def _plan(args, deepspeed, device: torch.device, world: int):
                   "muon_matrices": [list(s) for s in shapes]},
         "tokens_per_step": args.micro_batch * args.seq_len * args.grad_accum * world,
         "modes": {mode.name: {"backend": mode.backend, "stage": mode.stage, "dtype": mode.dtype,
-                              "optimizer": mode.optimizer, "rounds": []} for mode in modes},
+                              "optimizer": mode.optimizer, "blocks": []} for mode in modes},
     }
     return settings, modes, shapes, results
 
@@ -202,42 +237,161 @@ def _one_device_timings(args, shapes: list, device: torch.device, world: int, re
         log(f"one-device timings failed: {error!r}")
 
 
-def run_mode(mode, settings, batches, args, accelerator, extras: bool, profile: bool) -> dict:
-    """Build `mode` fresh, warm it up, time it; return this rank's plain-data measurements."""
+def build_modes(modes: list, settings, batches: list, run: Run) -> dict:
+    """Build and warm up every mode, one after the other; all stay alive for the interleaved blocks."""
+    import report
+
+    runners = {}
+    for mode in modes:
+        local, runners[mode.name] = build_and_warm_up(mode, settings, batches, run.args, run.accelerator)
+        gathered = run.gather(local)
+        if run.rank == 0:
+            build = merge_build(gathered)
+            run.results["modes"][mode.name]["build"] = build
+            footprint = max(report.footprint_bytes(build))
+            run.log(f"built {mode.name:16s} in {build['build_s']:5.1f} s, peak {footprint / 2**30:6.2f} GiB "
+                    f"({run.elapsed():.0f} s)")
+    run.write()
+    return runners
+
+
+def build_and_warm_up(mode, settings, batches: list, args, accelerator):
+    """Build `mode` beside the modes built before it and warm it up: (this rank's build record, runner).
+
+    The modes built before stay allocated, so the mode's peak is measured from the allocation just before
+    its build (peak statistics reset there): building and warm-up cover every allocation a step makes.
+    """
     import deepspeed.comm as dist
     from bench_modes import build_runner
-    from ns_timing import summarize_calls, timed_newton_schulz
-    from step_phases import DDP_PHASES, DEEPSPEED_PHASES, measure_phases
 
     _free_memory(accelerator)
     accelerator.reset_peak_memory_stats()
-    start_bytes = accelerator.memory_allocated()  # growing from mode to mode would mean a leak
+    before_build = accelerator.memory_allocated()
     dist.barrier()
     build_start = time.perf_counter()
     runner = build_runner(mode, settings, accelerator_device(accelerator), batches)
     build_s = time.perf_counter() - build_start
     for _ in range(args.warmup):
         timed_step(runner, accelerator, sync_before_optimizer=False)
-    after_warmup = accelerator.memory_allocated()
+    local = {"build_s": build_s, "before_build_bytes": before_build, "peak_bytes": accelerator.max_memory_allocated(),
+             "after_warmup_bytes": accelerator.memory_allocated(), "warmup_skipped": runner.skipped_steps}
+    return local, runner
+
+
+def run_blocks(modes: list, runners: dict, run: Run) -> None:
+    """The timed blocks: every mode takes a turn in each, in `block_order`; results rewritten after each block."""
+    longest_block_s = 0.0
+    for block in range(run.args.blocks):
+        extras_s = extras_estimate_s(longest_block_s, modes, run.args)
+        if run.past_budget(longest_block_s + extras_s):
+            run.log(f"budget of {run.args.budget_s:g} s reached: {block} of {run.args.blocks} blocks ran "
+                    f"(about {extras_s:.0f} s kept for the extras)")
+            break
+        block_start = time.perf_counter()
+        order = block_order(modes, block)
+        local = {mode.name: time_turn(runners[mode.name], run.args, run.accelerator) for mode in order}
+        block_s = time.perf_counter() - block_start
+        longest_block_s = max(longest_block_s, block_s)
+        gathered = run.gather(local)
+        if run.rank == 0:
+            for position, mode in enumerate(order):
+                turn = merge_turn([rank_turns[mode.name] for rank_turns in gathered])
+                run.results["modes"][mode.name]["blocks"].append({"block": block, "position": position} | turn)
+            run.results["meta"]["blocks_run"] = block + 1
+            run.write()
+            run.log(f"[block {block + 1}/{run.args.blocks}] {block_s:5.1f} s ({run.elapsed():.0f} s)")
+
+
+def block_order(modes: list, block: int) -> list:
+    """The modes' order in `block`: rotated by one every block, reversed in every other pair of blocks.
+
+    The rotation moves every mode through every position of a block; the reversal changes which mode runs
+    just before it (its left neighbour in forward blocks, its right one in reversed blocks). Reversing
+    pairs of blocks (3-4, 7-8, ...) rather than every other block puts both directions into each half of
+    the rerun check, which compares the odd with the even blocks.
+    """
+    shift = block % len(modes)
+    order = modes[shift:] + modes[:shift]
+    return order[::-1] if (block // 2) % 2 else order
+
+
+def extras_estimate_s(block_s: float, modes: list, args) -> float:
+    """A rough duration of the extras, scaled from a block's: the blocks leave this much of --budget-s to them.
+
+    Counted in steps: per mode 2 x --ns-timing-steps (phases, then Newton-Schulz calls), per profiled mode
+    2 x --profile-steps at about five steps each (the profiler's overhead); doubled for the synchronisations
+    around every timed call.
+    """
+    steps_per_block = len(modes) * (args.rewarm_steps + 2 * args.block_steps)
+    profiled = [mode for mode in modes if mode.name in profile_mode_names(args)]
+    extra_steps = 2 * (len(modes) * 2 * args.ns_timing_steps + len(profiled) * 2 * args.profile_steps * 5)
+    return block_s / steps_per_block * extra_steps
+
+
+def profile_mode_names(args) -> set:
+    return set() if args.profile_modes == "none" or not args.profile_steps else set(args.profile_modes.split(","))
+
+
+def time_turn(runner, args, accelerator) -> dict:
+    """One mode's turn in a block: untimed re-warm steps, then the whole-step and the optimizer-step phase."""
+    import deepspeed.comm as dist
+
+    for _ in range(args.rewarm_steps):
+        timed_step(runner, accelerator, sync_before_optimizer=False)
     skipped_before = runner.skipped_steps
-    dist.barrier()
-    step_s = [timed_step(runner, accelerator, sync_before_optimizer=False)[0] for _ in range(args.steps)]
-    synced = [timed_step(runner, accelerator, sync_before_optimizer=True) for _ in range(args.steps)]
-    local = {
-        "build_s": build_s,
-        "step_s": step_s,
-        "step_synced_s": [total for total, _ in synced],
-        "opt_s": [opt for _, opt in synced],
-        "skipped": runner.skipped_steps - skipped_before,
-        "peak_mem_bytes": accelerator.max_memory_allocated(),
-        "after_warmup_bytes": after_warmup,
-        "start_bytes": start_bytes,
-    }
-    if extras and args.ns_timing_steps:
+    dist.barrier()  # both ranks start the timed steps together
+    with _cyclic_gc_paused():
+        whole = [timed_step(runner, accelerator, sync_before_optimizer=False)[0] for _ in range(args.block_steps)]
+        synced = [timed_step(runner, accelerator, sync_before_optimizer=True) for _ in range(args.block_steps)]
+    return {"step_s": whole, "step_synced_s": [total for total, _ in synced], "opt_s": [opt for _, opt in synced],
+            "skipped": runner.skipped_steps - skipped_before}
+
+
+@contextlib.contextmanager
+def _cyclic_gc_paused():
+    """No cyclic garbage collection inside timed steps (as timeit does): with every mode's objects alive, a full
+    collection can take milliseconds and would land in a random step. What piles up is collected in the next
+    untimed steps; reference counting still frees everything else at once."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def run_extras(modes: list, runners: dict, run: Run) -> None:
+    """Phase timing, Newton-Schulz calls and profiles, mode by mode (they wrap global functions)."""
+    args = run.args
+    profile_modes = profile_mode_names(args)
+    longest_s = 0.0
+    for mode in modes:
+        if run.past_budget(longest_s):
+            run.log(f"budget of {args.budget_s:g} s reached: no extras for {mode.name}")
+            run.results["meta"].setdefault("extras_skipped_for_budget", []).append(mode.name)
+            continue
+        start = time.perf_counter()
+        local = measure_extras(mode, runners[mode.name], args, run.accelerator, mode.name in profile_modes)
+        longest_s = max(longest_s, time.perf_counter() - start)
+        gathered = run.gather(local)
+        if run.rank == 0:
+            run.results["modes"][mode.name]["extras"] = merge_extras(gathered)
+            run.write()
+    run.log(f"extras done ({run.elapsed():.0f} s)")
+
+
+def measure_extras(mode, runner, args, accelerator, profile: bool) -> dict:
+    """This rank's optimizer-step phases, Newton-Schulz calls (Muon modes) and profile, in untimed steps."""
+    from ns_timing import summarize_calls, timed_newton_schulz
+    from step_phases import DDP_PHASES, DEEPSPEED_PHASES, measure_phases
+
+    local = {}
+    if args.ns_timing_steps:
         phases = DEEPSPEED_PHASES if mode.backend == "deepspeed" else DDP_PHASES
         local["phases"] = measure_phases(phases, args.ns_timing_steps,
                                          functools.partial(timed_step, runner, accelerator, True))
-    if extras and args.ns_timing_steps and mode.optimizer == "muon":
+    if args.ns_timing_steps and mode.optimizer == "muon":
         records, per_step = [], []
         with timed_newton_schulz(records):
             for _ in range(args.ns_timing_steps):
@@ -245,14 +399,11 @@ def run_mode(mode, settings, batches, args, accelerator, extras: bool, profile: 
                 timed_step(runner, accelerator, sync_before_optimizer=True)
                 per_step.append(records[first:])
         local["ns"] = summarize_calls(per_step)
-    if extras and profile and args.profile_steps:
+    if profile:
         try:
             local["profile"] = profile_runner(runner, accelerator, args.profile_steps)
         except Exception as error:  # the profile is an extra: keep the measured table
             local["profile_error"] = repr(error)
-    runner.close()
-    del runner
-    _free_memory(accelerator)
     return local
 
 
@@ -318,25 +469,35 @@ def _device_time_us(events) -> float:
     return total
 
 
-def merge_ranks(gathered: list, round_index: int) -> dict:
-    """One round's record: per-step times are the slowest rank's; memory, NS and skips stay per rank."""
-    record = {"round": round_index}
-    for key in ("step_s", "step_synced_s", "opt_s"):
-        record[key] = [max(values) for values in zip(*(rank[key] for rank in gathered))]
-    record["build_s"] = max(rank["build_s"] for rank in gathered)
-    record["skipped"] = max(rank["skipped"] for rank in gathered)
-    record["peak_mem_bytes"] = [rank["peak_mem_bytes"] for rank in gathered]
-    record["after_warmup_bytes"] = [rank["after_warmup_bytes"] for rank in gathered]
-    record["start_bytes"] = [rank["start_bytes"] for rank in gathered]
+def merge_build(gathered: list) -> dict:
+    """One mode's build record: the slowest rank's build time, memory per rank."""
+    merged = {"build_s": max(rank["build_s"] for rank in gathered),
+              "warmup_skipped": max(rank["warmup_skipped"] for rank in gathered)}
+    for key in ("before_build_bytes", "peak_bytes", "after_warmup_bytes"):
+        merged[key] = [rank[key] for rank in gathered]
+    return merged
+
+
+def merge_turn(gathered: list) -> dict:
+    """One mode's turn in a block: per step the slowest rank's time (a step ends when every rank has finished)."""
+    merged = {key: [max(values) for values in zip(*(rank[key] for rank in gathered))]
+              for key in ("step_s", "step_synced_s", "opt_s")}
+    merged["skipped"] = max(rank["skipped"] for rank in gathered)
+    return merged
+
+
+def merge_extras(gathered: list) -> dict:
+    """One mode's extras: phases and Newton-Schulz per rank, rank 0's profile."""
+    merged = {}
     if "ns" in gathered[0]:
-        record["ns_per_rank"] = [rank["ns"] for rank in gathered]
+        merged["ns_per_rank"] = [rank["ns"] for rank in gathered]
     if "phases" in gathered[0]:
-        record["phases_per_rank"] = [rank["phases"] for rank in gathered]
+        merged["phases_per_rank"] = [rank["phases"] for rank in gathered]
     if "profile" in gathered[0]:
-        record["profile_rank0"] = gathered[0]["profile"]
+        merged["profile_rank0"] = gathered[0]["profile"]
     if "profile_error" in gathered[0]:
-        record["profile_error"] = gathered[0]["profile_error"]
-    return record
+        merged["profile_error"] = gathered[0]["profile_error"]
+    return merged
 
 
 def machine_info(deepspeed, device: torch.device, world: int) -> dict:
@@ -366,12 +527,6 @@ def accelerator_device(accelerator) -> torch.device:
 def _free_memory(accelerator) -> None:
     gc.collect()
     accelerator.empty_cache()
-
-
-def _median(values: list) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else 0.5 * (ordered[middle - 1] + ordered[middle])
 
 
 def _rank0_printer(rank: int):

@@ -4,7 +4,7 @@ Inside a step, `timed_newton_schulz` wraps the entries of `original_muon.NS_FUNC
 torch's `torch.optim._muon._zeropower_via_newtonschulz` (the DDP reference) with synchronised timers, so
 each rank records what it orthogonalised and how long it took. `standalone_newton_schulz` times every
 Muon matrix of the model in one process, which is the "all matrices on one GPU" baseline of the owner
-split, and times the standard and Gram iterations on each shape.
+split, and times the standard and Gram iterations on each shape, batched as the engine calls them.
 """
 
 import contextlib
@@ -22,8 +22,6 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.flat_layout import assign_owners, newton_schulz_cost
 from deepspeed.runtime.zero.muon.original_muon import GRAM_RESTART_ITERATIONS, NS_FUNCTIONS, resolve_ns_dtype
-
-from ns_prototypes import PROTOTYPES, max_relative_error
 
 TORCH_MUON_MODULE = "torch.optim._muon"
 TORCH_NS_NAME = "_zeropower_via_newtonschulz"
@@ -191,6 +189,14 @@ def owner_subset(shapes: list, world: int, rank: int = 0) -> list:
     return [shape for shape, owner in zip(ordered, owners) if owner == rank]
 
 
+def engine_batch_sizes(shapes: list, world: int) -> dict:
+    """Per distinct shape, the batch of one Newton-Schulz call in the engine: the most matrices of that shape
+    one owner rank holds (each owner stacks its same-shape matrices into one call; the slowest rank counts).
+    The report checks these against the batches recorded inside the steps."""
+    per_rank = [Counter(owner_subset(shapes, world, rank)) for rank in range(world)]
+    return {tuple(shape): max(counts[tuple(shape)] for counts in per_rank) for shape in shapes}
+
+
 def standalone_newton_schulz(shapes: list, method: str, ns_steps: int, ns_dtype, device: torch.device, reps: int,
                              world: int) -> dict:
     """Orthogonalise every Muon matrix of the model in this one process and time it several ways.
@@ -202,18 +208,18 @@ def standalone_newton_schulz(shapes: list, method: str, ns_steps: int, ns_dtype,
         ns_dtype: compute dtype (None: `resolve_ns_dtype`, bf16 on CUDA).
         device: where to run.
         reps: repetitions; medians are reported.
-        world: data-parallel ranks, for the one-owner subset (what rank 0 orthogonalises under ZeRO).
+        world: data-parallel ranks, for the one-owner subset (what rank 0 orthogonalises under ZeRO) and the
+            engine's batch per shape.
 
     Returns:
-        Plain data: totals for all matrices and for rank 0's owner subset, for the engine's function,
-        torch.optim.Muon's and the fused prototypes, and a per-shape comparison of the two iterations.
+        Plain data: totals for all matrices and for rank 0's owner subset, for the engine's function and
+        torch.optim.Muon's, and a per-shape comparison of the two iterations at the engine's batch size.
     """
     generator = torch.Generator(device="cpu").manual_seed(1234)
     matrices = [torch.randn(shape, generator=generator).to(device) for shape in shapes]
     subset = [torch.randn(shape, generator=generator).to(device) for shape in owner_subset(shapes, world)]
     dtype = resolve_ns_dtype(matrices[0], ns_dtype) if matrices else torch.float32
     engine_fn = functools.partial(NS_FUNCTIONS[method], steps=ns_steps, dtype=dtype)
-    prototype_fn = functools.partial(PROTOTYPES[method], steps=ns_steps, dtype=dtype)
     result = {
         "method": method,
         "dtype": dtype_name(dtype),
@@ -224,9 +230,8 @@ def standalone_newton_schulz(shapes: list, method: str, ns_steps: int, ns_dtype,
         "owner_subset": {"rank": 0, "world": world, "num_matrices": len(subset),
                          "flops": sum(ns_flops(method, tuple(m.shape), ns_steps) for m in subset)},
     }
-    for key, fn in (("", engine_fn), ("prototype_", prototype_fn)):
-        result |= {f"{key}{name}": value for name, value in _time_set(fn, matrices, reps).items()}
-        result["owner_subset"] |= {f"{key}{name}": value for name, value in _time_set(fn, subset, reps).items()}
+    result |= _time_set(engine_fn, matrices, reps)
+    result["owner_subset"] |= _time_set(engine_fn, subset, reps)
     torch_fn = _torch_muon_ns()[1]
     if torch_fn is not None:
         # Positional, as torch.optim.Muon itself calls it: (grad, ns_coefficients, ns_steps, eps).
@@ -234,12 +239,11 @@ def standalone_newton_schulz(shapes: list, method: str, ns_steps: int, ns_dtype,
         _synced_sum(torch_call, matrices)
         result["torch_synced_sum_ms"] = 1e3 * statistics.median(_synced_sum(torch_call, matrices)
                                                                 for _ in range(reps))
-    groups: dict = {}
-    for shape in shapes:
-        groups[tuple(shape)] = groups.get(tuple(shape), 0) + 1
-    result["per_shape"] = [_compare_methods(shape, count, ns_steps, dtype, method, device, reps)
-                           for shape, count in groups.items()]
-    result["accuracy"] = _prototype_accuracy(list(groups), ns_steps, dtype, device)
+    counts = Counter(tuple(shape) for shape in shapes)
+    batches = engine_batch_sizes(shapes, world)
+    result["per_shape"] = [_compare_methods(shape, count, batches[shape], ns_steps, dtype, method, device, reps)
+                           for shape, count in counts.items()]
+    result["accuracy"] = _accuracy(list(counts), ns_steps, dtype, device)
     return result
 
 
@@ -260,19 +264,18 @@ def _time_set(fn: Callable, matrices: list, reps: int) -> dict:
     return {"synced_sum_ms": synced * 1e3, "back_to_back_ms": back_to_back * 1e3, "batched_by_shape_ms": batched * 1e3}
 
 
-def _prototype_accuracy(shapes: list, ns_steps: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """How close the prototypes are: to the engine in fp32, and both to an fp32 result in the run's dtype."""
+def _accuracy(shapes: list, ns_steps: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """Relative error of each iteration in the run's dtype against the standard iteration in fp32 (max over shapes)."""
     generator = torch.Generator(device="cpu").manual_seed(4321)
     matrices = [torch.randn(shape, generator=generator).to(device) for shape in shapes]
-    accuracy = {"prototype_vs_engine_fp32": max_relative_error(NS_FUNCTIONS, matrices, ns_steps, torch.float32)}
+    accuracy = {}
     for name in ("standard", "gram"):
-        errors = {"engine": 0.0, "prototype": 0.0}
+        worst = 0.0
         for matrix in matrices:
             exact = NS_FUNCTIONS["standard"](matrix, steps=ns_steps, dtype=torch.float32)
-            for which, fn in (("engine", NS_FUNCTIONS[name]), ("prototype", PROTOTYPES[name])):
-                approx = fn(matrix, steps=ns_steps, dtype=dtype).float()
-                errors[which] = max(errors[which], ((approx - exact).norm() / exact.norm()).item())
-        accuracy[f"{name}_{dtype_name(dtype)}_vs_fp32"] = errors
+            approx = NS_FUNCTIONS[name](matrix, steps=ns_steps, dtype=dtype).float()
+            worst = max(worst, ((approx - exact).norm() / exact.norm()).item())
+        accuracy[f"{name}_{dtype_name(dtype)}_vs_fp32"] = worst
     return accuracy
 
 
@@ -284,22 +287,37 @@ def _call_torch_ns(torch_fn: Callable, ns_steps: int, matrix: torch.Tensor) -> t
     return torch_fn(matrix, original_muon.NS_COEFFICIENTS, ns_steps, original_muon.NS_NORM_EPS)
 
 
-def _compare_methods(shape: tuple, count: int, ns_steps: int, dtype: torch.dtype, method: str,
-                     device: torch.device, reps: int) -> dict:
-    """Time one call of each iteration on `shape` (median over reps of the mean of a few back-to-back calls)."""
-    matrix = torch.randn(shape, device=device)
+def _per_call_ms(fn: Callable, tensor: torch.Tensor, ns_steps: int, dtype: torch.dtype, reps: int) -> float:
+    """One call's time: median over reps of the mean of a few back-to-back calls (after one warm-up call)."""
     inner = 5
-    row = {"shape": list(shape), "count": count, "uses": dispatched_algorithm(method, shape)}
+    fn(tensor, steps=ns_steps, dtype=dtype)
+    seconds = _median_seconds(lambda: [fn(tensor, steps=ns_steps, dtype=dtype) for _ in range(inner)], reps)
+    return seconds / inner * 1e3
+
+
+def _compare_methods(shape: tuple, count: int, batch: int, ns_steps: int, dtype: torch.dtype, method: str,
+                     device: torch.device, reps: int) -> dict:
+    """Time both iterations on `shape`: on the engine's batch (which the verdict uses) and on one matrix.
+
+    The engine makes one call per shape on a (batch, rows, cols) stack, so the batched call is what the
+    choice of iteration costs in a step; the one-matrix timing shows how much batching changes the order.
+    """
+    rows = shape[0]
+    cols = 1
+    for dim in shape[1:]:
+        cols *= dim
+    stack = torch.randn(batch, rows, cols, device=device)  # conv kernels run as (out, -1), as in the engine
+    row = {"shape": list(shape), "count": count, "batch": batch, "uses": dispatched_algorithm(method, shape)}
     for name in ("standard", "gram"):
-        for suffix, fn in (("", NS_FUNCTIONS[name]), ("_prototype", PROTOTYPES[name])):
-            fn(matrix, steps=ns_steps, dtype=dtype)
-            seconds = _median_seconds(lambda fn=fn: [fn(matrix, steps=ns_steps, dtype=dtype) for _ in range(inner)],
-                                      reps)
-            row[f"{name}{suffix}_ms"] = seconds / inner * 1e3
-        row[f"{name}_gflop"] = ns_flops(name, shape, ns_steps) / 1e9
+        fn = NS_FUNCTIONS[name]
+        row[f"{name}_ms"] = _per_call_ms(fn, stack, ns_steps, dtype, reps)
+        row[f"{name}_single_ms"] = _per_call_ms(fn, stack[0], ns_steps, dtype, reps)
+        row[f"{name}_gflop"] = batch * ns_flops(name, shape, ns_steps) / 1e9
     m, n = wide_dims(shape)
     row["square"] = m == n
     # On a square matrix the Gram function runs the standard iteration itself: the two timings are one.
     row["faster"] = "standard" if m == n else ("gram" if row["gram_ms"] < row["standard_ms"] else "standard")
+    row["faster_single"] = "standard" if m == n else (
+        "gram" if row["gram_single_ms"] < row["standard_single_ms"] else "standard")
     row["fewer_flops"] = "gram" if row["gram_gflop"] < row["standard_gflop"] else "standard"
     return row

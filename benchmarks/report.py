@@ -1,6 +1,7 @@
 """Turn the benchmark's JSON into statistics, the issue's target checks, a markdown report and a PNG chart.
 
-The benchmark calls `write_all` after every measured mode (so a run cut short still leaves its numbers).
+The benchmark calls `write_all` after every block and every mode's extras (so a run cut short still leaves
+its numbers).
 Re-render from a saved JSON, e.g. on a machine without GPUs:
     python benchmarks/report.py benchmarks/results/muon_zero_bench.json [--out-dir DIR]
 """
@@ -17,6 +18,8 @@ from png_chart import bar_chart  # noqa: E402
 
 H200_BF16_DENSE_TFLOPS = 989.0  # datasheet, SXM, dense (no sparsity)
 TARGET_CONFIG = ("ds-z2-bf16-muon", "ds-z2-bf16-adamw", "ddp-bf16-muon")
+RERUN_TOLERANCE_PCT = 5.0  # the method's rerun-stability requirement: two reruns' medians within 5%
+HALVES = ("A", "B")  # A: blocks 1, 3, 5, ...; B: blocks 2, 4, 6, ... (1-based), two reruns interleaved in time
 COLORS = {
     ("deepspeed", "muon"): (230, 120, 30),
     ("deepspeed", "adamw"): (50, 110, 200),
@@ -43,89 +46,114 @@ def spread_ms(seconds: list) -> dict:
             "q1": percentile(values, 25), "q3": percentile(values, 75), "n": len(values)}
 
 
-def _round_diff_pct(medians: list):
-    if len(medians) < 2 or min(medians) <= 0:
+def rerun_delta_pct(a, b):
+    """|a - b| relative to their mean, in %: how far two reruns' medians disagree."""
+    if a is None or b is None or a + b <= 0:
         return None
-    return 100 * (max(medians) - min(medians)) / min(medians)
+    return 100 * abs(a - b) / (0.5 * (a + b))
+
+
+def halves(blocks: list, key: str) -> dict:
+    """Pooled statistics of the two halves of the blocks (A: even block index, B: odd) and Δrerun between them."""
+    stats = {half: spread_ms([v for b in blocks if b["block"] % 2 == parity for v in b[key]])
+             for parity, half in enumerate(HALVES)}
+    stats["delta_pct"] = rerun_delta_pct(stats["A"].get("median"), stats["B"].get("median"))
+    return stats
+
+
+def footprint_bytes(build: dict) -> list:
+    """Per rank: the mode's peak allocation above what was allocated just before its build."""
+    return [peak - before for peak, before in zip(build["peak_bytes"], build["before_build_bytes"])]
 
 
 def summarize_mode(entry: dict, tokens_per_step: int) -> dict:
-    """Pooled statistics over all rounds of one mode (see docs/performance.md for the method)."""
-    rounds = entry["rounds"]
-    if not rounds:
+    """Statistics of one mode pooled over its blocks (see docs/performance.md for the method)."""
+    blocks = entry["blocks"]
+    if not blocks:
         return {}
-    pooled = {key: [v for r in rounds for v in r[key]] for key in ("step_s", "opt_s", "step_synced_s")}
-    step_round_medians = [spread_ms(r["step_s"])["median"] for r in rounds]
-    opt_round_medians = [spread_ms(r["opt_s"])["median"] for r in rounds]
-    summary = {
-        "step_ms": spread_ms(pooled["step_s"]),
-        "opt_ms": spread_ms(pooled["opt_s"]),
-        "step_synced_ms": spread_ms(pooled["step_synced_s"]),
-        "step_round_medians_ms": step_round_medians,
-        "opt_round_medians_ms": opt_round_medians,
-        "step_round_diff_pct": _round_diff_pct(step_round_medians),
-        "opt_round_diff_pct": _round_diff_pct(opt_round_medians),
-        "rounds": len(rounds),
-        "skipped_steps": sum(r["skipped"] for r in rounds),
-        "peak_mem_gib_per_rank": [max(r["peak_mem_bytes"][i] for r in rounds) / 2**30
-                                  for i in range(len(rounds[0]["peak_mem_bytes"]))],
-        "after_warmup_gib_per_rank": [max(r["after_warmup_bytes"][i] for r in rounds) / 2**30
-                                      for i in range(len(rounds[0]["after_warmup_bytes"]))],
-    }
-    summary["peak_mem_gib"] = max(summary["peak_mem_gib_per_rank"])
+    summary = {f"{key}_ms": spread_ms([v for b in blocks for v in b[f"{key}_s"]])
+               for key in ("step", "opt", "step_synced")}
+    summary |= {f"{key}_halves": halves(blocks, f"{key}_s") for key in ("step", "opt")}
+    summary |= {f"{key}_block_medians_ms": [spread_ms(b[f"{key}_s"])["median"] for b in blocks]
+                for key in ("step", "opt")}
+    summary["blocks"] = len(blocks)
+    summary["skipped_steps"] = sum(b["skipped"] for b in blocks)
     summary["tokens_per_s"] = tokens_per_step / (summary["step_ms"]["median"] / 1e3)
-    for r in rounds:
-        if "ns_per_rank" in r:
-            summary["ns_ms_per_rank"] = [ns["ms_per_step"] for ns in r["ns_per_rank"]]
-            summary["ns_calls_per_rank"] = [ns["calls_per_step"] for ns in r["ns_per_rank"]]
-            summary["ns_algorithms"] = sorted({c["algorithm"] for ns in r["ns_per_rank"] for c in ns["calls"]})
-        if "phases_per_rank" in r:
-            summary["phases_ms_per_rank"] = r["phases_per_rank"]
-        if "profile_rank0" in r:
-            profile = r["profile_rank0"]
-            summary["profile"] = {key: profile[key] for key in (
-                "optimizer_wall_ms_profiled", "optimizer_kernel_launches", "optimizer_device_busy_ms",
-                "optimizer_aten_ops")}
+    build = entry["build"]
+    summary["peak_mem_gib_per_rank"] = [b / 2**30 for b in footprint_bytes(build)]
+    summary["peak_mem_gib"] = max(summary["peak_mem_gib_per_rank"])
+    summary["warmup_skipped"] = build["warmup_skipped"]
+    extras = entry.get("extras", {})
+    if "ns_per_rank" in extras:
+        summary["ns_ms_per_rank"] = [ns["ms_per_step"] for ns in extras["ns_per_rank"]]
+        summary["ns_calls_per_rank"] = [ns["calls_per_step"] for ns in extras["ns_per_rank"]]
+        summary["ns_algorithms"] = sorted({c["algorithm"] for ns in extras["ns_per_rank"] for c in ns["calls"]})
+    if "phases_per_rank" in extras:
+        summary["phases_ms_per_rank"] = extras["phases_per_rank"]
+    if "profile_rank0" in extras:
+        profile = extras["profile_rank0"]
+        summary["profile"] = {key: profile[key] for key in (
+            "optimizer_wall_ms_profiled", "optimizer_kernel_launches", "optimizer_device_busy_ms",
+            "optimizer_aten_ops")}
     return summary
 
 
-def _median(summaries: dict, name: str, key: str):
-    return summaries.get(name, {}).get(key, {}).get("median")
+def _median(summaries: dict, name: str, key: str, half=None):
+    """A mode's median of `key` ("step" or "opt"), pooled or of one half of the blocks."""
+    summary = summaries.get(name, {})
+    stats = summary.get(f"{key}_ms", {}) if half is None else summary.get(f"{key}_halves", {}).get(half, {})
+    return stats.get("median")
 
 
-def _check(name: str, value, threshold: float, unit: str, detail: str = "") -> dict:
+def _ratio(summaries: dict, a: str, b: str, key: str, half=None):
+    x, y = _median(summaries, a, key, half), _median(summaries, b, key, half)
+    return None if x is None or not y else x / y
+
+
+def _check(name: str, value, threshold: float, unit: str, detail: str = "", half_values=None) -> dict:
+    """One target; `half_values` (the value on each half of the blocks) shows whether the verdict is stable."""
     passed = None if value is None else value <= threshold
-    return {"target": name, "value": value, "threshold": threshold, "unit": unit, "passed": passed, "detail": detail}
+    check = {"target": name, "value": value, "threshold": threshold, "unit": unit, "passed": passed,
+             "detail": detail}
+    if half_values is not None:
+        check["halves"] = half_values
+        verdicts = {None if v is None else v <= threshold for v in half_values}
+        check["stable"] = None if None in verdicts else len(verdicts) == 1
+    return check
+
+
+def _ratio_check(summaries: dict, name: str, a: str, b: str, threshold: float) -> dict:
+    """A whole-step ratio target, on all blocks and on each half, with the optimizer-step ratio beside it."""
+    return _check(name, _ratio(summaries, a, b, "step"), threshold, "x",
+                  f"optimizer step alone: {_fmt(_ratio(summaries, a, b, 'opt'), '.3f')} x",
+                  [_ratio(summaries, a, b, "step", half) for half in HALVES])
 
 
 def evaluate_targets(results: dict, summaries: dict) -> list:
     """The issue's targets, measured side by side in this run (ZeRO-2, bf16)."""
     muon, adamw, ddp = TARGET_CONFIG
-    targets = []
-
-    def ratio(a: str, b: str, key: str):
-        x, y = _median(summaries, a, key), _median(summaries, b, key)
-        return None if x is None or not y else x / y
-
-    targets.append(_check("our Muon step <= 1.05 x our AdamW step (whole step)", ratio(muon, adamw, "step_ms"),
-                          1.05, "x", f"optimizer step alone: {_fmt(ratio(muon, adamw, 'opt_ms'), '.3f')} x"))
-    targets.append(_check("our Muon step <= 0.85 x DDP + torch.optim.Muon step (whole step)",
-                          ratio(muon, ddp, "step_ms"), 0.85, "x",
-                          f"optimizer step alone: {_fmt(ratio(muon, ddp, 'opt_ms'), '.3f')} x"))
+    targets = [_ratio_check(summaries, "our Muon step <= 1.05 x our AdamW step (whole step)", muon, adamw, 1.05),
+               _ratio_check(summaries, "our Muon step <= 0.85 x DDP + torch.optim.Muon step (whole step)", muon,
+                            ddp, 0.85)]
     standalone = results.get("ns_standalone", {})
     per_rank = summaries.get(muon, {}).get("ns_ms_per_rank")
     all_on_one = standalone.get("synced_sum_ms")
     ns_ratio = max(per_rank) / all_on_one if per_rank and all_on_one else None
+    batched = standalone.get("batched_by_shape_ms")
+    like_for_like = max(per_rank) / batched if per_rank and batched else None
     targets.append(_check("Newton-Schulz per rank <= 0.6 x all matrices on one GPU", ns_ratio, 0.6, "x",
                           f"per rank {_fmt_list(per_rank)} ms vs {_fmt(all_on_one)} ms on one GPU "
-                          "(both: sum of synchronised per-call times)"))
+                          "(both: sum of synchronised per-call times; the one-GPU calls are one per matrix); "
+                          f"against all matrices batched by shape on one GPU ({_fmt(batched)} ms): "
+                          f"{_fmt(like_for_like, '.3f')} x"))
     shapes = standalone.get("per_shape", [])
     wrong = [row for row in shapes if row["uses"] != row["faster"]]
     gram_value = None if not shapes else float(len(wrong))
     targets.append(_check("Gram Newton-Schulz used where it is cheaper (shapes where the faster one is not used)",
                           gram_value, 0, "shapes",
-                          "; ".join(f"{_shape(r['shape'])}: uses {r['uses']}, standard {r['standard_ms']:.3f} ms, "
-                                    f"gram {r['gram_ms']:.3f} ms" for r in shapes)))
+                          "one call on the engine's batch per shape: " + "; ".join(
+                              f"{r['batch']} x {_shape(r['shape'])}: uses {r['uses']}, standard "
+                              f"{r['standard_ms']:.3f} ms, gram {r['gram_ms']:.3f} ms" for r in shapes)))
     peak_muon = summaries.get(muon, {}).get("peak_mem_gib")
     peak_adamw = summaries.get(adamw, {}).get("peak_mem_gib")
     targets.append(_check("peak memory per GPU: Muon <= AdamW", None if peak_muon is None or peak_adamw is None
@@ -165,6 +193,31 @@ def _spread(stats: dict) -> str:
     return f"{stats['median']:.2f} [{stats['p10']:.2f}, {stats['p90']:.2f}]"
 
 
+def _verdict(passed) -> str:
+    return "n/a" if passed is None else ("PASS" if passed else "MISS")
+
+
+def _method_lines(results: dict) -> list:
+    args, meta = results["args"], results["meta"]
+    blocks_run = meta.get("blocks_run", 0)
+    return [
+        f"- Method: every mode built once and kept alive beside the others, warmed up for {args['warmup']} steps; "
+        f"then {blocks_run} blocks (of {args['blocks']} planned). In each block every mode takes a turn: "
+        f"untimed steps ({args['rewarm_steps']}), then {args['block_steps']} whole steps (synchronised at step ends "
+        f"only) and {args['block_steps']} steps synchronised before the optimizer step too, which time the "
+        "optimizer step alone (engine.step(); for DDP clip + step + zero_grad). The order of the modes is "
+        "rotated by one every block and reversed in every other pair of blocks. Per step the slowest rank "
+        f"counts; medians [p10, p90] pooled over all blocks ({blocks_run * args['block_steps']} steps per mode "
+        "and phase).",
+        "- Rerun stability: half A = blocks 1, 3, 5, ..., half B = blocks 2, 4, 6, ..., two reruns interleaved "
+        f"in time; Δrerun = |A - B| / mean of the two halves' medians (required: within "
+        f"{RERUN_TOLERANCE_PCT:g}%).",
+        "- Peak memory: per mode, max_memory_allocated while the mode is built and warmed up (peak statistics "
+        "reset just before its build) minus memory_allocated just before its build, since the modes built "
+        "before it stay allocated; per GPU, the larger of the ranks.",
+    ]
+
+
 def markdown(results: dict) -> str:
     meta, model, args = results["meta"], results["model"], results["args"]
     summaries = results["summary"]
@@ -180,23 +233,26 @@ def markdown(results: dict) -> str:
         f"{len(model['muon_matrices'])} Muon matrices",
         f"- Batch: micro-batch {args['micro_batch']} x {model['seq_len']} tokens per GPU, gradient accumulation "
         f"{args['grad_accum']}: {results['tokens_per_step']} tokens per step",
-        f"- Method: {args['warmup']} warm-up steps, then {args['steps']} timed steps per phase, "
-        f"{args['rounds']} rounds of all modes; medians [p10, p90] pooled over rounds; Δround = spread of the "
-        "per-round medians. Whole step: synchronised at step ends only. Optimizer step: synchronised before "
-        "and after (engine.step(); for DDP clip + step + zero_grad).",
+        *_method_lines(results),
         f"- Settings: ns_method {args['ns_method']}, ns_steps {args['ns_steps']}, clip {args['clip']}, "
         f"overlap_comm {args['overlap_comm']}, bucket {args['bucket_size']:.3g}, fused AdamW {args['fused_adamw']}",
         f"- Command: `{meta['command']}`",
     ]
-    if meta.get("skipped_for_budget"):
-        lines.append(f"- Skipped to stay within --budget-s: {', '.join(meta['skipped_for_budget'])}")
-    for key in ("standalone_error",):
-        if meta.get(key):
-            lines.append(f"- One-device timings failed: {meta[key]}")
+    if meta.get("blocks_run", 0) < args["blocks"]:
+        lines.append(f"- Cut short (--budget-s {args['budget_s']:g} or an interrupted run): "
+                     f"{meta.get('blocks_run', 0)} of {args['blocks']} blocks ran")
+    if meta.get("extras_skipped_for_budget"):
+        lines.append(f"- Extras skipped to stay within --budget-s: {', '.join(meta['extras_skipped_for_budget'])}")
+    if meta.get("standalone_error"):
+        lines.append(f"- One-device timings failed: {meta['standalone_error']}")
+    all_skipped = [name for name, s in summaries.items() if s and s["warmup_skipped"] >= args["warmup"] > 0]
+    if all_skipped:
+        lines.append(f"- Every warm-up step was skipped (fp16 overflow) in {', '.join(all_skipped)}: their peak "
+                     "memory may lack the optimizer state")
     lines += [
         "",
         "## Steps", "",
-        "| mode | whole step ms | optimizer step ms | tokens/s | peak GiB/GPU | NS ms/rank | Δround step / opt |"
+        "| mode | whole step ms | optimizer step ms | tokens/s | peak GiB/GPU | NS ms/rank | Δrerun step / opt |"
         " skipped |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -205,17 +261,46 @@ def markdown(results: dict) -> str:
             continue
         lines.append(f"| {name} | {_spread(s['step_ms'])} | {_spread(s['opt_ms'])} | {s['tokens_per_s']:,.0f} | "
                      f"{s['peak_mem_gib']:.2f} | {_fmt_list(s.get('ns_ms_per_rank'))} | "
-                     f"{_pct(s['step_round_diff_pct'])} / {_pct(s['opt_round_diff_pct'])} | "
+                     f"{_pct(s['step_halves']['delta_pct'])} / {_pct(s['opt_halves']['delta_pct'])} | "
                      f"{s['skipped_steps']} |")
-    lines += ["", "## Targets (ZeRO-2, bf16, side by side in this run)", "",
-              "| target | measured | threshold | result | detail |", "|---|---|---|---|---|"]
-    for t in results["targets"]:
-        verdict = "n/a" if t["passed"] is None else ("PASS" if t["passed"] else "MISS")
-        lines.append(f"| {t['target']} | {_fmt(t['value'], '.3f')} {t['unit']} | {t['threshold']} | {verdict} | "
-                     f"{t['detail']} |")
+    lines += _rerun_lines(summaries) + _target_lines(results["targets"])
     lines += _ratio_lines(summaries) + _phase_lines(summaries) + _ns_lines(results)
     lines += _profile_lines(summaries, results["modes"])
     return "\n".join(lines) + "\n"
+
+
+def _rerun_lines(summaries: dict) -> list:
+    rows = [(name, s) for name, s in summaries.items() if s]
+    deltas = {name: (s["step_halves"]["delta_pct"], s["opt_halves"]["delta_pct"]) for name, s in rows}
+    stable = [name for name, pair in deltas.items() if all(d is not None and d <= RERUN_TOLERANCE_PCT for d in pair)]
+    lines = ["", "## Rerun stability (half A: blocks 1, 3, 5, ...; half B: blocks 2, 4, 6, ...)", "",
+             f"{len(stable)} of {len(rows)} modes have both halves within {RERUN_TOLERANCE_PCT:g}% on the whole "
+             "step and on the optimizer step. Medians [p10, p90], ms; the per-block medians are in the JSON "
+             "(summary.*_block_medians_ms).", "",
+             "| mode | whole step A | whole step B | Δrerun | optimizer step A | optimizer step B | Δrerun | "
+             "block medians, whole step (min - max) |", "|---|---|---|---|---|---|---|---|"]
+    for name, s in rows:
+        step, opt, medians = s["step_halves"], s["opt_halves"], s["step_block_medians_ms"]
+        lines.append(f"| {name} | {_spread(step['A'])} | {_spread(step['B'])} | {_pct(step['delta_pct'])} | "
+                     f"{_spread(opt['A'])} | {_spread(opt['B'])} | {_pct(opt['delta_pct'])} | "
+                     f"{min(medians):.2f} - {max(medians):.2f} |")
+    return lines
+
+
+def _target_lines(targets: list) -> list:
+    lines = ["", "## Targets (ZeRO-2, bf16, side by side in this run)", "",
+             "Ratio targets are also computed on each half of the blocks: a verdict is stable when both halves "
+             "give it.", "",
+             "| target | measured | half A | half B | threshold | result | detail |", "|---|---|---|---|---|---|---|"]
+    for t in targets:
+        if "halves" in t:
+            a, b = (_fmt(v, ".3f") for v in t["halves"])
+            stability = {None: "", True: ", stable", False: ", **not stable**"}[t["stable"]]
+        else:
+            a, b, stability = "-", "-", ""
+        lines.append(f"| {t['target']} | {_fmt(t['value'], '.3f')} {t['unit']} | {a} | {b} | {t['threshold']} | "
+                     f"{_verdict(t['passed'])}{stability} | {t['detail']} |")
+    return lines
 
 
 def _ratio_lines(summaries: dict) -> list:
@@ -238,7 +323,7 @@ def _phase_lines(summaries: dict) -> list:
     rows = [(name, s["phases_ms_per_rank"]) for name, s in summaries.items() if s and "phases_ms_per_rank" in s]
     if not rows:
         return []
-    lines = ["", "## Optimizer step by phase (first round, ms per step, rank 0 / rank 1 / ...)", "",
+    lines = ["", "## Optimizer step by phase (after the blocks, ms per step, rank 0 / rank 1 / ...)", "",
              "Each phase is bracketed by device synchronisations; nested phases sit inside \"apply\".", "",
              "| mode | phase | ms per rank |", "|---|---|---|"]
     for name, per_rank in rows:
@@ -246,6 +331,33 @@ def _phase_lines(summaries: dict) -> list:
         for label in labels:
             lines.append(f"| {name} | {label} | {_fmt_list([phases.get(label, 0.0) for phases in per_rank], '.3f')} |")
     return lines
+
+
+def _matrix_key(shape) -> tuple:
+    """(rows, cols) of the matrix Newton-Schulz sees for a parameter shape (conv kernels as (out, -1))."""
+    cols = 1
+    for dim in shape[1:]:
+        cols *= dim
+    return shape[0], cols
+
+
+def in_step_batches(results: dict) -> dict:
+    """Per matrix (rows, cols): the batch of each rank's Newton-Schulz calls inside the target Muon mode's steps
+    (the first of our Muon modes with records when that one has none)."""
+    muon_modes = [TARGET_CONFIG[0]] + [name for name, entry in results["modes"].items()
+                                       if entry["backend"] == "deepspeed" and entry["optimizer"] == "muon"]
+    for name in muon_modes:
+        per_rank = results["modes"].get(name, {}).get("extras", {}).get("ns_per_rank")
+        if per_rank:
+            batches: dict = {}
+            for rank, ns in enumerate(per_rank):
+                for call in ns["calls"]:
+                    shape = call["shape"]
+                    key = tuple(shape[-2:])
+                    batches.setdefault(key, [0] * len(per_rank))[rank] += call["count"] * (
+                        shape[0] if len(shape) == 3 else 1)
+            return batches
+    return {}
 
 
 def _ns_lines(results: dict) -> list:
@@ -260,17 +372,12 @@ def _ns_lines(results: dict) -> list:
              f"{standalone['ns_steps']} steps): {flops / 1e9:.4g} GFLOP (standard iteration everywhere: "
              f"{standalone['flops_standard'] / 1e9:.4g} GFLOP). Rank 0's owner subset under ZeRO with {world} ranks: "
              f"{subset['num_matrices']} matrices, {subset['flops'] / 1e9:.4g} GFLOP. Timed on one device "
-             "(rank 0, before the modes); \"prototype\" = benchmarks/ns_prototypes.py (scalars folded into "
-             "addmm/baddbmm), not used by the engine.", "",
+             "(rank 0, before the modes).", "",
              "| how | all matrices, ms | rank 0's subset, ms |", "|---|---|---|"]
-    for key, label in (("synced_sum_ms", "engine function, sum of synchronised per-call times (the in-step method)"),
+    for key, label in (("synced_sum_ms", "engine function, sum of synchronised per-call times (one call per matrix)"),
                        ("back_to_back_ms", "engine function, back-to-back, one synchronisation"),
-                       ("batched_by_shape_ms", "engine function, one batched call per shape"),
-                       ("prototype_synced_sum_ms", "prototype, per-call synchronised"),
-                       ("prototype_back_to_back_ms", "prototype, back-to-back"),
-                       ("prototype_batched_by_shape_ms", "prototype, one batched call per shape")):
-        if key in standalone:
-            lines.append(f"| {label} | {standalone[key]:.3f} | {_fmt(subset.get(key), '.3f')} |")
+                       ("batched_by_shape_ms", "engine function, one batched call per shape (as in the engine)")):
+        lines.append(f"| {label} | {standalone[key]:.3f} | {_fmt(subset.get(key), '.3f')} |")
     if "torch_synced_sum_ms" in standalone:
         lines.append("| torch.optim.Muon's function (standard iteration), per-call synchronised | "
                      f"{standalone['torch_synced_sum_ms']:.3f} | |")
@@ -282,33 +389,35 @@ def _ns_lines(results: dict) -> list:
                      f"{subset['flops'] / rate / 1e9:.3f} |")
     accuracy = standalone.get("accuracy", {})
     if accuracy:
-        parts = [f"prototype vs engine in fp32: {accuracy['prototype_vs_engine_fp32']:.2e}"]
-        parts += [f"{key}: engine {v['engine']:.2e}, prototype {v['prototype']:.2e}"
-                  for key, v in accuracy.items() if isinstance(v, dict)]
-        lines += ["", "Relative error (max over shapes): " + "; ".join(parts) + "."]
-    lines += ["", "One call per shape (mean of 5 back-to-back calls, median over reps):", "",
-              "| shape | count | GFLOP standard | GFLOP gram | ms standard | ms gram | ms standard (prototype) | "
-              "ms gram (prototype) | used | faster |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "Relative error against the standard iteration in fp32 (max over shapes): " + "; ".join(
+            f"{key}: {value:.2e}" for key, value in accuracy.items()) + "."]
+    in_step = in_step_batches(results)
+    lines += ["", "Both iterations per distinct shape, one call on the batch the engine uses (the most matrices of "
+              "that shape one rank owns; \"in-step batch\" is what the engine's calls had inside the steps, per "
+              "rank), mean of 5 back-to-back calls, median over reps. The verdict (\"faster\") uses the batched "
+              "call; one matrix alone is shown for comparison.", "",
+              "| shape | count | batch | in-step batch | GFLOP standard | GFLOP gram | ms standard | ms gram | "
+              "ms standard / gram, 1 matrix | used | faster | faster, 1 matrix |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in standalone["per_shape"]:
-        lines.append(f"| {_shape(row['shape'])} | {row['count']} | {row['standard_gflop']:.2f} | "
+        lines.append(f"| {_shape(row['shape'])} | {row['count']} | {row['batch']} | "
+                     f"{_fmt_list(in_step.get(_matrix_key(row['shape'])), 'd')} | {row['standard_gflop']:.2f} | "
                      f"{row['gram_gflop']:.2f} | {row['standard_ms']:.3f} | {row['gram_ms']:.3f} | "
-                     f"{_fmt(row.get('standard_prototype_ms'), '.3f')} | "
-                     f"{_fmt(row.get('gram_prototype_ms'), '.3f')} | "
-                     f"{row['uses']} | {row['faster']} |")
-    lines += ["", "In the training steps (first round, every call synchronised):", "",
+                     f"{row['standard_single_ms']:.3f} / {row['gram_single_ms']:.3f} | {row['uses']} | "
+                     f"{row['faster']} | {row['faster_single']} |")
+    lines += ["", "In the training steps (after the blocks, every call synchronised):", "",
               "| mode | rank | calls/step | ms/step | algorithms |", "|---|---|---|---|---|"]
     for name, entry in results["modes"].items():
-        for r in entry["rounds"]:
-            for rank, ns in enumerate(r.get("ns_per_rank", [])):
-                algorithms = ", ".join(f"{c['count']} x {_shape(c['shape'])} {c['algorithm']}" for c in ns["calls"])
-                lines.append(f"| {name} | {rank} | {ns['calls_per_step']} | {ns['ms_per_step']:.3f} | {algorithms} |")
+        for rank, ns in enumerate(entry.get("extras", {}).get("ns_per_rank", [])):
+            algorithms = ", ".join(f"{c['count']} x {_shape(c['shape'])} {c['algorithm']}" for c in ns["calls"])
+            lines.append(f"| {name} | {rank} | {ns['calls_per_step']} | {ns['ms_per_step']:.3f} | {algorithms} |")
     return lines
 
 
 def _profile_lines(summaries: dict, modes: dict) -> list:
     rows = [(name, s["profile"]) for name, s in summaries.items() if s and "profile" in s]
-    errors = [f"- profiling {name} failed: {r['profile_error']}" for name, entry in modes.items()
-              for r in entry["rounds"] if r.get("profile_error")]
+    errors = [f"- profiling {name} failed: {entry['extras']['profile_error']}" for name, entry in modes.items()
+              if entry.get("extras", {}).get("profile_error")]
     if not rows:
         return [""] + errors if errors else []
     lines = ["", "## Optimizer step under torch.profiler (rank 0; tables in the _profile.txt file)", "",
@@ -322,15 +431,14 @@ def _profile_lines(summaries: dict, modes: dict) -> list:
 def profile_text(results: dict) -> str:
     parts = []
     for name, entry in results["modes"].items():
-        for r in entry["rounds"]:
-            profile = r.get("profile_rank0")
-            if profile:
-                parts += [f"===== {name}: {profile['whole_steps']} whole steps, by device time =====",
-                          profile["whole_table"], f"===== {name}: optimizer step alone, by self CPU time =====",
-                          profile["optimizer_table"]]
-                if profile.get("optimizer_device_table"):
-                    parts += [f"===== {name}: optimizer step alone, by device time =====",
-                              profile["optimizer_device_table"]]
+        profile = entry.get("extras", {}).get("profile_rank0")
+        if profile:
+            parts += [f"===== {name}: {profile['whole_steps']} whole steps, by device time =====",
+                      profile["whole_table"], f"===== {name}: optimizer step alone, by self CPU time =====",
+                      profile["optimizer_table"]]
+            if profile.get("optimizer_device_table"):
+                parts += [f"===== {name}: optimizer step alone, by device time =====",
+                          profile["optimizer_device_table"]]
     return "\n".join(parts) + "\n"
 
 
@@ -360,16 +468,18 @@ def chart(results: dict, path) -> None:
 def summary_text(results: dict) -> str:
     """Short plain-text table for the end of the log."""
     lines = [f"{'mode':18s} {'step ms':>9s} {'p10':>8s} {'p90':>8s} {'opt ms':>8s} {'tok/s':>10s} {'GiB':>6s} "
-             f"{'NS ms/rank':>14s} {'Δround':>7s}"]
+             f"{'NS ms/rank':>14s} {'Δrerun step/opt':>16s}"]
     for name, s in results["summary"].items():
         if not s:
             continue
         lines.append(f"{name:18s} {s['step_ms']['median']:9.2f} {s['step_ms']['p10']:8.2f} {s['step_ms']['p90']:8.2f} "
                      f"{s['opt_ms']['median']:8.2f} {s['tokens_per_s']:10.0f} {s['peak_mem_gib']:6.2f} "
-                     f"{_fmt_list(s.get('ns_ms_per_rank')):>14s} {_pct(s['step_round_diff_pct']):>7s}")
+                     f"{_fmt_list(s.get('ns_ms_per_rank')):>14s} "
+                     f"{_pct(s['step_halves']['delta_pct']) + ' / ' + _pct(s['opt_halves']['delta_pct']):>16s}")
     for t in results["targets"]:
-        verdict = "n/a" if t["passed"] is None else ("PASS" if t["passed"] else "MISS")
-        lines.append(f"[{verdict}] {t['target']}: {_fmt(t['value'], '.3f')} {t['unit']} (<= {t['threshold']})")
+        halves = f"; halves A / B: {' / '.join(_fmt(v, '.3f') for v in t['halves'])}" if "halves" in t else ""
+        lines.append(f"[{_verdict(t['passed'])}] {t['target']}: {_fmt(t['value'], '.3f')} {t['unit']} "
+                     f"(<= {t['threshold']}){halves}")
     return "\n".join(lines)
 
 

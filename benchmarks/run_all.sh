@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The whole table on one host: every mode, both rounds; JSON, markdown, PNG and profile tables go to
+# The whole table on one host: every mode, interleaved in blocks; JSON, markdown, PNG and profile tables go to
 # $OUT when set, else benchmarks/results/. Extra arguments pass through to muon_zero_bench.py, e.g.
 #   bash benchmarks/run_all.sh                      # 2 GPUs, GPT-2 small, micro-batch 8 x 1024
-#   NPROC=4 bash benchmarks/run_all.sh --steps 100
+#   NPROC=4 bash benchmarks/run_all.sh --blocks 24
 #   DS_ACCELERATOR=cpu bash benchmarks/run_all.sh --smoke   # CPU check, two gloo processes
 set -euo pipefail
 cd "$(dirname "$0")/.."

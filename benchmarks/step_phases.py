@@ -21,7 +21,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 # (owner, attribute, label) in the order the step runs them.
 DEEPSPEED_PHASES = [
-    (optimizer_step, "gradient_statistics", "inspect: grad norm + overflow all-reduce"),
+    (optimizer_step, "reduced_statistics", "inspect: grad norm + overflow all-reduce"),
     (DeepSpeedZeroOptimizer, "_apply", "apply: unscale, optimizer, publish"),
     (MuonWithAuxAdam, "_muon_group_step", "muon group (momentum + NS + update)"),
     (MuonWithAuxAdam, "_adam_group_step", "adam group of MuonWithAuxAdam"),
