@@ -376,7 +376,8 @@ def _ns_lines(results: dict) -> list:
              "| how | all matrices, ms | rank 0's subset, ms |", "|---|---|---|"]
     for key, label in (("synced_sum_ms", "engine function, sum of synchronised per-call times (one call per matrix)"),
                        ("back_to_back_ms", "engine function, back-to-back, one synchronisation"),
-                       ("batched_by_shape_ms", "engine function, one batched call per shape (as in the engine)")):
+                       ("batched_by_shape_ms",
+                        "engine function, one call on a list of per-shape stacks (as in the engine)")):
         lines.append(f"| {label} | {standalone[key]:.3f} | {_fmt(subset.get(key), '.3f')} |")
     if "torch_synced_sum_ms" in standalone:
         lines.append("| torch.optim.Muon's function (standard iteration), per-call synchronised | "

@@ -107,11 +107,14 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "    def _apply(self, factor: float) -> None:\n"),
             # The optimizer applies the update computed before the decision instead of computing its own.
             Patch(MUON_OPTIMIZER,
-                  "            update, scale = orthogonalized_batch(\n                [p.grad for p in params],\n",
-                  "            precomputed = [self.state[p].pop('precomputed_update', None) for p in params]\n"
-                  "            update, scale = (torch.stack(precomputed), 1.0) \\\n"
-                  "                if all(u is not None for u in precomputed) else orthogonalized_batch(\n"
-                  "                [p.grad for p in params],\n"),
+                  "        if not by_shape:\n            return\n",
+                  "        if not by_shape:\n            return\n"
+                  "        precomputed = {id(p): self.state[p].pop('precomputed_update', None)\n"
+                  "                       for ps in by_shape.values() for p in ps}\n"
+                  "        if all(u is not None for u in precomputed.values()):\n"
+                  "            for ps in by_shape.values():\n"
+                  "                torch._foreach_add_(ps, [precomputed[id(p)] for p in ps], alpha=-lr)\n"
+                  "            return\n"),
         ),
     ),
     Mutation(

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from deepspeed.runtime.zero.muon.original_muon import NS_FUNCTIONS, adam_update, orthogonalized_batch, stacked_view
+from deepspeed.runtime.zero.muon.original_muon import NS_FUNCTIONS, adam_update, momentum_directions, stacked_view
 
 MUON_DEFAULTS: dict[str, Any] = {
     "lr": 0.02,
@@ -147,12 +147,19 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         return loss
 
     def _muon_group_step(self, group: dict[str, Any]) -> None:
-        """Muon for every param with a gradient; matrices of one shape share one batched Newton-Schulz."""
+        """Muon for every param with a gradient, with one Newton-Schulz call for the whole group.
+
+        Matrices of one shape are stacked into one batch; the call gets every shape's batch, so the Gram
+        iteration can also share its small-matrix work across shapes (see ``zeropower_via_gram_newtonschulz``).
+        """
         lr, weight_decay = group["lr"], group["weight_decay"]
         by_shape: dict[torch.Size, list[Tensor]] = {}
         for p in group["params"]:
             if p.grad is not None:
                 by_shape.setdefault(p.shape, []).append(p)
+        if not by_shape:
+            return
+        batches, directions = [], []
         for params in by_shape.values():
             momenta = []
             for p in params:
@@ -162,15 +169,13 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                     # a dtype that changes on resume broke upstream, #7746).
                     state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
                 momenta.append(state["momentum_buffer"])
-            update, scale = orthogonalized_batch(
-                [p.grad for p in params],
-                momenta,
-                beta=group["momentum"],
-                ns_steps=group["ns_steps"],
-                nesterov=group["nesterov"],
-                ns_method=group["ns_method"],
-                ns_dtype=group["ns_dtype"],
-            )
+            direction, scale = momentum_directions([p.grad for p in params], momenta, beta=group["momentum"],
+                                                   nesterov=group["nesterov"])
+            batches.append((params, scale))
+            directions.append(direction)
+        updates = NS_FUNCTIONS[group["ns_method"]](directions, steps=group["ns_steps"], dtype=group["ns_dtype"])
+        for (params, scale), update in zip(batches, updates):
+            update = update.reshape(len(params), *params[0].shape)
             if weight_decay != 0:
                 torch._foreach_mul_(params, 1 - lr * weight_decay)
             # One fused read of the low-precision update per element: the RMS factor and the learning rate

@@ -85,28 +85,33 @@ def _standard_iterations(X: Tensor, steps: int) -> Tensor:
     return X
 
 
-def zeropower_via_newtonschulz5(G: Tensor, steps: int = 5, dtype: torch.dtype | None = None) -> Tensor:
+def zeropower_via_newtonschulz5(G: Tensor | Sequence[Tensor], steps: int = 5,
+                                dtype: torch.dtype | None = None) -> Tensor | list[Tensor]:
     """Approximately orthogonalise ``G`` (U S V^T -> U S' V^T, S' ~ 1) with the quintic Newton-Schulz iteration.
 
     Each step is X <- a X + (b A + c A^2) X with A = X X^T, computed on the wide orientation so A is
     the small side. Leading dimensions beyond the last two are treated as a batch.
 
     Args:
-        G: a matrix or a batch of matrices (ndim >= 2). It is not modified.
+        G: a matrix or a batch of matrices (ndim >= 2), or a list of them (each orthogonalised on its own).
+            Never modified.
         steps: number of iterations.
         dtype: compute dtype; ``None`` applies :func:`resolve_ns_dtype`.
 
     Returns:
-        The orthogonalised tensor, same shape as ``G``, in the compute dtype.
+        The orthogonalised tensor, same shape as ``G``, in the compute dtype (a list for a list).
 
     Raises:
         ValueError: if ``G`` has fewer than two dimensions.
     """
+    if not isinstance(G, Tensor):
+        return [zeropower_via_newtonschulz5(one, steps, dtype) for one in G]
     X, is_transposed = _normalized_wide(G, dtype)
     return _restored_layout(_standard_iterations(X, steps), is_transposed, G)
 
 
-def zeropower_via_gram_newtonschulz(G: Tensor, steps: int = 5, dtype: torch.dtype | None = None) -> Tensor:
+def zeropower_via_gram_newtonschulz(G: Tensor | Sequence[Tensor], steps: int = 5,
+                                    dtype: torch.dtype | None = None) -> Tensor | list[Tensor]:
     """Newton-Schulz computed on the Gram matrix R = X X^T; equals :func:`zeropower_via_newtonschulz5` to rounding.
 
     Every standard step multiplies X on the left by P_k = a I + b A_k + c A_k^2, a polynomial in
@@ -121,29 +126,66 @@ def zeropower_via_gram_newtonschulz(G: Tensor, steps: int = 5, dtype: torch.dtyp
     is cheaper once n > 1.5 m: 1.5x for a 1024 x 4096 MLP weight, approaching 2.5x as m / n -> 0.
     Square matrices gain nothing and use the standard iteration.
 
+    Given a list, matrices of different shapes that share the small side m and the compute dtype run
+    their m x m iterations as one batch (a transformer's attention and MLP weights all have m = d_model):
+    the m x m products are small, and one large batched launch keeps the GPU busier than one per shape.
+
     Args:
-        G: a matrix or a batch of matrices (ndim >= 2). It is not modified.
+        G: a matrix or a batch of matrices (ndim >= 2), or a list of them. Never modified.
         steps: number of iterations (the same count as the standard iteration it reproduces).
         dtype: compute dtype; ``None`` applies :func:`resolve_ns_dtype`.
 
     Returns:
-        The orthogonalised tensor, same shape as ``G``, in the compute dtype.
+        The orthogonalised tensor, same shape as ``G``, in the compute dtype (a list for a list, in order).
 
     Raises:
-        ValueError: if ``G`` has fewer than two dimensions.
+        ValueError: if a tensor has fewer than two dimensions.
     """
-    X, is_transposed = _normalized_wide(G, dtype)
-    rows, cols = X.shape[-2:]
-    if rows == cols:
-        return _restored_layout(_standard_iterations(X, steps), is_transposed, G)
+    if isinstance(G, Tensor):
+        return zeropower_via_gram_newtonschulz([G], steps, dtype)[0]
+    prepared = [_normalized_wide(one, dtype) for one in G]
+    results: list[Tensor | None] = [None] * len(prepared)
+    joint: dict[tuple, list[int]] = {}
+    for index, (X, is_transposed) in enumerate(prepared):
+        rows, cols = X.shape[-2:]
+        if rows == cols:
+            results[index] = _restored_layout(_standard_iterations(X, steps), is_transposed, G[index])
+        else:
+            joint.setdefault((rows, X.dtype, X.device), []).append(index)
+    for indices in joint.values():
+        outputs = _gram_iterations([prepared[i][0] for i in indices], steps)
+        for index, X in zip(indices, outputs):
+            results[index] = _restored_layout(X, prepared[index][1], G[index])
+    return results
+
+
+def _gram_iterations(Xs: list[Tensor], steps: int) -> list[Tensor]:
+    """The Gram iteration for 3-D batches of wide matrices that share the small side m.
+
+    Each batch keeps its own X (different widths); R, Z, Q and the products among them are m x m and are
+    stacked into one batch, so every m x m step is one launch for all of them.
+    """
     a, b, c = NS_COEFFICIENTS
-    eye = torch.eye(rows, dtype=X.dtype, device=X.device)
-    R = torch.bmm(X, X.mT)
+    sizes = [X.size(0) for X in Xs]
+    first = Xs[0]
+    rows = first.size(-2)
+    eye = torch.eye(rows, dtype=first.dtype, device=first.device)
+
+    def gram_matrices(Xs: list[Tensor]) -> Tensor:
+        R = torch.empty(sum(sizes), rows, rows, dtype=first.dtype, device=first.device)
+        for X, R_part in zip(Xs, R.split(sizes)):
+            torch.bmm(X, X.mT, out=R_part)
+        return R
+
+    def left_multiplied(Q: Tensor, Xs: list[Tensor]) -> list[Tensor]:
+        return [torch.bmm(Q_part, X) for Q_part, X in zip(Q.split(sizes), Xs)]
+
+    R = gram_matrices(Xs)
     Q = None
     for k in range(steps):
         if k in GRAM_RESTART_ITERATIONS and Q is not None:
-            X = torch.bmm(Q, X)
-            R = torch.bmm(X, X.mT)
+            Xs = left_multiplied(Q, Xs)
+            R = gram_matrices(Xs)
             Q = None
         Z = torch.baddbmm(R, R, R, beta=b, alpha=c)
         # P = a I + Z; the first factor needs no product.
@@ -152,9 +194,7 @@ def zeropower_via_gram_newtonschulz(G: Tensor, steps: int = 5, dtype: torch.dtyp
         if not is_last_before_rebuild:
             PR = torch.baddbmm(R, Z, R, beta=a)
             R = torch.baddbmm(PR, Z, PR, beta=a)
-    if Q is not None:
-        X = torch.bmm(Q, X)
-    return _restored_layout(X, is_transposed, G)
+    return left_multiplied(Q, Xs) if Q is not None else Xs
 
 
 NSFunction = Callable[..., Tensor]
@@ -270,39 +310,33 @@ def _stacked(tensors: Sequence[Tensor]) -> Tensor:
     return view if view is not None else torch.stack(list(tensors))
 
 
-def orthogonalized_batch(
+def momentum_directions(
     grads: Sequence[Tensor],
     momenta: Sequence[Tensor],
     beta: float = 0.95,
-    ns_steps: int = 5,
     nesterov: bool = True,
-    ns_method: str = "gram",
-    ns_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, float]:
-    """Fold same-shape gradients into their momenta and orthogonalise all directions with one batched call.
+    """Fold same-shape gradients into their momenta and return the stacked directions Newton-Schulz will take.
 
-    The math is :func:`muon_update`'s for each (grad, momentum) pair; the matrices run as one batch, which
-    turns a launch-bound loop of small kernels into a few large ones.
+    momentum <- lerp(momentum, grad, 1 - beta) for each pair (in place); the direction is
+    lerp(grad, momentum, beta) with Nesterov, else the momentum, as in :func:`muon_update`.
 
     Args:
         grads: 2-D or 4-D gradients, all of one shape; never written.
         momenta: fp32 buffers shaped like the gradients; updated in place.
-        beta, ns_steps, nesterov, ns_method, ns_dtype: as :func:`muon_update`.
+        beta, nesterov: as :func:`muon_update`.
 
     Returns:
-        (update, scale): the orthogonalised directions stacked as (len(grads), *shape) in the Newton-Schulz
-        compute dtype, and the RMS factor sqrt(max(1, rows / cols)) the caller multiplies them by. Keeping
-        the factor apart lets the caller fold it into the step's ``alpha`` instead of another pass.
+        (directions, scale): a new (len(grads), rows, cols) fp32 tensor (4-D kernels viewed as (out, -1)),
+        and the RMS factor sqrt(max(1, rows / cols)) its orthogonalised update is multiplied by.
 
     Raises:
-        ValueError: as :func:`muon_update`, or for no gradients, gradients of different shapes or a 3-D
-            gradient.
+        ValueError: no gradients, gradients of different shapes or a 3-D gradient, or momenta that are not
+            fp32 tensors of the gradients' shape.
     """
     if not grads:
-        raise ValueError("orthogonalized_batch needs at least one gradient")
+        raise ValueError("momentum_directions needs at least one gradient")
     shape = grads[0].shape
-    if ns_method not in NS_FUNCTIONS:
-        raise ValueError(f"ns_method must be one of {{'standard', 'gram'}}, got {ns_method}")
     if len(shape) not in (2, 4):
         raise ValueError(f"if use muon, then tensor dim > 1, got {grads[0].size()} (batched updates take 2-D or "
                          "4-D tensors)")
@@ -321,9 +355,33 @@ def orthogonalized_batch(
     momentum32 = _stacked(momenta)
     direction = grad32.lerp(momentum32, beta) if nesterov else momentum32
     direction = direction.reshape(len(grads), shape[0], -1)
+    return direction, max(1.0, direction.size(-2) / direction.size(-1)) ** 0.5
+
+
+def orthogonalized_batch(
+    grads: Sequence[Tensor],
+    momenta: Sequence[Tensor],
+    beta: float = 0.95,
+    ns_steps: int = 5,
+    nesterov: bool = True,
+    ns_method: str = "gram",
+    ns_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, float]:
+    """:func:`momentum_directions`, then one batched Newton-Schulz call for all of them.
+
+    Returns:
+        (update, scale): the orthogonalised directions stacked as (len(grads), *shape) in the Newton-Schulz
+        compute dtype, and the RMS factor the caller multiplies them by (kept apart so the caller can fold it
+        into the step's ``alpha`` instead of another pass).
+
+    Raises:
+        ValueError: as :func:`momentum_directions`, or for an unknown ``ns_method``.
+    """
+    if ns_method not in NS_FUNCTIONS:
+        raise ValueError(f"ns_method must be one of {{'standard', 'gram'}}, got {ns_method}")
+    direction, scale = momentum_directions(grads, momenta, beta, nesterov)
     update = NS_FUNCTIONS[ns_method](direction, steps=ns_steps, dtype=ns_dtype)
-    scale = max(1.0, direction.size(-2) / direction.size(-1)) ** 0.5
-    return update.reshape(len(grads), *shape), scale
+    return update.reshape(len(grads), *grads[0].shape), scale
 
 
 def muon_update_batch(

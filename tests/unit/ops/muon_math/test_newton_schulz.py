@@ -78,3 +78,18 @@ def test_default_compute_dtype_is_fp32_off_cuda_and_explicit_wins():
 def test_vector_is_rejected(fn):
     with pytest.raises(ValueError, match="matrix"):
         fn(torch.randn(5))
+
+
+@pytest.mark.parametrize("fn", [zeropower_via_newtonschulz5, zeropower_via_gram_newtonschulz])
+def test_a_list_gives_what_each_tensor_gives_alone(fn):
+    """Gram shares the small-side work of same-m batches (and squares take the standard path); the results
+    must be each input's own, in order."""
+    generator = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(shape, generator=generator) for shape in
+              [(3, 16, 48), (16, 40), (2, 40, 16), (16, 16), (4, 8, 24), (1, 64, 16)]]
+    together = fn(inputs)
+    assert isinstance(together, list) and len(together) == len(inputs)
+    for got, alone_input in zip(together, inputs):
+        alone = fn(alone_input)
+        assert got.shape == alone_input.shape
+        torch.testing.assert_close(got, alone, rtol=0, atol=2e-6)

@@ -281,11 +281,12 @@ class TestMuonWorkSplit(DistributedTest):
 
         def recording(fn):
 
-            def wrapped(matrix, *args, **kwargs):
-                # Same-shape matrices are orthogonalised in one batched call: record each matrix.
-                batch = matrix.reshape(-1, *matrix.shape[-2:])
-                shapes.extend([tuple(batch.shape[-2:])] * batch.shape[0])
-                return fn(matrix, *args, **kwargs)
+            def wrapped(matrices, *args, **kwargs):
+                # One call takes a list of same-shape batches (or one tensor): record each matrix.
+                for batch in [matrices] if isinstance(matrices, torch.Tensor) else matrices:
+                    batch = batch.reshape(-1, *batch.shape[-2:])
+                    shapes.extend([tuple(batch.shape[-2:])] * batch.shape[0])
+                return fn(matrices, *args, **kwargs)
 
             return wrapped
 
