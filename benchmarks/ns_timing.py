@@ -240,6 +240,7 @@ def standalone_newton_schulz(shapes: list, method: str, ns_steps: int, ns_dtype,
     }
     result |= _time_set(engine_fn, matrices, reps)
     result["owner_subset"] |= _time_set(engine_fn, subset, reps)
+    result["owner_subset"]["engine_call_ms"] = _engine_call_by_method(subset, ns_steps, dtype, reps)
     torch_fn = _torch_muon_ns()[1]
     if torch_fn is not None:
         # Positional, as torch.optim.Muon itself calls it: (grad, ns_coefficients, ns_steps, eps).
@@ -272,6 +273,26 @@ def _time_set(fn: Callable, matrices: list, reps: int) -> dict:
     fn(stacks)
     batched = _median_seconds(lambda: fn(stacks), reps)
     return {"synced_sum_ms": synced * 1e3, "back_to_back_ms": back_to_back * 1e3, "batched_by_shape_ms": batched * 1e3}
+
+
+def _engine_call_by_method(matrices: list, ns_steps: int, dtype: torch.dtype, reps: int) -> dict:
+    """Both iterations on one rank's matrices as the engine calls them: one call on the list of per-shape stacks.
+
+    This is the call whose cost the choice of iteration decides: with the Gram iteration the small-side work
+    of all shapes runs as one batch, so per-shape timings alone do not show what the engine pays.
+    """
+    if not matrices:
+        return {}
+    groups: dict = {}
+    for matrix in matrices:
+        groups.setdefault(tuple(matrix.shape), []).append(matrix)
+    stacks = [torch.stack(group) for group in groups.values()]
+    timings = {}
+    for name in ("standard", "gram"):
+        call = functools.partial(NS_FUNCTIONS[name], stacks, steps=ns_steps, dtype=dtype)
+        call()
+        timings[name] = 1e3 * _median_seconds(call, reps)
+    return timings
 
 
 def _accuracy(shapes: list, ns_steps: int, dtype: torch.dtype, device: torch.device) -> dict:

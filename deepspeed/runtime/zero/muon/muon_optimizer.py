@@ -139,11 +139,14 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Adam groups first: their few element-wise launches are queued at once, and the device works through
+        # them while the host is still issuing the Muon groups' many small launches.
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                self._adam_group_step(group)
         for group in self.param_groups:
             if group["use_muon"]:
                 self._muon_group_step(group)
-            else:
-                self._adam_group_step(group)
         return loss
 
     def _muon_group_step(self, group: dict[str, Any]) -> None:
