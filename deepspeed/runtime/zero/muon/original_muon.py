@@ -358,32 +358,6 @@ def momentum_directions(
     return direction, max(1.0, direction.size(-2) / direction.size(-1)) ** 0.5
 
 
-def orthogonalized_batch(
-    grads: Sequence[Tensor],
-    momenta: Sequence[Tensor],
-    beta: float = 0.95,
-    ns_steps: int = 5,
-    nesterov: bool = True,
-    ns_method: str = "gram",
-    ns_dtype: torch.dtype | None = None,
-) -> tuple[Tensor, float]:
-    """:func:`momentum_directions`, then one batched Newton-Schulz call for all of them.
-
-    Returns:
-        (update, scale): the orthogonalised directions stacked as (len(grads), *shape) in the Newton-Schulz
-        compute dtype, and the RMS factor the caller multiplies them by (kept apart so the caller can fold it
-        into the step's ``alpha`` instead of another pass).
-
-    Raises:
-        ValueError: as :func:`momentum_directions`, or for an unknown ``ns_method``.
-    """
-    if ns_method not in NS_FUNCTIONS:
-        raise ValueError(f"ns_method must be one of {{'standard', 'gram'}}, got {ns_method}")
-    direction, scale = momentum_directions(grads, momenta, beta, nesterov)
-    update = NS_FUNCTIONS[ns_method](direction, steps=ns_steps, dtype=ns_dtype)
-    return update.reshape(len(grads), *grads[0].shape), scale
-
-
 def muon_update_batch(
     grads: Sequence[Tensor],
     momenta: Sequence[Tensor],
@@ -404,12 +378,15 @@ def muon_update_batch(
         One new fp32 update per gradient, in order (scaled like :func:`muon_update`'s).
 
     Raises:
-        ValueError: as :func:`orthogonalized_batch`.
+        ValueError: as :func:`momentum_directions`, or for an unknown ``ns_method``.
     """
     if not grads:
         return []
-    update, scale = orthogonalized_batch(grads, momenta, beta, ns_steps, nesterov, ns_method, ns_dtype)
-    return list((update.float() * scale).unbind(0))
+    if ns_method not in NS_FUNCTIONS:
+        raise ValueError(f"ns_method must be one of {{'standard', 'gram'}}, got {ns_method}")
+    direction, scale = momentum_directions(grads, momenta, beta, nesterov)
+    update = NS_FUNCTIONS[ns_method](direction, steps=ns_steps, dtype=ns_dtype)
+    return list((update.float() * scale).reshape(len(grads), *grads[0].shape).unbind(0))
 
 
 def adam_update(
