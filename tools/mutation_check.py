@@ -86,7 +86,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "        grads = [self.reducer.partition_grad(g) for g in range(len(self.layouts))]\n"
                   "        self._mutant_muon_before_decision(grads)\n"),
             Patch(STAGE,
-                  "    def _apply(self, factor: float) -> None:\n",
+                  "    def _apply(self, factor: torch.Tensor) -> None:\n",
                   "    def _mutant_muon_before_decision(self, grads) -> None:\n"
                   "        from deepspeed.runtime.zero.muon.original_muon import muon_update\n"
                   "        scale = float(self.loss_scaler.cur_scale)\n"
@@ -104,7 +104,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "                    ns_steps=group['ns_steps'], nesterov=group['nesterov'],\n"
                   "                    ns_method=group['ns_method'], ns_dtype=group['ns_dtype'])\n"
                   "\n"
-                  "    def _apply(self, factor: float) -> None:\n"),
+                  "    def _apply(self, factor: torch.Tensor) -> None:\n"),
             # The optimizer applies the update computed before the decision instead of computing its own.
             Patch(MUON_OPTIMIZER,
                   "        if not by_shape:\n            return\n",
@@ -166,7 +166,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "                    if is_muon_group(group)}\n"
                   "        for group in self.optimizer.param_groups:\n"
                   "            if id(group) in muon_lrs:\n"
-                  "                group['lr'] = group['lr'] * factor\n"),
+                  "                group['lr'] = group['lr'] * float(factor)\n"),
             Patch(STAGE,
                   "        self.optimizer.step()\n        for group in self.optimizer.param_groups:\n",
                   "        self.optimizer.step()\n"

@@ -10,7 +10,6 @@ Every rank reaches the same decision because it is taken on the reduced statisti
 leaves parameters, masters and optimizer state bit-identical everywhere.
 """
 
-import math
 from typing import Callable, Sequence, Tuple, Union
 
 import torch
@@ -75,30 +74,20 @@ def reduced_statistics(grads: Sequence[torch.Tensor], replicated: bool, group=No
     return stats
 
 
-def gradient_statistics(grads: Sequence[torch.Tensor], replicated: bool, group=None) -> Tuple[float, bool]:
-    """Global squared norm and non-finite flag of `grads` on the host (see `reduced_statistics`).
+def norm_and_factor(stats: torch.Tensor, scale: float, clip: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The global gradient norm and the unscale-and-clip factor, computed on the stats' device.
+
+    Clipping follows upstream: divide the unscaled gradient by ((norm + 1e-6) / clip), floored at 1; `clip`
+    <= 0 disables it, and a non-finite gradient is not clipped.
+
+    Args:
+        stats: `reduced_statistics`'s [sum of squares, non-finite flag].
+        scale: the loss scale the backward used.
+        clip: gradient_clipping.
 
     Returns:
-        (sum of squares, has_non_finite).
-    """
-    sum_of_squares, flag = reduced_statistics(grads, replicated, group).tolist()
-    return sum_of_squares, flag > 0
-
-
-def clip_coefficient(grad_norm: float, clip: float) -> float:
-    """Factor (>= 1) by which the unscaled gradient is divided so its norm is at most `clip`.
-
-    Follows upstream's ((norm + 1e-6) / clip), floored at 1; `clip` <= 0 disables clipping.
-    """
-    if clip <= 0 or not math.isfinite(grad_norm):
-        return 1.0
-    return max(1.0, (grad_norm + 1e-6) / clip)
-
-
-def device_norm_and_factor(stats: torch.Tensor, scale: float, clip: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """`clip_coefficient`'s arithmetic on the device: (grad norm or -1, fp32 unscale-and-clip factor).
-
-    The same float64 operations as the host path, so both give the same factor bits.
+        (norm of the unscaled gradient, or -1 when not finite; 1 / (scale * clip coefficient) as fp32), both
+        0-d tensors, so nothing here waits for the device.
     """
     is_finite = stats[1] == 0
     norm = stats[0].sqrt() / scale
@@ -110,7 +99,7 @@ def device_norm_and_factor(stats: torch.Tensor, scale: float, clip: float) -> Tu
 
 
 def transactional_step(grads: Sequence[torch.Tensor], loss_scaler, clip: float, check_overflow: bool,
-                       replicated: bool, group, apply: Callable[[Union[float, torch.Tensor]], None]) -> StepOutcome:
+                       replicated: bool, group, apply: Callable[[torch.Tensor], None]) -> StepOutcome:
     """Run one optimizer step as a transaction.
 
     Args:
@@ -120,29 +109,20 @@ def transactional_step(grads: Sequence[torch.Tensor], loss_scaler, clip: float, 
         check_overflow: skip the step on non-finite gradients (fp16 always; bf16 when configured).
         replicated: see `reduced_statistics`.
         group: the data-parallel process group.
-        apply: called with the single factor (1 / (scale * clip_coefficient)) that unscales and clips;
-            it performs every mutation of the step. The factor is a Python float after a host-side
-            decision, else a 0-d fp32 tensor on the gradients' device.
+        apply: called with the single factor (a 0-d fp32 tensor on the gradients' device, see
+            `norm_and_factor`) that unscales and clips; it performs every mutation of the step.
 
     Returns:
         The StepOutcome.
     """
     stats = reduced_statistics(grads, replicated, group)
     scale_used = float(loss_scaler.cur_scale)
-    if not check_overflow:
-        # No decision is taken on the host (the step is applied whatever the gradients hold), so the norm and
-        # the clip factor stay on the device and the whole step is queued behind the backward without waiting
-        # for it: the host's launch work then overlaps the device's.
-        loss_scaler.update_scale(False)
-        grad_norm, factor = device_norm_and_factor(stats, scale_used, clip)
-        apply(factor)
-        return StepOutcome(applied=True, grad_norm=grad_norm, loss_scale=scale_used)
-    sum_of_squares, flag = stats.tolist()
-    has_overflow = flag > 0
+    grad_norm, factor = norm_and_factor(stats, scale_used, clip)
+    # The skip verdict must be known before anything is mutated, so checking costs the step's one wait for
+    # the device. Without checking nothing is decided on the host and the step is queued behind the backward.
+    has_overflow = check_overflow and stats[1].item() > 0
     loss_scaler.update_scale(has_overflow)
     if has_overflow:
         return StepOutcome(applied=False, grad_norm=NON_FINITE_NORM, loss_scale=scale_used)
-    grad_norm = math.sqrt(sum_of_squares) / scale_used
-    factor = 1.0 / (scale_used * clip_coefficient(grad_norm, clip))
     apply(factor)
     return StepOutcome(applied=True, grad_norm=grad_norm, loss_scale=scale_used)

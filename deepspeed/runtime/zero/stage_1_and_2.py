@@ -290,7 +290,7 @@ class DeepSpeedZeroOptimizer:
         self.micro_step_id = 0
         return outcome
 
-    def _apply(self, factor: float) -> None:
+    def _apply(self, factor: torch.Tensor) -> None:
         """Unscale+clip into fp32 gradients of the masters, step the basic optimizer, publish lp weights."""
         fp32_grads = [self.reducer.partition_grad(g).to(torch.float32) * factor for g in range(len(self.layouts))]
         for group in self.optimizer.param_groups:

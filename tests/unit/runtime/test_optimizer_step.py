@@ -1,4 +1,4 @@
-"""The transaction's arithmetic: the device-side clip factor equals the host-side one bit for bit,
+"""The transaction's arithmetic: the clip factor equals upstream's formula in Python floats bit for bit,
 and a step that needs no host decision (fp32, or bf16 with check_grad_overflow off) never waits for the device."""
 
 import math
@@ -8,31 +8,37 @@ import torch
 
 import deepspeed
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.optimizer_step import NON_FINITE_NORM, clip_coefficient, device_norm_and_factor
+from deepspeed.runtime.optimizer_step import NON_FINITE_NORM, norm_and_factor
 from unit.common import DistributedTest
 from unit.runtime.engine_harness import make_config, make_model
+
+
+def reference_factor(sum_of_squares: float, scale: float, clip: float) -> tuple:
+    """Upstream's clipping in Python floats: divide by ((norm + 1e-6) / clip), floored at 1; clip <= 0 disables."""
+    norm = math.sqrt(sum_of_squares) / scale
+    coefficient = max(1.0, (norm + 1e-6) / clip) if clip > 0 else 1.0
+    return norm, 1.0 / (scale * coefficient)
 
 
 @pytest.mark.parametrize("sum_of_squares", [0.0, 1e-12, 0.3, 2.0, 7.5e3, 1e30])
 @pytest.mark.parametrize("scale", [1.0, 1024.0, 65536.0])
 @pytest.mark.parametrize("clip", [0.0, 1.0, 0.37])
-def test_device_factor_equals_host_factor(sum_of_squares, scale, clip):
+def test_factor_equals_the_python_formula(sum_of_squares, scale, clip):
     stats = torch.tensor([sum_of_squares, 0.0], dtype=torch.float64)
-    grad_norm, factor = device_norm_and_factor(stats, scale, clip)
-    host_norm = math.sqrt(sum_of_squares) / scale
-    host_factor = 1.0 / (scale * clip_coefficient(host_norm, clip))
+    grad_norm, factor = norm_and_factor(stats, scale, clip)
+    expected_norm, expected_factor = reference_factor(sum_of_squares, scale, clip)
     # torch's and Python's sqrt may differ in the last bit of a double; the fp32 factor must not.
-    assert grad_norm.item() == pytest.approx(host_norm, rel=1e-15)
+    assert grad_norm.item() == pytest.approx(expected_norm, rel=1e-15)
     assert factor.dtype == torch.float32
-    assert factor.item() == torch.tensor(host_factor, dtype=torch.float32).item()
+    assert factor.item() == torch.tensor(expected_factor, dtype=torch.float32).item()
     # What the step multiplies gradients by: the fp32 factor and the Python float give the same bits.
     grads = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 1e3
-    assert torch.equal(grads * factor, grads * host_factor)
+    assert torch.equal(grads * factor, grads * expected_factor)
 
 
-def test_device_path_reports_a_non_finite_norm_and_does_not_clip():
+def test_non_finite_gradients_report_minus_one_and_are_not_clipped():
     stats = torch.tensor([0.0, 1.0], dtype=torch.float64)
-    grad_norm, factor = device_norm_and_factor(stats, 4.0, clip=1.0)
+    grad_norm, factor = norm_and_factor(stats, 4.0, clip=1.0)
     assert grad_norm.item() == NON_FINITE_NORM
     assert factor.item() == 0.25
 

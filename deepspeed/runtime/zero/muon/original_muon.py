@@ -341,10 +341,10 @@ def momentum_directions(
         raise ValueError(f"if use muon, then tensor dim > 1, got {grads[0].size()} (batched updates take 2-D or "
                          "4-D tensors)")
     if len(momenta) != len(grads):
-        raise ValueError(f"muon_update_batch got {len(grads)} gradients but {len(momenta)} momenta")
+        raise ValueError(f"a Muon batch got {len(grads)} gradients but {len(momenta)} momenta")
     for grad, momentum in zip(grads, momenta):
         if grad.shape != shape:
-            raise ValueError(f"muon_update_batch needs gradients of one shape, got {tuple(shape)} and "
+            raise ValueError(f"a Muon batch needs gradients of one shape, got {tuple(shape)} and "
                              f"{tuple(grad.shape)}")
         if momentum.dtype != torch.float32 or momentum.shape != shape:
             raise ValueError(f"Muon momentum must be a float32 tensor shaped like the gradient {tuple(shape)}, "
