@@ -107,14 +107,14 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "    def _apply(self, factor: torch.Tensor) -> None:\n"),
             # The optimizer applies the update computed before the decision instead of computing its own.
             Patch(MUON_OPTIMIZER,
-                  "        if not by_shape:\n            return\n",
-                  "        if not by_shape:\n            return\n"
-                  "        precomputed = {id(p): self.state[p].pop('precomputed_update', None)\n"
-                  "                       for ps in by_shape.values() for p in ps}\n"
-                  "        if all(u is not None for u in precomputed.values()):\n"
-                  "            for ps in by_shape.values():\n"
-                  "                torch._foreach_add_(ps, [precomputed[id(p)] for p in ps], alpha=-lr)\n"
-                  "            return\n"),
+                  "            if group[\"use_muon\"]:\n                updates = prepared.get(index)\n",
+                  "            if group[\"use_muon\"]:\n"
+                  "                with_grad = [p for p in group['params'] if p.grad is not None]\n"
+                  "                precomputed = [self.state[p].pop('precomputed_update', None) for p in with_grad]\n"
+                  "                if precomputed and all(u is not None for u in precomputed):\n"
+                  "                    torch._foreach_add_(with_grad, precomputed, alpha=-group['lr'])\n"
+                  "                    continue\n"
+                  "                updates = prepared.get(index)\n"),
         ),
     ),
     Mutation(
@@ -157,23 +157,23 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "and clipped; Muon itself sees the loss-scaled gradient"),
         patches=(
             Patch(STAGE,
-                  "        fp32_grads = [self.reducer.partition_grad(g).to(torch.float32) * factor "
+                  "        fp32_grads = [self._unscaled(self.reducer.partition_grad(g), factor) "
                   "for g in range(len(self.layouts))]\n",
                   "        fp32_grads = [self.reducer.partition_grad(g).to(torch.float32)\n"
                   "                      * (1.0 if is_muon_group(self.optimizer.param_groups[g]) else factor)\n"
-                  "                      for g in range(len(self.layouts))]\n"
+                  "                      for g in range(len(self.layouts))]\n"),
+            Patch(STAGE,
+                  "        self.optimizer.step()\n        # The fp32 gradients are dead now",
                   "        muon_lrs = {id(group): group['lr'] for group in self.optimizer.param_groups\n"
                   "                    if is_muon_group(group)}\n"
                   "        for group in self.optimizer.param_groups:\n"
                   "            if id(group) in muon_lrs:\n"
-                  "                group['lr'] = group['lr'] * float(factor)\n"),
-            Patch(STAGE,
-                  "        self.optimizer.step()\n        for group in self.optimizer.param_groups:\n",
+                  "                group['lr'] = group['lr'] * float(factor)\n"
                   "        self.optimizer.step()\n"
                   "        for group in self.optimizer.param_groups:\n"
                   "            if id(group) in muon_lrs:\n"
                   "                group['lr'] = muon_lrs[id(group)]\n"
-                  "        for group in self.optimizer.param_groups:\n"),
+                  "        # The fp32 gradients are dead now"),
         ),
     ),
     Mutation(

@@ -10,7 +10,7 @@ Every rank reaches the same decision because it is taken on the reduced statisti
 leaves parameters, masters and optimizer state bit-identical everywhere.
 """
 
-from typing import Callable, Sequence, Tuple, Union
+from typing import Callable, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -98,8 +98,33 @@ def norm_and_factor(stats: torch.Tensor, scale: float, clip: float) -> Tuple[tor
     return grad_norm, (1.0 / (scale * coefficient)).float()
 
 
+class _Verdict:
+    """The non-finite flag on its way to the host.
+
+    On an accelerator the flag is copied into pinned host memory behind an event as soon as it is reduced, so
+    the host can queue more work (see `prepare` in `transactional_step`) and then wait for the flag alone, not
+    for that work.
+    """
+
+    def __init__(self, flag: torch.Tensor) -> None:
+        self._event = None
+        if flag.device.type == "cuda":
+            self._host = torch.empty((), dtype=flag.dtype, pin_memory=True)
+            self._host.copy_(flag, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = flag
+
+    def overflow(self) -> bool:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.item() > 0
+
+
 def transactional_step(grads: Sequence[torch.Tensor], loss_scaler, clip: float, check_overflow: bool,
-                       replicated: bool, group, apply: Callable[[torch.Tensor], None]) -> StepOutcome:
+                       replicated: bool, group, apply: Callable[[torch.Tensor], None],
+                       prepare: Optional[Callable[[torch.Tensor], None]] = None) -> StepOutcome:
     """Run one optimizer step as a transaction.
 
     Args:
@@ -111,6 +136,10 @@ def transactional_step(grads: Sequence[torch.Tensor], loss_scaler, clip: float, 
         group: the data-parallel process group.
         apply: called with the single factor (a 0-d fp32 tensor on the gradients' device, see
             `norm_and_factor`) that unscales and clips; it performs every mutation of the step.
+        prepare: called with the same factor after the statistics are reduced and before the host reads the
+            verdict; it must not change any state the step protects (it computes into new tensors, which
+            `apply` may use and which are dropped when the step is skipped). Work it queues on the device runs
+            after the reduction, on the final gradients, while the host waits for the verdict.
 
     Returns:
         The StepOutcome.
@@ -120,7 +149,10 @@ def transactional_step(grads: Sequence[torch.Tensor], loss_scaler, clip: float, 
     grad_norm, factor = norm_and_factor(stats, scale_used, clip)
     # The skip verdict must be known before anything is mutated, so checking costs the step's one wait for
     # the device. Without checking nothing is decided on the host and the step is queued behind the backward.
-    has_overflow = check_overflow and stats[1].item() > 0
+    verdict = _Verdict(stats[1]) if check_overflow else None
+    if prepare is not None:
+        prepare(factor)
+    has_overflow = verdict is not None and verdict.overflow()
     loss_scaler.update_scale(has_overflow)
     if has_overflow:
         return StepOutcome(applied=False, grad_norm=NON_FINITE_NORM, loss_scale=scale_used)

@@ -281,8 +281,11 @@ class DeepSpeedZeroOptimizer:
             raise ValueError("DeepSpeedZeroOptimizer.step() does not take a closure")
         grads = [self.reducer.partition_grad(g) for g in range(len(self.layouts))]
         replicated = self.options.stage == 0 or self.dp_world_size == 1
-        outcome = transactional_step(grads, self.loss_scaler, self.options.clip_grad, self.options.check_overflow,
-                                     replicated, self.dp_process_group, self._apply)
+        try:
+            outcome = transactional_step(grads, self.loss_scaler, self.options.clip_grad, self.options.check_overflow,
+                                         replicated, self.dp_process_group, self._apply, prepare=self._prepare)
+        finally:
+            self._release_master_grads()
         self.overflow = not outcome.applied
         self._last_outcome = outcome
         self.reducer.zero()
@@ -290,18 +293,43 @@ class DeepSpeedZeroOptimizer:
         self.micro_step_id = 0
         return outcome
 
-    def _apply(self, factor: torch.Tensor) -> None:
-        """Unscale+clip into fp32 gradients of the masters, step the basic optimizer, publish lp weights."""
-        fp32_grads = [self.reducer.partition_grad(g).to(torch.float32) * factor for g in range(len(self.layouts))]
+    def _prepare(self, factor: torch.Tensor) -> None:
+        """Before the verdict: unscaled, clipped fp32 gradients for the masters, and the Muon updates from them.
+
+        Nothing the step protects changes here (the gradients are new tensors, and the basic optimizer computes
+        its Muon updates out of place), so a skipped step drops both. Queuing Newton-Schulz now lets the host
+        issue its many launches while the device finishes the backward, instead of after the verdict.
+        """
+        # A new fp32 tensor per group: multiplying in place would write the reducer's buffer when it is fp32.
+        fp32_grads = [self._unscaled(self.reducer.partition_grad(g), factor) for g in range(len(self.layouts))]
         for group in self.optimizer.param_groups:
             for param in group["params"]:
                 slot = self._hp_slots[id(param)]
                 param.grad = fp32_grads[slot.group][slot.start:slot.start + slot.numel].view(slot.shape)
+        prepare_muon_updates = getattr(self.optimizer, "prepare_muon_updates", None)
+        if prepare_muon_updates is not None:
+            prepare_muon_updates()
+
+    @staticmethod
+    def _unscaled(grad: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+        if grad.dtype == torch.float32:
+            return grad * factor
+        return grad.to(torch.float32).mul_(factor)
+
+    def _apply(self, factor: torch.Tensor) -> None:
+        """Step the basic optimizer on the gradients `_prepare` set, then publish the lp weights."""
         self.optimizer.step()
+        # The fp32 gradients are dead now: free them before the publishing all-gather allocates.
+        self._release_master_grads()
+        self.update_lp_params()
+
+    def _release_master_grads(self) -> None:
         for group in self.optimizer.param_groups:
             for param in group["params"]:
                 param.grad = None
-        self.update_lp_params()
+        discard = getattr(self.optimizer, "discard_prepared_updates", None)
+        if discard is not None:
+            discard()
 
     def update_lp_params(self) -> None:
         """Copy fp32 masters into this rank's lp partition and all-gather the partitions."""

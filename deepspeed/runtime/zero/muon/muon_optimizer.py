@@ -14,7 +14,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from deepspeed.runtime.zero.muon.original_muon import NS_FUNCTIONS, adam_update, momentum_directions, stacked_view
+from deepspeed.runtime.zero.muon.original_muon import (
+    NS_FUNCTIONS,
+    adam_update,
+    fold_momenta,
+    momentum_directions,
+    stacked_view,
+)
 
 MUON_DEFAULTS: dict[str, Any] = {
     "lr": 0.02,
@@ -46,6 +52,28 @@ MISSING_USE_MUON_MESSAGE = (
     "Muon optimizer is used, but the use_muon attribute is NOT configured for some of the model parameters, "
     "please set by `param.use_muon = True / False` for all params"
 )
+
+
+class _MuonUpdates:
+    """A Muon group's orthogonalised updates and what they were computed from.
+
+    ``batches`` holds (params, their gradient tensors, RMS factor) per shape, ``updates`` one stacked update per
+    batch, in the same order.
+    """
+
+    __slots__ = ("batches", "updates")
+
+    def __init__(self, batches: list[tuple[list[Tensor], list[Tensor], float]], updates: list[Tensor]) -> None:
+        self.batches = batches
+        self.updates = updates
+
+    def is_for(self, group: dict[str, Any]) -> bool:
+        """Whether the group's params with a gradient are exactly those these updates were computed for, still
+        carrying the same gradient tensors (identity, not values: a new backward gives new tensors or new values
+        in the same ones only through the caller, who prepares again)."""
+        current = [(id(p), id(p.grad)) for p in group["params"] if p.grad is not None]
+        recorded = {(id(p), id(g)) for params, grads, _ in self.batches for p, g in zip(params, grads)}
+        return len(current) == len(recorded) and all(pair in recorded for pair in current)
 
 
 class MuonWithAuxAdam(torch.optim.Optimizer):
@@ -129,6 +157,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Apply one Muon or Adam update to every param that has a gradient.
 
+        Muon groups use the updates :meth:`prepare_muon_updates` computed for the current gradients, if it ran;
+        otherwise they compute them here.
+
         Args:
             closure: re-evaluates the model and returns the loss (run with gradients enabled).
 
@@ -139,45 +170,81 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        prepared, self._prepared = self._prepared, {}
         # Adam groups first: their few element-wise launches are queued at once, and the device works through
-        # them while the host is still issuing the Muon groups' many small launches.
+        # them while the host is still issuing the Muon groups' launches.
         for group in self.param_groups:
             if not group["use_muon"]:
                 self._adam_group_step(group)
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             if group["use_muon"]:
-                self._muon_group_step(group)
+                updates = prepared.get(index)
+                if updates is None or not updates.is_for(group):
+                    updates = self._muon_updates(group)
+                self._commit_muon_updates(group, updates)
         return loss
 
-    def _muon_group_step(self, group: dict[str, Any]) -> None:
-        """Muon for every param with a gradient, with one Newton-Schulz call for the whole group.
+    @torch.no_grad()
+    def prepare_muon_updates(self) -> None:
+        """Compute every Muon group's update from the current gradients without changing anything.
+
+        Momenta, params and state are left as they are: the new momenta are computed out of place, and the
+        next :meth:`step` writes them and applies the updates (bit for bit what it would compute itself),
+        provided the params still carry the same gradient tensors. A caller that decides only later whether
+        the step happens (the ZeRO step waits for the global overflow verdict) can so queue the expensive
+        work on the device first, and call :meth:`discard_prepared_updates` when the step is skipped.
+        """
+        self._prepared = {
+            index: self._muon_updates(group)
+            for index, group in enumerate(self.param_groups) if group["use_muon"]
+        }
+
+    def discard_prepared_updates(self) -> None:
+        """Forget what :meth:`prepare_muon_updates` computed (the step it was for is not taken)."""
+        self._prepared = {}
+
+    @property
+    def _prepared(self) -> dict[int, _MuonUpdates]:
+        # Not in __init__: torch's Optimizer.__setstate__ (deepcopy, pickling) would skip it.
+        return self.__dict__.setdefault("_prepared_updates", {})
+
+    @_prepared.setter
+    def _prepared(self, value: dict[int, _MuonUpdates]) -> None:
+        self.__dict__["_prepared_updates"] = value
+
+    def _muon_updates(self, group: dict[str, Any]) -> _MuonUpdates:
+        """The orthogonalised updates of every param with a gradient, with one Newton-Schulz call for the group.
 
         Matrices of one shape are stacked into one batch; the call gets every shape's batch, so the Gram
         iteration can also share its small-matrix work across shapes (see ``zeropower_via_gram_newtonschulz``).
+        Nothing is written: a missing momentum counts as zeros.
         """
-        lr, weight_decay = group["lr"], group["weight_decay"]
         by_shape: dict[torch.Size, list[Tensor]] = {}
         for p in group["params"]:
             if p.grad is not None:
                 by_shape.setdefault(p.shape, []).append(p)
-        if not by_shape:
-            return
         batches, directions = [], []
         for params in by_shape.values():
-            momenta = []
-            for p in params:
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    # fp32 even for bf16/fp16 params: low-precision momentum loses small gradients (and
-                    # a dtype that changes on resume broke upstream, #7746).
-                    state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-                momenta.append(state["momentum_buffer"])
-            direction, scale = momentum_directions([p.grad for p in params], momenta, beta=group["momentum"],
-                                                   nesterov=group["nesterov"])
-            batches.append((params, scale))
+            grads = [p.grad for p in params]
+            # state.get, not state[p]: the defaultdict would record an empty state for a param never stepped.
+            momenta = [self.state.get(p, {}).get("momentum_buffer") for p in params]
+            if any(m is None for m in momenta):
+                momenta = [torch.zeros_like(p, dtype=torch.float32) if m is None else m
+                           for p, m in zip(params, momenta)]
+            direction, scale = momentum_directions(grads, momenta, beta=group["momentum"],
+                                                   nesterov=group["nesterov"], fold=False)
+            batches.append((params, grads, scale))
             directions.append(direction)
-        updates = NS_FUNCTIONS[group["ns_method"]](directions, steps=group["ns_steps"], dtype=group["ns_dtype"])
-        for (params, scale), update in zip(batches, updates):
+        updates = []
+        if directions:
+            updates = NS_FUNCTIONS[group["ns_method"]](directions, steps=group["ns_steps"], dtype=group["ns_dtype"])
+        return _MuonUpdates(batches, updates)
+
+    def _commit_muon_updates(self, group: dict[str, Any], updates: _MuonUpdates) -> None:
+        """Fold the gradients into the momenta and apply the orthogonalised updates (with weight decay)."""
+        lr, weight_decay = group["lr"], group["weight_decay"]
+        for (params, grads, scale), update in zip(updates.batches, updates.updates):
+            fold_momenta(grads, self._adjacent_momenta(params), beta=group["momentum"])
             update = update.reshape(len(params), *params[0].shape)
             if weight_decay != 0:
                 torch._foreach_mul_(params, 1 - lr * weight_decay)
@@ -188,6 +255,25 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 stacked.add_(update, alpha=-lr * scale)
             else:
                 torch._foreach_add_(params, list(update.unbind(0)), alpha=-lr * scale)
+
+    def _adjacent_momenta(self, params: list[Tensor]) -> list[Tensor]:
+        """The params' momentum buffers, laid out back to back (one batch) and created as zeros where missing.
+
+        fp32 even for bf16/fp16 params: low-precision momentum loses small gradients (and a dtype that changes
+        on resume broke upstream, #7746). Buffers that are not adjacent (loaded from a checkpoint, or created
+        one by one) are moved into one allocation once, with their values, so each later step folds and reads
+        them as one batch.
+        """
+        states = [self.state[p] for p in params]
+        momenta = [state.get("momentum_buffer") for state in states]
+        if any(m is None for m in momenta) or stacked_view(momenta) is None:
+            batch = torch.zeros((len(params), *params[0].shape), dtype=torch.float32, device=params[0].device)
+            for state, momentum, slot in zip(states, momenta, batch.unbind(0)):
+                if momentum is not None:
+                    slot.copy_(momentum)
+                state["momentum_buffer"] = slot
+            momenta = list(batch.unbind(0))
+        return momenta
 
     def _adam_group_step(self, group: dict[str, Any]) -> None:
         lr, weight_decay = group["lr"], group["weight_decay"]

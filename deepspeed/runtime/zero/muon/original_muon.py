@@ -310,32 +310,10 @@ def _stacked(tensors: Sequence[Tensor]) -> Tensor:
     return view if view is not None else torch.stack(list(tensors))
 
 
-def momentum_directions(
-    grads: Sequence[Tensor],
-    momenta: Sequence[Tensor],
-    beta: float = 0.95,
-    nesterov: bool = True,
-) -> tuple[Tensor, float]:
-    """Fold same-shape gradients into their momenta and return the stacked directions Newton-Schulz will take.
-
-    momentum <- lerp(momentum, grad, 1 - beta) for each pair (in place); the direction is
-    lerp(grad, momentum, beta) with Nesterov, else the momentum, as in :func:`muon_update`.
-
-    Args:
-        grads: 2-D or 4-D gradients, all of one shape; never written.
-        momenta: fp32 buffers shaped like the gradients; updated in place.
-        beta, nesterov: as :func:`muon_update`.
-
-    Returns:
-        (directions, scale): a new (len(grads), rows, cols) fp32 tensor (4-D kernels viewed as (out, -1)),
-        and the RMS factor sqrt(max(1, rows / cols)) its orthogonalised update is multiplied by.
-
-    Raises:
-        ValueError: no gradients, gradients of different shapes or a 3-D gradient, or momenta that are not
-            fp32 tensors of the gradients' shape.
-    """
+def _validated_batch(grads: Sequence[Tensor], momenta: Sequence[Tensor]) -> torch.Size:
+    """The common shape of a same-shape batch; raises ValueError when the batch is not one."""
     if not grads:
-        raise ValueError("momentum_directions needs at least one gradient")
+        raise ValueError("a Muon batch needs at least one gradient")
     shape = grads[0].shape
     if len(shape) not in (2, 4):
         raise ValueError(f"if use muon, then tensor dim > 1, got {grads[0].size()} (batched updates take 2-D or "
@@ -349,10 +327,61 @@ def momentum_directions(
         if momentum.dtype != torch.float32 or momentum.shape != shape:
             raise ValueError(f"Muon momentum must be a float32 tensor shaped like the gradient {tuple(shape)}, "
                              f"got {momentum.dtype} {tuple(momentum.shape)}")
+    return shape
+
+
+def fold_momenta(grads: Sequence[Tensor], momenta: Sequence[Tensor], beta: float = 0.95) -> None:
+    """momentum <- lerp(momentum, grad, 1 - beta) for each same-shape pair, in place (one launch when the
+    momenta are adjacent in memory); the gradients are only read.
+
+    Raises:
+        ValueError: as :func:`momentum_directions`.
+    """
+    _validated_batch(grads, momenta)
+    grad32 = _stacked([grad.float() for grad in grads])
+    stacked = stacked_view(momenta)
+    if stacked is not None:
+        stacked.lerp_(grad32, 1 - beta)
+    else:
+        torch._foreach_lerp_(list(momenta), list(grad32.unbind(0)), 1 - beta)
+
+
+def momentum_directions(
+    grads: Sequence[Tensor],
+    momenta: Sequence[Tensor],
+    beta: float = 0.95,
+    nesterov: bool = True,
+    fold: bool = True,
+) -> tuple[Tensor, float]:
+    """Return the stacked directions Newton-Schulz will take for same-shape gradients (and fold the momenta).
+
+    The new momentum is lerp(momentum, grad, 1 - beta); the direction is lerp(grad, new momentum, beta)
+    with Nesterov, else the new momentum, as in :func:`muon_update`.
+
+    Args:
+        grads: 2-D or 4-D gradients, all of one shape; never written.
+        momenta: fp32 buffers shaped like the gradients.
+        beta, nesterov: as :func:`muon_update`.
+        fold: write the new momenta into ``momenta`` (in place). With False nothing is written: the new
+            momenta are computed out of place, bit for bit what :func:`fold_momenta` will write later. This is
+            how the optimizer computes an update before the step's overflow verdict without touching its state.
+
+    Returns:
+        (directions, scale): a new (len(grads), rows, cols) fp32 tensor (4-D kernels viewed as (out, -1)),
+        and the RMS factor sqrt(max(1, rows / cols)) its orthogonalised update is multiplied by.
+
+    Raises:
+        ValueError: no gradients, gradients of different shapes or a 3-D gradient, or momenta that are not
+            fp32 tensors of the gradients' shape.
+    """
+    shape = _validated_batch(grads, momenta)
     # grad32 may be a view of the gradients: below it is only read, and lerp (not lerp_) allocates.
     grad32 = _stacked([grad.float() for grad in grads])
-    torch._foreach_lerp_(list(momenta), list(grad32.unbind(0)), 1 - beta)
-    momentum32 = _stacked(momenta)
+    if fold:
+        fold_momenta(grads, momenta, beta)
+        momentum32 = _stacked(momenta)
+    else:
+        momentum32 = torch.lerp(_stacked(momenta), grad32, 1 - beta)
     direction = grad32.lerp(momentum32, beta) if nesterov else momentum32
     direction = direction.reshape(len(grads), shape[0], -1)
     return direction, max(1.0, direction.size(-2) / direction.size(-1)) ** 0.5
