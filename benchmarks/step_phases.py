@@ -26,7 +26,8 @@ DEEPSPEED_PHASES = [
     (MuonWithAuxAdam, "_muon_updates", "- muon: directions + Newton-Schulz"),
     (DeepSpeedZeroOptimizer, "_apply", "apply: optimizer, publish"),
     (MuonWithAuxAdam, "_adam_group_step", "- adam group of MuonWithAuxAdam"),
-    (MuonWithAuxAdam, "_commit_muon_updates", "- muon: fold momenta + update"),
+    (MuonWithAuxAdam, "_fold_momenta", "- muon: fold momenta"),
+    (MuonWithAuxAdam, "_apply_muon_updates", "- muon: apply updates"),
     (torch.optim.AdamW, "step", "- torch AdamW.step"),
     (DeepSpeedZeroOptimizer, "update_lp_params", "- publish: copy to lp + all-gather"),
 ]
