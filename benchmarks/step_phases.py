@@ -26,8 +26,7 @@ DEEPSPEED_PHASES = [
     (MuonWithAuxAdam, "_muon_updates", "- muon: directions + Newton-Schulz"),
     (DeepSpeedZeroOptimizer, "_apply", "apply: optimizer, publish"),
     (MuonWithAuxAdam, "_adam_group_step", "- adam group of MuonWithAuxAdam"),
-    (MuonWithAuxAdam, "_fold_momenta", "- muon: fold momenta"),
-    (MuonWithAuxAdam, "_apply_muon_updates", "- muon: apply updates"),
+    (MuonWithAuxAdam, "_commit_muon_updates", "- muon: fold momenta + update"),
     (torch.optim.AdamW, "step", "- torch AdamW.step"),
     (DeepSpeedZeroOptimizer, "update_lp_params", "- publish: copy to lp + all-gather"),
 ]

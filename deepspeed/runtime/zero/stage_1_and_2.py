@@ -18,7 +18,6 @@ import deepspeed.comm as dist
 from deepspeed.runtime.optimizer_step import StepOutcome, transactional_step
 from deepspeed.runtime.zero.flat_layout import GroupLayout, even_layout, newton_schulz_cost, owner_layout
 from deepspeed.runtime.zero.grad_reducer import GradReducer, ReducerOptions
-from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
 
 @dataclass
@@ -100,7 +99,6 @@ class DeepSpeedZeroOptimizer:
         self._hook_handles = self._register_grad_hooks()
         # Newton-Schulz runs here, beside the Adam step on the default stream (see _prepare).
         self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._gathers_in_place = dist.is_initialized() and dist.get_backend(dp_group) == "nccl"
         self.overflow = False
         self._last_outcome: Optional[StepOutcome] = None
         self._grads_ready = False
@@ -321,20 +319,7 @@ class DeepSpeedZeroOptimizer:
         return grad.to(torch.float32).mul_(factor)
 
     def _apply(self, factor: torch.Tensor) -> None:
-        """Step the basic optimizer on the gradients `_prepare` set, then publish the lp weights.
-
-        With MuonWithAuxAdam the Adam groups are published as soon as they are stepped: their all-gather runs
-        while the Muon groups wait for Newton-Schulz and apply it.
-        """
-        if isinstance(self.optimizer, MuonWithAuxAdam):
-            adam_groups = [g for g, group in enumerate(self.optimizer.param_groups) if not is_muon_group(group)]
-            pending = []
-            self.optimizer.step(after_adam_groups=lambda: pending.extend(self._publish(adam_groups, async_op=True)))
-            self._release_master_grads()
-            pending.extend(self._publish([g for g in range(len(self.layouts)) if g not in adam_groups]))
-            for work in pending:
-                work.wait()
-            return
+        """Step the basic optimizer on the gradients `_prepare` set, then publish the lp weights."""
         self.optimizer.step()
         # The fp32 gradients are dead now: free them before the publishing all-gather allocates.
         self._release_master_grads()
@@ -351,27 +336,12 @@ class DeepSpeedZeroOptimizer:
 
     def update_lp_params(self) -> None:
         """Copy fp32 masters into this rank's lp partition and all-gather the partitions."""
-        self._publish(range(len(self.layouts)))
-
-    def _publish(self, groups, async_op: bool = False) -> list:
-        """Copy the masters of `groups` into this rank's lp partitions and all-gather them.
-
-        Returns:
-            The collectives' handles when `async_op` (wait on them before the weights are read), else [].
-        """
-        handles = []
-        for g in groups:
+        for g, layout in enumerate(self.layouts):
             lp_partition = self._lp_partition(g)
             lp_partition.copy_(self.single_partition_of_fp32_groups[g])
-            if self.layouts[g].num_partitions > 1:
-                # NCCL gathers in place (the input is the output's slice at this rank's offset); other backends
-                # get a separate input.
-                source = lp_partition if self._gathers_in_place else lp_partition.clone()
-                work = dist.all_gather_into_tensor(self.bit16_groups_flat[g], source, group=self.dp_process_group,
-                                                   async_op=async_op)
-                if async_op:
-                    handles.append(work)
-        return handles
+            if layout.num_partitions > 1:
+                dist.all_gather_into_tensor(self.bit16_groups_flat[g], lp_partition.clone(),
+                                            group=self.dp_process_group)
 
     def refresh_fp32_params(self) -> None:
         """Rebuild the fp32 masters from the current lp weights (after loading only the module)."""

@@ -59,17 +59,14 @@ class _MuonUpdates:
     """A Muon group's orthogonalised updates and what they were computed from.
 
     ``batches`` holds (params, their gradient tensors, RMS factor) per shape, ``updates`` one stacked update per
-    batch, in the same order. ``inputs_read``, when computed on another stream, is an event recorded there once
-    the gradients and momenta were read (before Newton-Schulz).
+    batch, in the same order.
     """
 
-    __slots__ = ("batches", "updates", "inputs_read")
+    __slots__ = ("batches", "updates")
 
-    def __init__(self, batches: list[tuple[list[Tensor], list[Tensor], float]], updates: list[Tensor],
-                 inputs_read: torch.cuda.Event | None = None) -> None:
+    def __init__(self, batches: list[tuple[list[Tensor], list[Tensor], float]], updates: list[Tensor]) -> None:
         self.batches = batches
         self.updates = updates
-        self.inputs_read = inputs_read
 
     def is_for(self, group: dict[str, Any]) -> bool:
         """Whether the group's params with a gradient are exactly those these updates were computed for, still
@@ -158,8 +155,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         return sorted(params, key=lambda e: (e[1] if isinstance(e, tuple) else e).size(), reverse=True)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None,
-             after_adam_groups: Callable[[], None] | None = None) -> float | None:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Apply one Muon or Adam update to every param that has a gradient.
 
         Muon groups use the updates :meth:`prepare_muon_updates` computed for the current gradients, if it ran;
@@ -167,8 +163,6 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
         Args:
             closure: re-evaluates the model and returns the loss (run with gradients enabled).
-            after_adam_groups: called once the Adam groups are stepped and before the Muon groups are (the ZeRO
-                optimizer starts publishing the Adam groups' weights there).
 
         Returns:
             The closure's loss, or None.
@@ -182,27 +176,14 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         for group in self.param_groups:
             if not group["use_muon"]:
                 self._adam_group_step(group)
-        if after_adam_groups is not None:
-            after_adam_groups()
-        muon_groups = []
+        self._join_prepare_stream()
+        prepared, self._prepared = self._prepared, {}
         for index, group in enumerate(self.param_groups):
             if group["use_muon"]:
-                updates = self._prepared.get(index)
-                if updates is not None and updates.is_for(group):
-                    # The momenta may be folded once the prepare has read them, while its Newton-Schulz runs.
-                    if updates.inputs_read is not None:
-                        updates.inputs_read.wait()  # the current stream waits; the host does not
-                    self._fold_momenta(group, updates)
-                else:
-                    updates = None
-                muon_groups.append((group, updates))
-        self._join_prepare_stream()
-        self._prepared = {}
-        for group, updates in muon_groups:
-            if updates is None:
-                updates = self._muon_updates(group)
-                self._fold_momenta(group, updates)
-            self._apply_muon_updates(group, updates)
+                updates = prepared.get(index)
+                if updates is None or not updates.is_for(group):
+                    updates = self._muon_updates(group)
+                self._commit_muon_updates(group, updates)
         return loss
 
     @torch.no_grad()
@@ -224,15 +205,11 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         self.discard_prepared_updates()
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(stream.device))
-        self._preparing_on = stream
-        try:
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                prepared = {
-                    index: self._muon_updates(group)
-                    for index, group in enumerate(self.param_groups) if group["use_muon"]
-                }
-        finally:
-            self._preparing_on = None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            prepared = {
+                index: self._muon_updates(group)
+                for index, group in enumerate(self.param_groups) if group["use_muon"]
+            }
         self._prepared = prepared
         self._prepared_stream = stream
 
@@ -286,25 +263,16 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                                                    nesterov=group["nesterov"], fold=False)
             batches.append((params, grads, scale))
             directions.append(direction)
-        inputs_read = None
-        if directions and self.__dict__.get("_preparing_on") is not None:
-            # Gradients and momenta are read by now: from here on the step may fold the momenta (see step()).
-            inputs_read = torch.cuda.Event()
-            inputs_read.record(self._preparing_on)
         updates = []
         if directions:
             updates = NS_FUNCTIONS[group["ns_method"]](directions, steps=group["ns_steps"], dtype=group["ns_dtype"])
-        return _MuonUpdates(batches, updates, inputs_read)
+        return _MuonUpdates(batches, updates)
 
-    def _fold_momenta(self, group: dict[str, Any], updates: _MuonUpdates) -> None:
-        """momentum <- lerp(momentum, grad, 1 - beta) for the params the updates were computed for."""
-        for params, grads, _ in updates.batches:
-            fold_momenta(grads, self._adjacent_momenta(params), beta=group["momentum"])
-
-    def _apply_muon_updates(self, group: dict[str, Any], updates: _MuonUpdates) -> None:
-        """Apply the orthogonalised updates (with decoupled weight decay) to the params."""
+    def _commit_muon_updates(self, group: dict[str, Any], updates: _MuonUpdates) -> None:
+        """Fold the gradients into the momenta and apply the orthogonalised updates (with weight decay)."""
         lr, weight_decay = group["lr"], group["weight_decay"]
-        for (params, _, scale), update in zip(updates.batches, updates.updates):
+        for (params, grads, scale), update in zip(updates.batches, updates.updates):
+            fold_momenta(grads, self._adjacent_momenta(params), beta=group["momentum"])
             update = update.reshape(len(params), *params[0].shape)
             if weight_decay != 0:
                 torch._foreach_mul_(params, 1 - lr * weight_decay)
