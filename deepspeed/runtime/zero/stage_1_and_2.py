@@ -97,8 +97,6 @@ class DeepSpeedZeroOptimizer:
         self.reducer = GradReducer(self.layouts, self._reduction_order(), self.dp_rank, self.dp_world_size, dp_group,
                                    self._reducer_options(), self.device)
         self._hook_handles = self._register_grad_hooks()
-        # Newton-Schulz runs here, beside the Adam step on the default stream (see _prepare).
-        self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.overflow = False
         self._last_outcome: Optional[StepOutcome] = None
         self._grads_ready = False
@@ -310,7 +308,7 @@ class DeepSpeedZeroOptimizer:
                 param.grad = fp32_grads[slot.group][slot.start:slot.start + slot.numel].view(slot.shape)
         prepare_muon_updates = getattr(self.optimizer, "prepare_muon_updates", None)
         if prepare_muon_updates is not None:
-            prepare_muon_updates(stream=self._side_stream)
+            prepare_muon_updates()
 
     @staticmethod
     def _unscaled(grad: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
@@ -326,13 +324,12 @@ class DeepSpeedZeroOptimizer:
         self.update_lp_params()
 
     def _release_master_grads(self) -> None:
-        # Discard first: it makes this stream wait for a prepare still reading the gradients on its own stream.
-        discard = getattr(self.optimizer, "discard_prepared_updates", None)
-        if discard is not None:
-            discard()
         for group in self.optimizer.param_groups:
             for param in group["params"]:
                 param.grad = None
+        discard = getattr(self.optimizer, "discard_prepared_updates", None)
+        if discard is not None:
+            discard()
 
     def update_lp_params(self) -> None:
         """Copy fp32 masters into this rank's lp partition and all-gather the partitions."""

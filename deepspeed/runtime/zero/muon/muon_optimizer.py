@@ -8,7 +8,6 @@ already, ``step()`` runs Muon itself, so the optimizer is correct on its own (st
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -171,13 +170,12 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Adam groups first: they run beside Newton-Schulz when that was prepared on another stream, and else
-        # the device works through their few launches while the host issues the Muon groups'.
+        prepared, self._prepared = self._prepared, {}
+        # Adam groups first: their few element-wise launches are queued at once, and the device works through
+        # them while the host is still issuing the Muon groups' launches.
         for group in self.param_groups:
             if not group["use_muon"]:
                 self._adam_group_step(group)
-        self._join_prepare_stream()
-        prepared, self._prepared = self._prepared, {}
         for index, group in enumerate(self.param_groups):
             if group["use_muon"]:
                 updates = prepared.get(index)
@@ -187,7 +185,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         return loss
 
     @torch.no_grad()
-    def prepare_muon_updates(self, stream: torch.cuda.Stream | None = None) -> None:
+    def prepare_muon_updates(self) -> None:
         """Compute every Muon group's update from the current gradients without changing anything.
 
         Momenta, params and state are left as they are: the new momenta are computed out of place, and the
@@ -195,41 +193,15 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         provided the params still carry the same gradient tensors. A caller that decides only later whether
         the step happens (the ZeRO step waits for the global overflow verdict) can so queue the expensive
         work on the device first, and call :meth:`discard_prepared_updates` when the step is skipped.
-
-        Args:
-            stream: a CUDA stream to compute on, so that what the caller queues next on its own stream (the
-                Adam groups' step) runs beside Newton-Schulz. It starts after the work already queued on the
-                current stream; :meth:`step` and :meth:`discard_prepared_updates` make the current stream
-                wait for it before anything reads the results or frees the gradients it reads.
         """
-        self.discard_prepared_updates()
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(stream.device))
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            prepared = {
-                index: self._muon_updates(group)
-                for index, group in enumerate(self.param_groups) if group["use_muon"]
-            }
-        self._prepared = prepared
-        self._prepared_stream = stream
+        self._prepared = {
+            index: self._muon_updates(group)
+            for index, group in enumerate(self.param_groups) if group["use_muon"]
+        }
 
     def discard_prepared_updates(self) -> None:
         """Forget what :meth:`prepare_muon_updates` computed (the step it was for is not taken)."""
-        self._join_prepare_stream()
         self._prepared = {}
-
-    def _join_prepare_stream(self) -> None:
-        """Order the current stream after the prepare stream, and keep its results alive for the current one."""
-        stream = self.__dict__.pop("_prepared_stream", None)
-        if stream is None:
-            return
-        current = torch.cuda.current_stream(stream.device)
-        current.wait_stream(stream)
-        # Allocated on `stream`: without this the allocator could hand their memory to the next prepare while
-        # the current stream still reads them.
-        for updates in self._prepared.values():
-            for update in updates.updates:
-                update.record_stream(current)
 
     @property
     def _prepared(self) -> dict[int, _MuonUpdates]:
@@ -319,8 +291,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             update = adam_update(
                 p.grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"].item()), group["betas"], group["eps"]
             )
-            if weight_decay != 0:
-                p.mul_(1 - lr * weight_decay)
+            p.mul_(1 - lr * weight_decay)
             p.add_(update.to(p.dtype), alpha=-lr)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
