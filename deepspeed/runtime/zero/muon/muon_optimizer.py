@@ -291,7 +291,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             update = adam_update(
                 p.grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"].item()), group["betas"], group["eps"]
             )
-            p.mul_(1 - lr * weight_decay)
+            if weight_decay != 0:
+                p.mul_(1 - lr * weight_decay)
             p.add_(update.to(p.dtype), alpha=-lr)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
