@@ -1,10 +1,13 @@
 """The optimizer step as a transaction: inspect, decide, then (and only then) mutate.
 
 1. inspect: the squared L2 norm and a non-finite flag of the gradients this rank holds, reduced over the
-   data-parallel group in one collective;
-2. decide: the loss scaler is updated with that global verdict; on overflow nothing else happens;
-3. apply: gradients are unscaled and clipped by one factor, computed with the scale the backward used,
-   and handed to the caller's update.
+   data-parallel group in one collective; from them, one factor that unscales (with the scale the backward
+   used) and clips;
+2. prepare (optional): the caller computes what it can without mutating anything (new tensors only), so that
+   the device has the work queued while the host waits for the verdict;
+3. decide: the loss scaler is updated with the global verdict; on overflow nothing else happens and what
+   was prepared is dropped;
+4. apply: the caller's update runs with the factor; every mutation of the step happens here.
 
 Every rank reaches the same decision because it is taken on the reduced statistics, so a skipped step
 leaves parameters, masters and optimizer state bit-identical everywhere.
