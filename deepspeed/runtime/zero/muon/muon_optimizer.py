@@ -244,6 +244,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         """Fold the gradients into the momenta and apply the orthogonalised updates (with weight decay)."""
         lr, weight_decay = group["lr"], group["weight_decay"]
         for (params, grads, scale), update in zip(updates.batches, updates.updates):
+            # The prepare computed these new momenta already, out of place; recomputing them here (the same lerp,
+            # the same bits) costs one pass, keeping them would hold a second fp32 copy of every momentum from
+            # the prepare to the commit.
             fold_momenta(grads, self._adjacent_momenta(params), beta=group["momentum"])
             update = update.reshape(len(params), *params[0].shape)
             if weight_decay != 0:

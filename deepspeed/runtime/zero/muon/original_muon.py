@@ -338,7 +338,11 @@ def fold_momenta(grads: Sequence[Tensor], momenta: Sequence[Tensor], beta: float
         ValueError: as :func:`momentum_directions`.
     """
     _validated_batch(grads, momenta)
-    grad32 = _stacked([grad.float() for grad in grads])
+    _fold_stacked(_stacked([grad.float() for grad in grads]), momenta, beta)
+
+
+def _fold_stacked(grad32: Tensor, momenta: Sequence[Tensor], beta: float) -> None:
+    """:func:`fold_momenta` on gradients already stacked (and validated) as one fp32 batch."""
     stacked = stacked_view(momenta)
     if stacked is not None:
         stacked.lerp_(grad32, 1 - beta)
@@ -378,7 +382,7 @@ def momentum_directions(
     # grad32 may be a view of the gradients: below it is only read, and lerp (not lerp_) allocates.
     grad32 = _stacked([grad.float() for grad in grads])
     if fold:
-        fold_momenta(grads, momenta, beta)
+        _fold_stacked(grad32, momenta, beta)
         momentum32 = _stacked(momenta)
     else:
         momentum32 = torch.lerp(_stacked(momenta), grad32, 1 - beta)
