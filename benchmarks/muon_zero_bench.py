@@ -401,7 +401,7 @@ def measure_extras(mode, runner, args, accelerator, profile: bool) -> dict:
         local["ns"] = summarize_calls(per_step)
     if profile:
         try:
-            local["profile"] = profile_runner(runner, accelerator, args.profile_steps)
+            local["profile"] = profile_runner(runner, accelerator, args.profile_steps, mode.name)
         except Exception as error:  # the profile is an extra: keep the measured table
             local["profile_error"] = repr(error)
     return local
@@ -421,7 +421,7 @@ def timed_step(runner, accelerator, sync_before_optimizer: bool):
     return end - start, (end - middle if sync_before_optimizer else None)
 
 
-def profile_runner(runner, accelerator, steps: int) -> dict:
+def profile_runner(runner, accelerator, steps: int, name: str = "mode") -> dict:
     """torch.profiler tables: whole steps (by device time) and the last optimizer step alone (by CPU time)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -435,6 +435,11 @@ def profile_runner(runner, accelerator, steps: int) -> dict:
             with record_function("bench.optimizer_step"):
                 runner.optimizer_step()
         accelerator.synchronize()
+    trace_dir = os.environ.get("BENCH_TRACE_DIR")
+    if trace_dir:  # a chrome trace of the whole steps, per rank, for timeline analysis (benchmarks/trace_gaps.py)
+        os.makedirs(trace_dir, exist_ok=True)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        whole.export_chrome_trace(os.path.join(trace_dir, f"{name}-rank{rank}.json"))
     for _ in range(steps):
         runner.forward_backward()
         accelerator.synchronize()
