@@ -280,6 +280,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
     def _adam_group_step(self, group: dict[str, Any]) -> None:
         lr, weight_decay = group["lr"], group["weight_decay"]
+        fused = []
         for p in group["params"]:
             # Upstream substitutes a zero gradient, which still moves the param through momentum and
             # weight decay; a param without a gradient (unused or frozen this step) should stay put.
@@ -291,12 +292,17 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
                 state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
             state["step"] += 1
+            if _fusable(p, state):
+                fused.append((p, state))
+                continue
             update = adam_update(
                 p.grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"].item()), group["betas"], group["eps"]
             )
             if weight_decay != 0:
                 p.mul_(1 - lr * weight_decay)
             p.add_(update.to(p.dtype), alpha=-lr)
+        if fused:
+            _fused_adamw(fused, lr, group["betas"], group["eps"], weight_decay)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load like ``torch.optim.Optimizer`` but keep every state tensor's saved dtype.
@@ -319,6 +325,33 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         for pid, p in zip(saved_ids, params, strict=True):
             if pid in saved_state:
                 self.state[p] = {key: _restored(key, value, p) for key, value in saved_state[pid].items()}
+
+
+def _fusable(p: Tensor, state: dict[str, Any]) -> bool:
+    """torch's fused AdamW kernel takes fp32 params, gradients and moments of one device (ZeRO's masters)."""
+    return (hasattr(torch, "_fused_adamw_") and p.dtype == torch.float32 and p.grad.dtype == torch.float32
+            and p.device.type in ("cuda", "cpu") and state["exp_avg"].dtype == torch.float32
+            and state["exp_avg_sq"].dtype == torch.float32)
+
+
+def _fused_adamw(params_and_states: list[tuple[Tensor, dict[str, Any]]], lr: float, betas: tuple[float, float],
+                 eps: float, weight_decay: float) -> None:
+    """AdamW on fp32 tensors in one read and write per element (``torch._fused_adamw_``).
+
+    The same update as :func:`adam_update` with decoupled weight decay, to rounding: m_hat / (sqrt(v_hat) + eps)
+    computed as (m / (1 - b1^t)) / (sqrt(v) / sqrt(1 - b2^t) + eps). The step count stays a CPU tensor in the
+    state (checkpoint format unchanged); the kernel gets it as a device scalar made by a fill, not a copy, so
+    the step never waits for the device.
+    """
+    by_device: dict[tuple[torch.device, float], list[tuple[Tensor, dict[str, Any]]]] = {}
+    for p, state in params_and_states:
+        by_device.setdefault((p.device, float(state["step"])), []).append((p, state))
+    for (device, step), members in by_device.items():
+        params = [p for p, _ in members]
+        steps = [torch.full((), step, dtype=torch.float32, device=device) for _ in members]
+        torch._fused_adamw_(params, [p.grad for p in params], [s["exp_avg"] for _, s in members],
+                            [s["exp_avg_sq"] for _, s in members], [], steps, lr=lr, beta1=betas[0],
+                            beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
 
 
 def _restored(key: str, value: Any, param: Tensor) -> Any:
