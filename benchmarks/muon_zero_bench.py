@@ -399,12 +399,53 @@ def measure_extras(mode, runner, args, accelerator, profile: bool) -> dict:
                 timed_step(runner, accelerator, sync_before_optimizer=True)
                 per_step.append(records[first:])
         local["ns"] = summarize_calls(per_step)
+    host_steps = int(os.environ.get("BENCH_HOST_PROBE", "0"))
+    if host_steps:
+        import step_phases
+
+        local["host_probe"] = host_probe(runner, accelerator, host_steps)
+        print(f"host probe {mode.name} rank {torch.distributed.get_rank()}: {local['host_probe']}", flush=True)
+        step_phases.SYNCHRONIZE = False
+        try:
+            phases = DEEPSPEED_PHASES if mode.backend == "deepspeed" else DDP_PHASES
+            local["host_phases"] = measure_phases(phases, host_steps, functools.partial(runner_step, runner))
+        finally:
+            step_phases.SYNCHRONIZE = True
+        print(f"host phases {mode.name} rank {torch.distributed.get_rank()}: "
+              + ", ".join(f"{k}: {v:.2f}" for k, v in local["host_phases"].items()), flush=True)
     if profile:
         try:
             local["profile"] = profile_runner(runner, accelerator, args.profile_steps, mode.name)
         except Exception as error:  # the profile is an extra: keep the measured table
             local["profile_error"] = repr(error)
     return local
+
+
+def runner_step(runner) -> None:
+    runner.forward_backward()
+    runner.optimizer_step()
+
+
+def host_probe(runner, accelerator, steps: int) -> dict:
+    """Is the step bound by the host? Medians (ms) of the time the host takes to issue the forward-backward and
+    the optimizer step without synchronising, and of the wait for the device after both are issued: a wait near
+    zero means the device ran as fast as the host issued work (BENCH_HOST_PROBE=STEPS)."""
+    issue_fb, issue_opt, tail = [], [], []
+    for _ in range(steps):
+        accelerator.synchronize()
+        start = time.perf_counter()
+        runner.forward_backward()
+        middle = time.perf_counter()
+        runner.optimizer_step()
+        issued = time.perf_counter()
+        accelerator.synchronize()
+        end = time.perf_counter()
+        issue_fb.append(middle - start)
+        issue_opt.append(issued - middle)
+        tail.append(end - issued)
+    med = lambda values: round(sorted(values)[len(values) // 2] * 1e3, 2)  # noqa: E731
+    return {"issue_forward_backward_ms": med(issue_fb), "issue_optimizer_ms": med(issue_opt),
+            "device_tail_ms": med(tail)}
 
 
 def timed_step(runner, accelerator, sync_before_optimizer: bool):

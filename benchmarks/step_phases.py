@@ -23,6 +23,7 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 DEEPSPEED_PHASES = [
     (optimizer_step, "reduced_statistics", "inspect: grad norm + overflow all-reduce"),
     (DeepSpeedZeroOptimizer, "_prepare", "prepare (before the verdict): unscale, Muon updates"),
+    (optimizer_step._Verdict, "overflow", "wait for the overflow verdict"),
     (MuonWithAuxAdam, "_muon_updates", "- muon: directions + Newton-Schulz"),
     (DeepSpeedZeroOptimizer, "_apply", "apply: optimizer, publish"),
     (MuonWithAuxAdam, "_adam_group_step", "- adam group of MuonWithAuxAdam"),
@@ -38,14 +39,21 @@ if hasattr(torch.optim, "Muon"):
     DDP_PHASES.insert(1, (torch.optim.Muon, "step", "torch Muon.step"))
 
 
+# False: the timers read the host clock only, without synchronising, which gives the host's time to issue each
+# phase (BENCH_HOST_PHASES in muon_zero_bench.py): when the step is bound by the host, that is what it costs.
+SYNCHRONIZE = True
+
+
 def _timed(records: dict, label: str, fn, *args, **kwargs):
     accelerator = get_accelerator()
-    accelerator.synchronize()
+    if SYNCHRONIZE:
+        accelerator.synchronize()
     start = time.perf_counter()
     try:
         return fn(*args, **kwargs)
     finally:
-        accelerator.synchronize()
+        if SYNCHRONIZE:
+            accelerator.synchronize()
         records[label] += time.perf_counter() - start
 
 

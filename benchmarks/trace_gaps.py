@@ -6,6 +6,7 @@ around them and how late the host launched the kernel after a gap (a late launch
 for the host). Also the same sums for the whole step.
 
     python benchmarks/trace_gaps.py DIR/*.json
+    python benchmarks/trace_gaps.py --collectives DIR/MODE-rank0.json DIR/MODE-rank1.json
 """
 
 from __future__ import annotations
@@ -89,6 +90,31 @@ def summarise(path: str) -> None:
                   f"{late} of {len(gaps)}")
 
 
+
+
+def collectives(paths: list[str]) -> None:
+    """Each NCCL kernel of the last profiled step on every rank: start (ms after that rank's step start on the
+    shared host clock, so ranks compare) and duration. A long kernel that starts early waits for a late peer."""
+    per_rank = []
+    for path in paths:
+        steps, fwd, launches, device = load(path)
+        start, end = fwd[-1]["ts"], steps[-1]["ts"] + steps[-1]["dur"]
+        mine = [e for e in device
+                if (launch := launches.get(e["args"].get("correlation"))) is not None and start <= launch["ts"] <= end]
+        compute = sum(e["dur"] for e in mine if kind(e["name"]) != "nccl")
+        per_rank.append(([e for e in mine if kind(e["name"]) == "nccl"], compute, mine[0]["ts"]))
+    origin = min(first for _, _, first in per_rank)
+    print("== collectives of the last step: rank: start ms / duration ms (clock shared by the ranks)")
+    for index, kernels in enumerate(zip(*(k for k, _, _ in per_rank))):
+        cells = [f"{(e['ts'] - origin) / 1e3:7.2f} / {e['dur'] / 1e3:6.3f}" for e in kernels]
+        print(f"  {index:3d} {kernels[0]['name'][:40]:40s} " + " | ".join(cells))
+    for rank, (_, compute, _) in enumerate(per_rank):
+        print(f"  rank {rank}: non-NCCL device time in the whole step {compute / 1e3:.2f} ms")
+
+
 if __name__ == "__main__":
-    for trace in sys.argv[1:]:
-        summarise(trace)
+    if sys.argv[1:2] == ["--collectives"]:
+        collectives(sys.argv[2:])
+    else:
+        for trace in sys.argv[1:]:
+            summarise(trace)
