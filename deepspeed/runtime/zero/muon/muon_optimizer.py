@@ -17,8 +17,10 @@ from torch import Tensor
 from deepspeed.runtime.zero.muon.original_muon import (
     NS_FUNCTIONS,
     adam_update,
+    flat_view,
     fold_momenta,
     momentum_directions,
+    resolve_ns_dtype,
     stacked_view,
 )
 
@@ -58,14 +60,18 @@ class _MuonUpdates:
     """A Muon group's orthogonalised updates and what they were computed from.
 
     ``batches`` holds (params, their gradient tensors, RMS factor) per shape, ``updates`` one stacked update per
-    batch, in the same order.
+    batch, in the same order. ``flat`` is set when the params, their gradients and their momenta each lie back to
+    back in one storage (ZeRO's masters): then (gradients, momenta) as two 1-D views, and the step works on the
+    whole group at once.
     """
 
-    __slots__ = ("batches", "updates")
+    __slots__ = ("batches", "updates", "flat")
 
-    def __init__(self, batches: list[tuple[list[Tensor], list[Tensor], float]], updates: list[Tensor]) -> None:
+    def __init__(self, batches: list[tuple[list[Tensor], list[Tensor], float]], updates: list[Tensor],
+                 flat: tuple[Tensor, Tensor] | None = None) -> None:
         self.batches = batches
         self.updates = updates
+        self.flat = flat
 
     def is_for(self, group: dict[str, Any]) -> bool:
         """Whether the group's params with a gradient are exactly those these updates were computed for, still
@@ -219,35 +225,89 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         iteration can also share its small-matrix work across shapes (see ``zeropower_via_gram_newtonschulz``).
         Nothing is written: a missing momentum counts as zeros.
         """
+        params = [p for p in group["params"] if p.grad is not None]
         by_shape: dict[torch.Size, list[Tensor]] = {}
-        for p in group["params"]:
-            if p.grad is not None:
-                by_shape.setdefault(p.shape, []).append(p)
+        for p in params:
+            by_shape.setdefault(p.shape, []).append(p)
+        flat = self._flat_operands(params, by_shape)
+        if flat is not None:
+            return self._flat_muon_updates(group, by_shape, flat)
         batches, directions = [], []
-        for params in by_shape.values():
-            grads = [p.grad for p in params]
+        for shape_params in by_shape.values():
+            grads = [p.grad for p in shape_params]
             # state.get, not state[p]: the defaultdict would record an empty state for a param never stepped.
-            momenta = [self.state.get(p, {}).get("momentum_buffer") for p in params]
+            momenta = [self.state.get(p, {}).get("momentum_buffer") for p in shape_params]
             if any(m is None for m in momenta):
                 momenta = [torch.zeros_like(p, dtype=torch.float32) if m is None else m
-                           for p, m in zip(params, momenta)]
+                           for p, m in zip(shape_params, momenta)]
             direction, scale = momentum_directions(grads, momenta, beta=group["momentum"],
                                                    nesterov=group["nesterov"], fold=False)
-            batches.append((params, grads, scale))
+            batches.append((shape_params, grads, scale))
             directions.append(direction)
-        updates = []
-        if directions:
-            updates = NS_FUNCTIONS[group["ns_method"]](directions, steps=group["ns_steps"], dtype=group["ns_dtype"])
-        return _MuonUpdates(batches, updates)
+        return _MuonUpdates(batches, self._orthogonalised(group, directions))
+
+    def _flat_operands(self, params: list[Tensor], by_shape: dict[torch.Size, list[Tensor]]
+                       ) -> tuple[Tensor, Tensor] | None:
+        """(gradients, momenta) as 1-D views when the whole group can be stepped as one run, else None.
+
+        That needs the params of each shape to follow one another, the fp32 gradients to lie back to back in that
+        order, and the momenta too (they do once :meth:`_packed_momenta` has packed them, from the second step on).
+        """
+        if not params or len(by_shape) != 1 + sum(a.shape != b.shape for a, b in zip(params, params[1:])):
+            return None
+        grads = [p.grad for p in params]
+        if grads[0].dtype != torch.float32:
+            return None
+        momenta = [self.state.get(p, {}).get("momentum_buffer") for p in params]
+        if any(m is None for m in momenta):
+            return None
+        flat_grads, flat_momenta = flat_view(grads), flat_view(momenta)
+        if flat_grads is None or flat_momenta is None or flat_momenta.dtype != torch.float32:
+            return None
+        return flat_grads, flat_momenta
+
+    def _flat_muon_updates(self, group: dict[str, Any], by_shape: dict[torch.Size, list[Tensor]],
+                           flat: tuple[Tensor, Tensor]) -> _MuonUpdates:
+        """:meth:`_muon_updates` for a group laid out as one run: the element-wise work in three launches for all
+        matrices (new momentum, Nesterov direction written over it, cast to the Newton-Schulz dtype), bit for bit
+        what the per-shape path computes, with one fp32 temporary instead of two."""
+        grads, momenta = flat
+        beta = group["momentum"]
+        direction = torch.lerp(momenta, grads, 1 - beta)
+        if group["nesterov"]:
+            torch.lerp(grads, direction, beta, out=direction)
+        direction = direction.to(resolve_ns_dtype(direction, group["ns_dtype"]))
+        batches, directions, start = [], [], 0
+        for shape_params in by_shape.values():
+            shape, count = shape_params[0].shape, len(shape_params)
+            numel = count * shape.numel()
+            batch = direction[start:start + numel].view(count, shape[0], -1)
+            start += numel
+            batches.append((shape_params, [p.grad for p in shape_params],
+                            max(1.0, batch.size(-2) / batch.size(-1)) ** 0.5))
+            directions.append(batch)
+        return _MuonUpdates(batches, self._orthogonalised(group, directions), flat)
+
+    @staticmethod
+    def _orthogonalised(group: dict[str, Any], directions: list[Tensor]) -> list[Tensor]:
+        if not directions:
+            return []
+        return NS_FUNCTIONS[group["ns_method"]](directions, steps=group["ns_steps"], dtype=group["ns_dtype"])
 
     def _commit_muon_updates(self, group: dict[str, Any], updates: _MuonUpdates) -> None:
         """Fold the gradients into the momenta and apply the orthogonalised updates (with weight decay)."""
-        lr, weight_decay = group["lr"], group["weight_decay"]
-        for (params, grads, scale), update in zip(updates.batches, updates.updates):
-            # The prepare computed these new momenta already, out of place; recomputing them here (the same lerp,
-            # the same bits) costs one pass, keeping them would hold a second fp32 copy of every momentum from
-            # the prepare to the commit.
-            fold_momenta(grads, self._adjacent_momenta(params), beta=group["momentum"])
+        lr, weight_decay, beta = group["lr"], group["weight_decay"], group["momentum"]
+        # The prepare computed these new momenta already, out of place; recomputing them here (the same lerp, the
+        # same bits) costs one pass, keeping them would hold a second fp32 copy of every momentum from the prepare
+        # to the commit.
+        if updates.flat is not None:
+            grads, momenta = updates.flat
+            momenta.lerp_(grads, 1 - beta)
+        else:
+            packed = iter(self._packed_momenta([p for params, _, _ in updates.batches for p in params]))
+            for params, grads, _ in updates.batches:
+                fold_momenta(grads, [next(packed) for _ in params], beta=beta)
+        for (params, _, scale), update in zip(updates.batches, updates.updates):
             update = update.reshape(len(params), *params[0].shape)
             if weight_decay != 0:
                 torch._foreach_mul_(params, 1 - lr * weight_decay)
@@ -259,24 +319,31 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             else:
                 torch._foreach_add_(params, list(update.unbind(0)), alpha=-lr * scale)
 
-    def _adjacent_momenta(self, params: list[Tensor]) -> list[Tensor]:
-        """The params' momentum buffers, laid out back to back (one batch) and created as zeros where missing.
+    def _packed_momenta(self, params: list[Tensor]) -> list[Tensor]:
+        """The params' momentum buffers, laid out back to back in ``params``' order and created as zeros where
+        missing.
 
         fp32 even for bf16/fp16 params: low-precision momentum loses small gradients (and a dtype that changes
-        on resume broke upstream, #7746). Buffers that are not adjacent (loaded from a checkpoint, or created
-        one by one) are moved into one allocation once, with their values, so each later step folds and reads
-        them as one batch.
+        on resume broke upstream, #7746). Buffers that are not one run (loaded from a checkpoint, or created one
+        by one) are moved into one allocation once, with their values, so each later step reads and folds the
+        momenta of each shape, or of the whole group, as one tensor.
         """
+        if not params:
+            return []
         states = [self.state[p] for p in params]
         momenta = [state.get("momentum_buffer") for state in states]
-        if any(m is None for m in momenta) or stacked_view(momenta) is None:
-            batch = torch.zeros((len(params), *params[0].shape), dtype=torch.float32, device=params[0].device)
-            for state, momentum, slot in zip(states, momenta, batch.unbind(0)):
-                if momentum is not None:
-                    slot.copy_(momentum)
-                state["momentum_buffer"] = slot
-            momenta = list(batch.unbind(0))
-        return momenta
+        if all(m is not None for m in momenta) and flat_view(momenta) is not None:
+            return momenta
+        packed = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
+        slots, start = [], 0
+        for p, state, momentum in zip(params, states, momenta):
+            slot = packed[start:start + p.numel()].view(p.shape)
+            start += p.numel()
+            if momentum is not None:
+                slot.copy_(momentum)
+            state["momentum_buffer"] = slot
+            slots.append(slot)
+        return slots
 
     def _adam_group_step(self, group: dict[str, Any]) -> None:
         lr, weight_decay = group["lr"], group["weight_decay"]

@@ -304,6 +304,26 @@ def stacked_view(tensors: Sequence[Tensor]) -> Tensor | None:
     return first.as_strided((len(tensors), *first.shape), (numel, *first.stride()), first.storage_offset())
 
 
+def flat_view(tensors: Sequence[Tensor]) -> Tensor | None:
+    """A 1-D view over tensors of one dtype (any shapes) that lie back to back, in order, in one storage, else None.
+
+    Under ZeRO a rank's Muon masters, their fp32 gradients and the momenta this optimizer packs are each one such
+    run, so the element-wise part of a Muon step can be a handful of launches for the whole group rather than a
+    few per shape. Checked by address only: the view spans exactly the memory of the tensors, so reads and writes
+    through it are theirs.
+    """
+    first = tensors[0]
+    dtype, expected = first.dtype, first.data_ptr()
+    for tensor in tensors:
+        if tensor.dtype != dtype or tensor.data_ptr() != expected or not tensor.is_contiguous():
+            return None
+        expected += tensor.numel() * tensor.element_size()
+    storage = first.untyped_storage()
+    if expected > storage.data_ptr() + storage.nbytes():
+        return None
+    return first.as_strided(((expected - first.data_ptr()) // first.element_size(),), (1,), first.storage_offset())
+
+
 def _stacked(tensors: Sequence[Tensor]) -> Tensor:
     """:func:`stacked_view` when possible, else a stacked copy."""
     view = stacked_view(tensors)

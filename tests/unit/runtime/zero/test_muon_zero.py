@@ -330,3 +330,23 @@ class TestMuonWorkSplit(DistributedTest):
         assert any(len(masters) > 1 for masters in by_shape.values()), "the test needs a rank owning a batch"
         for shape, masters in by_shape.items():
             assert original_muon.stacked_view(masters) is not None, f"masters of shape {shape} are not adjacent"
+        # The whole group is one run too (masters, their fp32 gradients, the packed momenta), so from the second
+        # step on the element-wise work is done once for the group.
+        assert original_muon.flat_view(muon_groups[0]["params"]) is not None
+        whole_group_steps = []
+        flat_step = basic._flat_muon_updates
+
+        def counting(*args, **kwargs):
+            whole_group_steps.append(engine.global_steps)
+            return flat_step(*args, **kwargs)
+
+        basic._flat_muon_updates = counting
+        rank = dist.get_rank()
+        for step in range(3):
+            generator = torch.Generator().manual_seed(step)
+            tokens = torch.randint(0, 64, (4, 16), generator=generator)[rank * 2:(rank + 1) * 2].to(engine.device)
+            engine.backward(engine(tokens, tokens))
+            engine.step()
+        assert whole_group_steps == [1, 2]
+        momenta = [basic.state[master]["momentum_buffer"] for master in muon_groups[0]["params"]]
+        assert original_muon.flat_view(momenta) is not None
