@@ -305,7 +305,10 @@ class DeepSpeedZeroOptimizer:
         for group in self.optimizer.param_groups:
             for param in group["params"]:
                 slot = self._hp_slots[id(param)]
-                param.grad = fp32_grads[slot.group][slot.start:slot.start + slot.numel].view(slot.shape)
+                # One view op per param (a step is bound by the host at small scale); the master is contiguous, so
+                # its strides are the gradient view's.
+                buffer = fp32_grads[slot.group]
+                param.grad = buffer.as_strided(slot.shape, param.stride(), buffer.storage_offset() + slot.start)
         prepare_muon_updates = getattr(self.optimizer, "prepare_muon_updates", None)
         if prepare_muon_updates is not None:
             prepare_muon_updates()

@@ -277,12 +277,13 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         if group["nesterov"]:
             torch.lerp(grads, direction, beta, out=direction)
         direction = direction.to(resolve_ns_dtype(direction, group["ns_dtype"]))
-        batches, directions, start = [], [], 0
+        batches, directions, start = [], [], direction.storage_offset()
         for shape_params in by_shape.values():
             shape, count = shape_params[0].shape, len(shape_params)
-            numel = count * shape.numel()
-            batch = direction[start:start + numel].view(count, shape[0], -1)
-            start += numel
+            rows, cols = shape[0], shape.numel() // shape[0]
+            # One view op per batch: (count, rows, cols) over the batch's run of the contiguous direction.
+            batch = direction.as_strided((count, rows, cols), (rows * cols, cols, 1), start)
+            start += count * rows * cols
             batches.append((shape_params, [p.grad for p in shape_params],
                             max(1.0, batch.size(-2) / batch.size(-1)) ** 0.5))
             directions.append(batch)
@@ -308,7 +309,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             for params, grads, _ in updates.batches:
                 fold_momenta(grads, [next(packed) for _ in params], beta=beta)
         for (params, _, scale), update in zip(updates.batches, updates.updates):
-            update = update.reshape(len(params), *params[0].shape)
+            if update.shape[1:] != params[0].shape:  # 4-D kernels were orthogonalised as (out, -1)
+                update = update.reshape(len(params), *params[0].shape)
             if weight_decay != 0:
                 torch._foreach_mul_(params, 1 - lr * weight_decay)
             # One fused read of the low-precision update per element: the RMS factor and the learning rate

@@ -66,7 +66,10 @@ def _normalized_wide(G: Tensor, dtype: torch.dtype | None) -> tuple[Tensor, bool
     """
     if G.ndim < 2:
         raise ValueError(f"Newton-Schulz needs a matrix (or a batch of matrices), got shape {tuple(G.shape)}")
-    X = G.to(resolve_ns_dtype(G, dtype)).reshape(-1, *G.shape[-2:])
+    compute_dtype = resolve_ns_dtype(G, dtype)
+    X = G if G.dtype == compute_dtype else G.to(compute_dtype)
+    if X.ndim != 3:
+        X = X.reshape(-1, *G.shape[-2:])
     is_transposed = X.size(-2) > X.size(-1)
     if is_transposed:
         X = X.mT
@@ -79,7 +82,7 @@ def _restored_layout(X: Tensor, is_transposed: bool, like: Tensor) -> Tensor:
     """Undo :func:`_normalized_wide`'s transpose and batch view: ``like``'s shape, the compute dtype."""
     if is_transposed:
         X = X.mT
-    return X.reshape(like.shape)
+    return X if X.shape == like.shape else X.reshape(like.shape)
 
 
 def _standard_iterations(X: Tensor, steps: int) -> Tensor:
