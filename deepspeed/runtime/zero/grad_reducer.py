@@ -156,10 +156,12 @@ class GradReducer:
         bucket = self._buckets[self._bucket_of[(group, index)]]
         if bucket.send is None:
             bucket.send = self._zeros(self.dp_world_size * bucket.row_numel, self.options.comm_dtype)
-        rows = bucket.send.view(self.dp_world_size, bucket.row_numel)
+        # Two view ops at most per piece (this runs once per parameter per backward, on the host's critical path).
         for rank, piece in bucket.pieces[(group, index)]:
-            source = flat_grad[piece.param_start:piece.param_start + piece.numel]
-            rows[rank, piece.row_offset:piece.row_offset + piece.numel].add_(source)
+            source = flat_grad if piece.numel == flat_grad.numel() else flat_grad[
+                piece.param_start:piece.param_start + piece.numel]
+            start = rank * bucket.row_numel + piece.row_offset
+            bucket.send[start:start + piece.numel].add_(source)
         bucket.ready.add((group, index))
         while self._next_bucket < len(self._buckets) and self._is_complete(self._buckets[self._next_bucket]):
             self._flush(self._buckets[self._next_bucket])
