@@ -1,0 +1,29 @@
+#!/bin/bash
+# Run test suites on a GPU machine within a time limit and always get the failures back.
+#
+#   bash tools/gpu_check.sh [SECONDS] [TEST PATHS...]
+#
+# Defaults: 400 s; the suites whose GPU paths (NCCL, CUDA streams, bf16 Newton-Schulz, fused kernels) CPU CI
+# cannot reach: unit/ops/muon unit/ops/muon_math unit/runtime unit/checkpoint. Tests run 6 at a time (each
+# spawns its own ranks; two GPUs hold several small tests at once). At the limit pytest gets SIGINT rather than
+# being killed, so it still prints which tests failed and how many passed: a cut run is a partial result, not a
+# lost one. The full log goes to $OUT/gpu_check.log when OUT is set (the device tool's output folder).
+#
+# On this project's GPU machine, with the wheels staged (../shared/device/stage, carry ".device"):
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device/wheels/*.whl \
+#     && export PYTHONPATH=/tmp/site:$PWD && bash tools/gpu_check.sh 400
+set -uo pipefail
+cd "$(dirname "$0")/.."
+limit=${1:-400}
+shift || true
+paths=("$@")
+[ ${#paths[@]} -eq 0 ] && paths=(unit/ops/muon unit/ops/muon_math unit/runtime unit/checkpoint)
+log=${OUT:-/tmp}/gpu_check.log
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+(cd tests && DS_UNITTEST_TIMEOUT=${DS_UNITTEST_TIMEOUT:-150} timeout -s INT "$limit" python3 -m pytest "${paths[@]}" \
+    -n "${WORKERS:-6}" -q -p no:cacheprovider -rfE > "$log" 2>&1)
+status=$?
+grep -E "^(FAILED|ERROR) |Greatest|line [0-9]+, in test_" "$log" | head -40
+tail -n 1 "$log"
+[ $status -eq 124 ] || [ $status -eq 130 ] || grep -q "KeyboardInterrupt" "$log" && echo "cut at ${limit} s: a partial result"
+exit $status
