@@ -63,9 +63,12 @@ class TestMisuse(DistributedTest):
 class TestUnimplementedOptions(DistributedTest):
     world_size = 1
 
-    @pytest.mark.parametrize("key", ["offload_optimizer"])
-    def test_offload_is_refused_not_ignored(self, key):
+    @pytest.mark.parametrize("key, message", [
+        ("offload_optimizer", "zero_optimization.offload_optimizer.device 'cpu' is not implemented"),
+        ("offload_param", "zero_optimization.offload_param requires zero_optimization.stage 3, got 2"),
+    ])
+    def test_offload_is_refused_not_ignored(self, key, message):
         config = make_config(2, "fp32")
         config["zero_optimization"][key] = {"device": "cpu"}
-        with pytest.raises(ValueError, match=f"zero_optimization.{key}.device 'cpu' is not implemented"):
+        with pytest.raises(ValueError, match=message):
             initialize(make_model(), config)

@@ -308,16 +308,11 @@ def stacked_view(tensors: Sequence[Tensor]) -> Tensor | None:
     Under ZeRO an owner's matrices of one shape are usually adjacent slices of its flat fp32 partition (and
     so are their gradients), so they can be read and written as one batch without a copy.
     """
-    first = tensors[0]
-    if not first.is_contiguous():
+    shape = tensors[0].shape
+    if any(tensor.shape != shape for tensor in tensors):
         return None
-    numel, step = first.numel(), first.numel() * first.element_size()
-    for index, tensor in enumerate(tensors):
-        if (tensor.shape != first.shape or tensor.dtype != first.dtype or not tensor.is_contiguous()
-                or tensor.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-                or tensor.data_ptr() != first.data_ptr() + index * step):
-            return None
-    return first.as_strided((len(tensors), *first.shape), (numel, *first.stride()), first.storage_offset())
+    flat = flat_view(tensors)
+    return None if flat is None else flat.view(len(tensors), *shape)
 
 
 def flat_view(tensors: Sequence[Tensor]) -> Tensor | None:
