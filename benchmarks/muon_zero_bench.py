@@ -273,7 +273,11 @@ def build_and_warm_up(mode, settings, batches: list, args, accelerator):
     build_s = time.perf_counter() - build_start
     for _ in range(args.warmup):
         timed_step(runner, accelerator, sync_before_optimizer=False)
-    local = {"build_s": build_s, "before_build_bytes": before_build, "peak_bytes": accelerator.max_memory_allocated(),
+    # A captured CUDA graph's pool stays reserved without counting as allocated: add it, or the peak would hide it.
+    engine = getattr(runner, "engine", None)
+    graph_pool = getattr(getattr(getattr(engine, "optimizer", None), "optimizer", None), "graph_pool_bytes", 0)
+    local = {"build_s": build_s, "before_build_bytes": before_build,
+             "peak_bytes": accelerator.max_memory_allocated() + graph_pool, "graph_pool_bytes": graph_pool,
              "after_warmup_bytes": accelerator.memory_allocated(), "warmup_skipped": runner.skipped_steps}
     return local, runner
 
@@ -519,7 +523,7 @@ def merge_build(gathered: list) -> dict:
     """One mode's build record: the slowest rank's build time, memory per rank."""
     merged = {"build_s": max(rank["build_s"] for rank in gathered),
               "warmup_skipped": max(rank["warmup_skipped"] for rank in gathered)}
-    for key in ("before_build_bytes", "peak_bytes", "after_warmup_bytes"):
+    for key in ("before_build_bytes", "peak_bytes", "after_warmup_bytes", "graph_pool_bytes"):
         merged[key] = [rank[key] for rank in gathered]
     return merged
 

@@ -227,7 +227,8 @@ def _method_lines(results: dict) -> list:
         f"{RERUN_TOLERANCE_PCT:g}%).",
         "- Peak memory: per mode, max_memory_allocated while the mode is built and warmed up (peak statistics "
         "reset just before its build) minus memory_allocated just before its build, since the modes built "
-        "before it stay allocated; per GPU, the larger of the ranks.",
+        "before it stay allocated, plus what the pools of captured CUDA graphs reserve (Muon's Newton-Schulz; "
+        "reserved, not allocated, so max_memory_allocated alone would hide it); per GPU, the larger of the ranks.",
     ]
 
 

@@ -268,10 +268,13 @@ class GradReducer:
             return self._flat[group]
         return self._flat[group].view(layout.num_partitions, layout.partition_size)[self.dp_rank]
 
+    def buffers(self) -> List[torch.Tensor]:
+        """The flat buffers the reduced gradients live in (static for the reducer's life)."""
+        return list(self._partition if self.options.partition_grads else self._flat)
+
     def zero(self) -> None:
         """Forget all accumulated gradients (after a step, applied or skipped)."""
-        buffers = self._partition if self.options.partition_grads else self._flat
-        for buffer in buffers:
+        for buffer in self.buffers():
             buffer.zero_()
 
 

@@ -97,6 +97,9 @@ class DeepSpeedZeroOptimizer:
         self.reducer = GradReducer(self.layouts, self._reduction_order(), self.dp_rank, self.dp_world_size, dp_group,
                                    self._reducer_options(), self.device)
         self._hook_handles = self._register_grad_hooks()
+        lend_step_workspace = getattr(self.optimizer, "lend_step_workspace", None)
+        if lend_step_workspace is not None:
+            lend_step_workspace(self._buffers_dead_during_step())
         self.overflow = False
         self._last_outcome: Optional[StepOutcome] = None
         self._grads_ready = False
@@ -161,6 +164,13 @@ class DeepSpeedZeroOptimizer:
                 self._hp_slots[id(hp)] = _HpSlot(g, 0, hp.numel(), hp.shape)
             group["params"] = params
         self.optimizer.state.clear()
+
+    def _buffers_dead_during_step(self) -> List[torch.Tensor]:
+        """Buffers whose contents nothing needs while the basic optimizer steps (see `_apply`): the lp weights,
+        which `update_lp_params` rewrites from the fp32 masters right after, and the reducer's gradient buffers,
+        which `_prepare` has read into new fp32 tensors before and `step` zeroes after. The basic optimizer may use
+        them as scratch memory (Muon's Newton-Schulz does), so the step needs none of its own."""
+        return [*self.bit16_groups_flat, *self.reducer.buffers()]
 
     def _partition_base(self, group: int) -> int:
         return self.layouts[group].partition_range(self._owner_rank(group))[0]
@@ -320,11 +330,17 @@ class DeepSpeedZeroOptimizer:
         return grad.to(torch.float32).mul_(factor)
 
     def _apply(self, factor: torch.Tensor) -> None:
-        """Step the basic optimizer on the gradients `_prepare` set, then publish the lp weights."""
-        self.optimizer.step()
-        # The fp32 gradients are dead now: free them before the publishing all-gather allocates.
-        self._release_master_grads()
-        self.update_lp_params()
+        """Step the basic optimizer on the gradients `_prepare` set, then publish the lp weights.
+
+        The lp weights are rewritten even when the step raises: the basic optimizer may have used them as scratch
+        memory (`_buffers_dead_during_step`), and they must end up equal to the masters either way.
+        """
+        try:
+            self.optimizer.step()
+        finally:
+            # The fp32 gradients are dead now: free them before the publishing all-gather allocates.
+            self._release_master_grads()
+            self.update_lp_params()
 
     def _release_master_grads(self) -> None:
         for group in self.optimizer.param_groups:

@@ -8,7 +8,7 @@ already, ``step()`` runs Muon itself, so the optimizer is correct on its own (st
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +23,8 @@ from deepspeed.runtime.zero.muon.original_muon import (
     resolve_ns_dtype,
     stacked_view,
 )
+from deepspeed.runtime.zero.muon.ns_graph import GraphedCalls
+from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
 
 MUON_DEFAULTS: dict[str, Any] = {
     "lr": 0.02,
@@ -32,6 +34,7 @@ MUON_DEFAULTS: dict[str, Any] = {
     "ns_steps": 5,
     "nesterov": True,
     "ns_dtype": None,
+    "ns_cuda_graph": True,
 }
 ADAM_DEFAULTS: dict[str, Any] = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-10, "weight_decay": 0.0}
 
@@ -46,9 +49,14 @@ MUON_GROUP_NAME = "muon-params"
 ADAM_GROUP_NAME = "adam-params"
 
 _NS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_MUON_CONFIG_KEYS = ("lr", "momentum", "weight_decay", "ns_method", "ns_steps", "nesterov", "ns_dtype")
+_MUON_CONFIG_KEYS = ("lr", "momentum", "weight_decay", "ns_method", "ns_steps", "nesterov", "ns_dtype",
+                     "ns_cuda_graph")
 _ADAM_CONFIG_KEYS = ("lr", "betas", "eps", "weight_decay")
 OPTIMIZER_PARAM_KEYS = frozenset({*_MUON_CONFIG_KEYS, *_ADAM_CONFIG_KEYS, "muon_lr", "adam_lr"})
+
+# The entries as this module found them: a replaced entry (a test counting calls, a user's hook) must see every
+# call, which a graph replay would bypass, so graphs are used only while the entries are these.
+_ORIGINAL_NS_FUNCTIONS = dict(NS_FUNCTIONS)
 
 MISSING_USE_MUON_MESSAGE = (
     "Muon optimizer is used, but the use_muon attribute is NOT configured for some of the model parameters, "
@@ -62,16 +70,18 @@ class _MuonUpdates:
     ``batches`` holds (params, their gradient tensors, RMS factor) per shape, ``updates`` one stacked update per
     batch, in the same order. ``flat`` is set when the params, their gradients and their momenta each lie back to
     back in one storage (ZeRO's masters): then (gradients, momenta) as two 1-D views, and the step works on the
-    whole group at once.
+    whole group at once. ``folded``: the momenta already hold the new values (the update was computed inside the
+    step, where writing them is allowed).
     """
 
-    __slots__ = ("batches", "updates", "flat")
+    __slots__ = ("batches", "updates", "flat", "folded")
 
     def __init__(self, batches: list[tuple[list[Tensor], list[Tensor], float]], updates: list[Tensor],
-                 flat: tuple[Tensor, Tensor] | None = None) -> None:
+                 flat: tuple[Tensor, Tensor] | None = None, folded: bool = False) -> None:
         self.batches = batches
         self.updates = updates
         self.flat = flat
+        self.folded = folded
 
     def is_for(self, group: dict[str, Any]) -> bool:
         """Whether the group's params with a gradient are exactly those these updates were computed for, still
@@ -86,8 +96,10 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
     """Muon (momentum + Newton-Schulz) on groups with ``use_muon=True``, Adam on the others.
 
     Muon groups accept ``lr`` (0.02), ``momentum`` (0.95), ``weight_decay`` (0), ``ns_method``
-    ("gram"), ``ns_steps`` (5), ``nesterov`` (True) and ``ns_dtype`` (None: see
-    :func:`~deepspeed.runtime.zero.muon.original_muon.resolve_ns_dtype`); their params are reordered
+    ("gram"), ``ns_steps`` (5), ``nesterov`` (True), ``ns_dtype`` (None: see
+    :func:`~deepspeed.runtime.zero.muon.original_muon.resolve_ns_dtype`) and ``ns_cuda_graph`` (True: replay
+    Newton-Schulz from a CUDA graph when it runs in a lent workspace, see :meth:`lend_step_workspace`); their
+    params are reordered
     by size, largest first (stable), as upstream does, since ZeRO flattens them in that order. Adam
     groups accept ``lr`` (3e-4), ``betas`` ((0.9, 0.95)), ``eps`` (1e-10) and ``weight_decay`` (0).
     Weight decay is decoupled in both. Every group may also carry ``name``. Empty groups are allowed
@@ -134,6 +146,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             group["params"] = self._sorted_muon_params(index, group["params"])
             if group["ns_method"] not in NS_FUNCTIONS:
                 raise ValueError(f"ns_method must be one of {{'standard', 'gram'}}, got {group['ns_method']}")
+            if not isinstance(group["ns_cuda_graph"], bool):
+                raise ValueError(f"MuonWithAuxAdam param group {index}: ns_cuda_graph must be true or false, "
+                                 f"got {group['ns_cuda_graph']!r}")
             if group["ns_dtype"] is not None and not isinstance(group["ns_dtype"], torch.dtype):
                 raise ValueError(
                     f"MuonWithAuxAdam param group {index}: ns_dtype must be a torch.dtype or None, "
@@ -186,9 +201,35 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             if group["use_muon"]:
                 updates = prepared.get(index)
                 if updates is None or not updates.is_for(group):
-                    updates = self._muon_updates(group)
+                    updates = self._muon_updates_in_workspace(group) or self._muon_updates(group)
                 self._commit_muon_updates(group, updates)
         return loss
+
+    def lend_step_workspace(self, buffers: Sequence[Tensor]) -> None:
+        """Let :meth:`step` use ``buffers`` as scratch memory for Newton-Schulz from now on (an empty list stops it).
+
+        The lender promises that the buffers' contents are dead during every ``step()`` call and restores them
+        after each: ZeRO lends its low-precision weights (rewritten from the fp32 masters right after the step)
+        and its reduced-gradient buffers (copied to fp32 before the step, zeroed after it). A Muon group whose
+        params, fp32 gradients and momenta each lie in one run (ZeRO's layout, from the second step) then computes
+        its update inside ``step()`` in that memory, so Newton-Schulz allocates nothing, and on a GPU replays it
+        from a CUDA graph (``ns_cuda_graph``). :meth:`prepare_muon_updates` leaves such groups to ``step()``. The
+        results are bit for bit those of the other paths.
+
+        Args:
+            buffers: 1-D contiguous tensors on one device.
+
+        Raises:
+            ValueError: as :class:`~deepspeed.runtime.zero.muon.ns_workspace.NSWorkspace`.
+        """
+        self.__dict__["_step_workspace"] = NSWorkspace(buffers) if buffers else None
+        self.__dict__["_graphs"] = GraphedCalls()
+
+    @property
+    def graph_pool_bytes(self) -> int:
+        """Device memory reserved by the pools of the CUDA graphs this optimizer captured (0 without any)."""
+        graphs = self.__dict__.get("_graphs")
+        return graphs.pool_bytes if graphs is not None else 0
 
     @torch.no_grad()
     def prepare_muon_updates(self) -> None:
@@ -202,7 +243,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         """
         self._prepared = {
             index: self._muon_updates(group)
-            for index, group in enumerate(self.param_groups) if group["use_muon"]
+            for index, group in enumerate(self.param_groups)
+            if group["use_muon"] and self._workspace_operands(group) is None
         }
 
     def discard_prepared_updates(self) -> None:
@@ -245,6 +287,66 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             batches.append((shape_params, grads, scale))
             directions.append(direction)
         return _MuonUpdates(batches, self._orthogonalised(group, directions))
+
+    def _workspace_operands(self, group: dict[str, Any]
+                            ) -> tuple[dict[torch.Size, list[Tensor]], tuple[Tensor, Tensor]] | None:
+        """(params by shape, flat gradients and momenta) when a workspace is lent and the group is one run."""
+        if self.__dict__.get("_step_workspace") is None:
+            return None
+        params = [p for p in group["params"] if p.grad is not None]
+        by_shape: dict[torch.Size, list[Tensor]] = {}
+        for p in params:
+            by_shape.setdefault(p.shape, []).append(p)
+        flat = self._flat_operands(params, by_shape)
+        return None if flat is None else (by_shape, flat)
+
+    def _muon_updates_in_workspace(self, group: dict[str, Any]) -> _MuonUpdates | None:
+        """The group's updates computed inside ``step()`` in the lent workspace, momenta folded; None when the
+        group cannot (no workspace lent, or not laid out as one run).
+
+        The same operations as :meth:`_flat_muon_updates` and the fold of :meth:`_commit_muon_updates`, so the same
+        bits: the new momenta are written first (this is the step), the direction goes straight into the
+        workspace in the Newton-Schulz dtype, and Newton-Schulz runs there, replayed from a CUDA graph when it can.
+        """
+        operands = self._workspace_operands(group)
+        if operands is None:
+            return None
+        by_shape, (grads, momenta) = operands
+        workspace: NSWorkspace = self.__dict__["_step_workspace"]
+        method, steps = group["ns_method"], group["ns_steps"]
+        dtype = resolve_ns_dtype(grads, group["ns_dtype"])
+        shapes = [(len(params), params[0].shape[0], params[0].numel() // params[0].shape[0])
+                  for params in by_shape.values()]
+
+        def carved_input() -> tuple[Tensor, list[Tensor]]:
+            # First carve after a reset: the same address every time, which a graph replay relies on.
+            workspace.reset()
+            flat = workspace.empty((grads.numel(),), dtype)
+            batches, start = [], 0
+            for count, rows, cols in shapes:
+                batches.append(flat.as_strided((count, rows, cols), (rows * cols, cols, 1), start))
+                start += count * rows * cols
+            return flat, batches
+
+        def orthogonalise() -> list[Tensor]:
+            return NS_FUNCTIONS[method](carved_input()[1], steps=steps, dtype=dtype, workspace=workspace)
+
+        captured = None
+        if grads.is_cuda and group.get("ns_cuda_graph", True) and NS_FUNCTIONS[method] is _ORIGINAL_NS_FUNCTIONS[
+                method]:
+            # Captured before the input is written: the capture's warm-up call overwrites the input.
+            captured = self.__dict__["_graphs"].get((method, steps, dtype, tuple(shapes)), orthogonalise, grads.device)
+        direction, _ = carved_input()
+        beta = group["momentum"]
+        momenta.lerp_(grads, 1 - beta)
+        if group["nesterov"]:
+            torch.lerp(grads, momenta, beta, out=direction)
+        else:
+            direction.copy_(momenta)
+        updates = captured.replay() if captured is not None else orthogonalise()
+        batches = [(params, [p.grad for p in params], max(1.0, rows / cols) ** 0.5)
+                   for params, (_, rows, cols) in zip(by_shape.values(), shapes)]
+        return _MuonUpdates(batches, updates, (grads, momenta), folded=True)
 
     def _flat_operands(self, params: list[Tensor], by_shape: dict[torch.Size, list[Tensor]]
                        ) -> tuple[Tensor, Tensor] | None:
@@ -300,14 +402,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         lr, weight_decay, beta = group["lr"], group["weight_decay"], group["momentum"]
         # The prepare computed these new momenta already, out of place; recomputing them here (the same lerp, the
         # same bits) costs one pass, keeping them would hold a second fp32 copy of every momentum from the prepare
-        # to the commit.
-        if updates.flat is not None:
-            grads, momenta = updates.flat
-            momenta.lerp_(grads, 1 - beta)
-        else:
-            packed = iter(self._packed_momenta([p for params, _, _ in updates.batches for p in params]))
-            for params, grads, _ in updates.batches:
-                fold_momenta(grads, [next(packed) for _ in params], beta=beta)
+        # to the commit. (An update computed inside the step wrote them already.)
+        if not updates.folded:
+            self._fold(updates, beta)
         for (params, _, scale), update in zip(updates.batches, updates.updates):
             if update.shape[1:] != params[0].shape:  # 4-D kernels were orthogonalised as (out, -1)
                 update = update.reshape(len(params), *params[0].shape)
@@ -320,6 +417,15 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 stacked.add_(update, alpha=-lr * scale)
             else:
                 torch._foreach_add_(params, list(update.unbind(0)), alpha=-lr * scale)
+
+    def _fold(self, updates: _MuonUpdates, beta: float) -> None:
+        if updates.flat is not None:
+            grads, momenta = updates.flat
+            momenta.lerp_(grads, 1 - beta)
+        else:
+            packed = iter(self._packed_momenta([p for params, _, _ in updates.batches for p in params]))
+            for params, grads, _ in updates.batches:
+                fold_momenta(grads, [next(packed) for _ in params], beta=beta)
 
     def _packed_momenta(self, params: list[Tensor]) -> list[Tensor]:
         """The params' momentum buffers, laid out back to back in ``params``' order and created as zeros where

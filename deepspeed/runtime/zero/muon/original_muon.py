@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
+from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
+
 # Quintic coefficients from Keller Jordan's Muon: they push singular values in (0, 1] into roughly
 # [0.68, 1.13] within five steps, trading exact orthogonality for speed.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -58,15 +60,20 @@ def _cuda_bf16_supported(index: int | None) -> bool:
         return torch.cuda.is_bf16_supported()
 
 
-def _normalized_wide(G: Tensor, dtype: torch.dtype | None) -> tuple[Tensor, bool]:
+def _normalized_wide(G: Tensor, dtype: torch.dtype | None, workspace: NSWorkspace | None = None
+                     ) -> tuple[Tensor, bool]:
     """Cast to the compute dtype, view as a batch of wide matrices (rows <= cols), scale to unit Frobenius norm.
 
-    Returns a 3-D tensor (never an alias of ``G``: the division allocates) and whether it was transposed.
-    Working on 3-D batches lets every product be one ``bmm``/``baddbmm`` launch.
+    Returns a 3-D tensor and whether it was transposed. Without a workspace the division allocates (the result
+    never aliases ``G``); with one, ``G`` must already be in the compute dtype and is divided in place (the same
+    bits). Working on 3-D batches lets every product be one ``bmm``/``baddbmm`` launch.
     """
     if G.ndim < 2:
         raise ValueError(f"Newton-Schulz needs a matrix (or a batch of matrices), got shape {tuple(G.shape)}")
     compute_dtype = resolve_ns_dtype(G, dtype)
+    if workspace is not None and G.dtype != compute_dtype:
+        raise ValueError(f"Newton-Schulz with a workspace normalises its input in place, so the input must be in the "
+                         f"compute dtype {compute_dtype}, got {G.dtype}")
     X = G if G.dtype == compute_dtype else G.to(compute_dtype)
     if X.ndim != 3:
         X = X.reshape(-1, *G.shape[-2:])
@@ -74,8 +81,25 @@ def _normalized_wide(G: Tensor, dtype: torch.dtype | None) -> tuple[Tensor, bool
     if is_transposed:
         X = X.mT
     # A unit Frobenius norm bounds every singular value by 1, inside the quintic's convergence range.
-    X = X / (X.norm(dim=(-2, -1), keepdim=True) + NS_NORM_EPS)
-    return X, is_transposed
+    norm = X.norm(dim=(-2, -1), keepdim=True) + NS_NORM_EPS
+    return (X.div_(norm) if workspace is not None else X / norm), is_transposed
+
+
+def _allocator(workspace: NSWorkspace | None, like: Tensor) -> Callable[[Sequence[int]], Tensor]:
+    """Memory for a new result of a given shape in ``like``'s dtype: from the workspace when there is one."""
+    if workspace is None:
+        return like.new_empty
+    return functools.partial(workspace.empty, dtype=like.dtype)
+
+
+def _memory_of(dead: Tensor, shape: torch.Size, empty: Callable[[Sequence[int]], Tensor]) -> Tensor:
+    """``dead``'s memory as a contiguous tensor of ``shape`` (same numel) for the next result, when it is one block
+    (a contiguous tensor or the transpose of one); else new memory."""
+    if dead.is_contiguous():
+        return dead.view(shape)
+    if dead.mT.is_contiguous():
+        return dead.mT.view(shape)
+    return empty(shape)
 
 
 def _restored_layout(X: Tensor, is_transposed: bool, like: Tensor) -> Tensor:
@@ -85,18 +109,29 @@ def _restored_layout(X: Tensor, is_transposed: bool, like: Tensor) -> Tensor:
     return X if X.shape == like.shape else X.reshape(like.shape)
 
 
-def _standard_iterations(X: Tensor, steps: int) -> Tensor:
-    """X <- a X + (b A + c A^2) X with A = X X^T; the scalars ride in ``baddbmm`` (three launches per step)."""
+def _standard_iterations(X: Tensor, steps: int, workspace: NSWorkspace | None = None) -> Tensor:
+    """X <- a X + (b A + c A^2) X with A = X X^T; the scalars ride in ``baddbmm`` (three launches per step).
+
+    Every product is written into memory taken once (A, B, and X's next value ping-ponging with X's memory), from
+    the workspace when given: the same products, so the same bits as fresh tensors.
+    """
     a, b, c = NS_COEFFICIENTS
+    if steps == 0:
+        return X
+    empty = _allocator(workspace, X)
+    count, rows, _ = X.shape
+    A, B = empty((count, rows, rows)), empty((count, rows, rows))
+    spare = empty(X.shape)
     for _ in range(steps):
-        A = torch.bmm(X, X.mT)
-        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        X = torch.baddbmm(X, B, X, beta=a)
+        torch.bmm(X, X.mT, out=A)
+        torch.baddbmm(A, A, A, beta=b, alpha=c, out=B)
+        torch.baddbmm(X, B, X, beta=a, out=spare)
+        X, spare = spare, _memory_of(X, spare.shape, empty)
     return X
 
 
-def zeropower_via_newtonschulz5(G: Tensor | Sequence[Tensor], steps: int = 5,
-                                dtype: torch.dtype | None = None) -> Tensor | list[Tensor]:
+def zeropower_via_newtonschulz5(G: Tensor | Sequence[Tensor], steps: int = 5, dtype: torch.dtype | None = None,
+                                workspace: NSWorkspace | None = None) -> Tensor | list[Tensor]:
     """Approximately orthogonalise ``G`` (U S V^T -> U S' V^T, S' ~ 1) with the quintic Newton-Schulz iteration.
 
     Each step is X <- a X + (b A + c A^2) X with A = X X^T, computed on the wide orientation so A is
@@ -107,21 +142,23 @@ def zeropower_via_newtonschulz5(G: Tensor | Sequence[Tensor], steps: int = 5,
             Never modified.
         steps: number of iterations.
         dtype: compute dtype; ``None`` applies :func:`resolve_ns_dtype`.
+        workspace: where the large tensors live (see ``ns_workspace``); then ``G`` must be in the compute dtype
+            and is normalised in place, and the results are views of the workspace.
 
     Returns:
         The orthogonalised tensor, same shape as ``G``, in the compute dtype (a list for a list).
 
     Raises:
-        ValueError: if ``G`` has fewer than two dimensions.
+        ValueError: if ``G`` has fewer than two dimensions, or is not in the compute dtype with a workspace.
     """
     if not isinstance(G, Tensor):
-        return [zeropower_via_newtonschulz5(one, steps, dtype) for one in G]
-    X, is_transposed = _normalized_wide(G, dtype)
-    return _restored_layout(_standard_iterations(X, steps), is_transposed, G)
+        return [zeropower_via_newtonschulz5(one, steps, dtype, workspace) for one in G]
+    X, is_transposed = _normalized_wide(G, dtype, workspace)
+    return _restored_layout(_standard_iterations(X, steps, workspace), is_transposed, G)
 
 
-def zeropower_via_gram_newtonschulz(G: Tensor | Sequence[Tensor], steps: int = 5,
-                                    dtype: torch.dtype | None = None) -> Tensor | list[Tensor]:
+def zeropower_via_gram_newtonschulz(G: Tensor | Sequence[Tensor], steps: int = 5, dtype: torch.dtype | None = None,
+                                    workspace: NSWorkspace | None = None) -> Tensor | list[Tensor]:
     """Newton-Schulz computed on the Gram matrix R = X X^T; equals :func:`zeropower_via_newtonschulz5` to rounding.
 
     Every standard step multiplies X on the left by P_k = a I + b A_k + c A_k^2, a polynomial in
@@ -146,70 +183,86 @@ def zeropower_via_gram_newtonschulz(G: Tensor | Sequence[Tensor], steps: int = 5
         G: a matrix or a batch of matrices (ndim >= 2), or a list of them. Never modified.
         steps: number of iterations (the same count as the standard iteration it reproduces).
         dtype: compute dtype; ``None`` applies :func:`resolve_ns_dtype`.
+        workspace: as :func:`zeropower_via_newtonschulz5`.
 
     Returns:
         The orthogonalised tensor, same shape as ``G``, in the compute dtype (a list for a list, in order).
 
     Raises:
-        ValueError: if a tensor has fewer than two dimensions.
+        ValueError: if a tensor has fewer than two dimensions, or is not in the compute dtype with a workspace.
     """
     if isinstance(G, Tensor):
-        return zeropower_via_gram_newtonschulz([G], steps, dtype)[0]
-    prepared = [_normalized_wide(one, dtype) for one in G]
+        return zeropower_via_gram_newtonschulz([G], steps, dtype, workspace)[0]
+    prepared = [_normalized_wide(one, dtype, workspace) for one in G]
     results: list[Tensor | None] = [None] * len(prepared)
     joint: dict[tuple, list[int]] = {}
     for index, (X, is_transposed) in enumerate(prepared):
         rows, cols = X.shape[-2:]
         if rows == cols:
-            results[index] = _restored_layout(_standard_iterations(X, steps), is_transposed, G[index])
+            results[index] = _restored_layout(_standard_iterations(X, steps, workspace), is_transposed, G[index])
         else:
             joint.setdefault((rows, X.dtype, X.device), []).append(index)
     for indices in joint.values():
-        outputs = _gram_iterations([prepared[i][0] for i in indices], steps)
+        outputs = _gram_iterations([prepared[i][0] for i in indices], steps, workspace)
         for index, X in zip(indices, outputs):
             results[index] = _restored_layout(X, prepared[index][1], G[index])
     return results
 
 
-def _gram_iterations(Xs: list[Tensor], steps: int) -> list[Tensor]:
+def _gram_iterations(Xs: list[Tensor], steps: int, workspace: NSWorkspace | None = None) -> list[Tensor]:
     """The Gram iteration for 3-D batches of wide matrices that share the small side m.
 
     Each batch keeps its own X (different widths); R, Z, Q and the products among them are m x m and are
     stacked into one batch, so every m x m step is one launch for all of them.
+
+    Memory is taken once per call and reused by role (from the workspace when given): R and PR, three m x m
+    buffers that Z, Q and Q's next value rotate through, and per batch one spare X that ping-pongs with X's own
+    memory. The products are the same as into fresh tensors, so the bits are too.
     """
     a, b, c = NS_COEFFICIENTS
     sizes = [X.size(0) for X in Xs]
     first = Xs[0]
     rows = first.size(-2)
+    empty = _allocator(workspace, first)
+    square = (sum(sizes), rows, rows)
+    R, PR = empty(square), empty(square)
+    free = [empty(square) for _ in range(3)]
+    spares: list[Tensor | None] = [None] * len(Xs)
 
-    def gram_matrices(Xs: list[Tensor]) -> Tensor:
-        R = torch.empty(sum(sizes), rows, rows, dtype=first.dtype, device=first.device)
+    def gram_matrices(Xs: list[Tensor]) -> None:
         for X, R_part in zip(Xs, R.split(sizes)):
             torch.bmm(X, X.mT, out=R_part)
-        return R
 
     def left_multiplied(Q: Tensor, Xs: list[Tensor]) -> list[Tensor]:
-        return [torch.bmm(Q_part, X) for Q_part, X in zip(Q.split(sizes), Xs)]
+        products = []
+        for index, (Q_part, X) in enumerate(zip(Q.split(sizes), Xs)):
+            out = spares[index] if spares[index] is not None else empty(X.shape)
+            products.append(torch.bmm(Q_part, X, out=out))
+            spares[index] = _memory_of(X, out.shape, empty)
+        return products
 
-    R = gram_matrices(Xs)
+    gram_matrices(Xs)
     Q = None
     for k in range(steps):
         if k in GRAM_RESTART_ITERATIONS and Q is not None:
             Xs = left_multiplied(Q, Xs)
-            R = gram_matrices(Xs)
+            gram_matrices(Xs)
+            free.append(Q)
             Q = None
-        Z = torch.baddbmm(R, R, R, beta=b, alpha=c)
+        Z = torch.baddbmm(R, R, R, beta=b, alpha=c, out=free.pop())
         is_last_before_rebuild = k + 1 == steps or k + 1 in GRAM_RESTART_ITERATIONS
         if not is_last_before_rebuild:
-            PR = torch.baddbmm(R, Z, R, beta=a)
-            R = torch.baddbmm(PR, Z, PR, beta=a)
+            torch.baddbmm(R, Z, R, beta=a, out=PR)
+            torch.baddbmm(PR, Z, PR, beta=a, out=R)
         # P = a I + Z. The first factor needs no product: Z is not read again, so adding a to its diagonal in place
         # gives the bits of Z + a I without building an identity matrix (one launch fewer).
         if Q is None:
             Q = Z
             Q.diagonal(dim1=-2, dim2=-1).add_(a)
         else:
-            Q = torch.baddbmm(Q, Z, Q, beta=a)
+            Q_next = torch.baddbmm(Q, Z, Q, beta=a, out=free.pop())
+            free += [Q, Z]
+            Q = Q_next
     return left_multiplied(Q, Xs) if Q is not None else Xs
 
 

@@ -334,13 +334,15 @@ class TestMuonWorkSplit(DistributedTest):
         # step on the element-wise work is done once for the group.
         assert original_muon.flat_view(muon_groups[0]["params"]) is not None
         whole_group_steps = []
-        flat_step = basic._flat_muon_updates
+        workspace_step = basic._muon_updates_in_workspace
 
         def counting(*args, **kwargs):
-            whole_group_steps.append(engine.global_steps)
-            return flat_step(*args, **kwargs)
+            updates = workspace_step(*args, **kwargs)
+            if updates is not None:
+                whole_group_steps.append(engine.global_steps)
+            return updates
 
-        basic._flat_muon_updates = counting
+        basic._muon_updates_in_workspace = counting
         rank = dist.get_rank()
         for step in range(3):
             generator = torch.Generator().manual_seed(step)

@@ -1,0 +1,98 @@
+"""Newton-Schulz calls captured once in a CUDA graph and replayed every step after.
+
+Why: on a GPU the Muon step is bound by the host, not the device (docs/performance.md): one rank's Newton-Schulz
+call for GPT-2 small is about 55 launches, 41 of them cuBLAS batched products at 15-50 us of host time each, for
+about 1.5 ms of device work. Replaying a graph issues all of it with one launch (measured: 1.0-1.5 ms of issue time
+down to 0.03-0.05 ms, and 1.8 -> 1.4 ms on the device since the gaps between launches go too).
+
+A graph replays fixed kernels on fixed addresses, so the call must read its input from and write its results to
+memory that stays put: the optimizer runs it in an ``NSWorkspace`` (whose carving is deterministic) and refills
+the same input before each replay. The graph keeps its own memory pool for whatever the call allocates beyond the
+workspace (the per-matrix norms); its size is measured at capture and reported, so it is counted in peak memory.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable, Hashable
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+# Distinct captures kept per optimizer: a group whose set of matrices with gradients changes (a matrix unused
+# in a step) gets another graph; an unbounded number would each hold a memory pool.
+MAX_GRAPHS = 4
+
+
+class _Captured:
+    __slots__ = ("graph", "outputs")
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, outputs: list[Tensor]) -> None:
+        self.graph = graph
+        self.outputs = outputs
+
+    def replay(self) -> list[Tensor]:
+        self.graph.replay()
+        return self.outputs
+
+
+class GraphedCalls:
+    """Captured calls by key. A call that cannot be captured is remembered and run eagerly from then on.
+
+    Attributes:
+        pool_bytes: device memory the captured graphs' pools reserve, measured at each capture.
+    """
+
+    def __init__(self) -> None:
+        self._captured: collections.OrderedDict[Hashable, _Captured] = collections.OrderedDict()
+        self._refused: set[Hashable] = set()
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.pool_bytes = 0
+
+    def get(self, key: Hashable, call: Callable[[], list[Tensor]], device: torch.device) -> _Captured | None:
+        """The graph of ``call`` for ``key``, captured now if it is new; None when capturing failed (once or now).
+
+        Capturing runs ``call`` once eagerly (a warm-up on the capture stream, so cuBLAS has its handle and
+        workspace there) and records it once. Neither leaves useful results: the caller writes the input and
+        replays afterwards.
+        """
+        if key in self._refused:
+            return None
+        captured = self._captured.get(key)
+        if captured is not None:
+            self._captured.move_to_end(key)
+            return captured
+        try:
+            captured = self._capture(call, device)
+        except RuntimeError as error:
+            self._refused.add(key)
+            logger.warning("Muon: Newton-Schulz could not be captured in a CUDA graph (%s); it runs eagerly", error)
+            return None
+        self._captured[key] = captured
+        while len(self._captured) > MAX_GRAPHS:
+            self._captured.popitem(last=False)
+        return captured
+
+    def _capture(self, call: Callable[[], list[Tensor]], device: torch.device) -> _Captured:
+        # Captures must not run on the default stream; one side stream per device keeps one cuBLAS workspace.
+        stream = self._streams.setdefault(device, torch.cuda.Stream(device))
+        current = torch.cuda.current_stream(device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            call()
+        current.wait_stream(stream)
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        reserved = torch.cuda.memory_reserved(device)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: NCCL's watchdog thread queries events while we capture; a global capture would fail it.
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            outputs = call()
+        pool = max(0, torch.cuda.memory_reserved(device) - reserved)
+        self.pool_bytes += pool
+        logger.info("Muon: Newton-Schulz captured in a CUDA graph (%d outputs); its pool reserves %.1f MiB",
+                    len(outputs), pool / 2**20)
+        return _Captured(graph, outputs)

@@ -1,0 +1,90 @@
+"""Memory for Newton-Schulz's large tensors, carved from buffers that are dead while the optimizer steps.
+
+Why: a Newton-Schulz call on one rank's matrices needs two copies of its input and a few m x m matrices per
+matrix (about 290 MB for GPT-2 small's 24 matrices per rank in bf16). Allocated fresh, that memory comes from the
+caching allocator for the step and goes back after it; captured in a CUDA graph (which is what makes the call
+cheap to issue, see ``muon_optimizer``), it would stay reserved in the graph's private pool for the whole run and
+raise peak memory by as much. But during the optimizer step, ZeRO holds buffers whose contents are dead: the
+low-precision model weights (rewritten from the fp32 masters right after the step) and the reduced gradient
+partitions (copied to fp32 before the step, zeroed after it). A workspace hands out views of those buffers, so the
+call needs no memory of its own.
+
+Carving is deterministic: after :meth:`NSWorkspace.reset` the same requests get the same addresses, which is what
+lets a captured graph and an eager call use the same memory. What does not fit is allocated once, kept for the
+same request after later resets (so it is deterministic too), and counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+# Every carved tensor starts on this boundary (bytes): cuBLAS and vectorised kernels want aligned operands.
+ALIGNMENT = 256
+
+
+class NSWorkspace:
+    """Hands out tensors from lent buffers, first fit in order, each at most once between resets.
+
+    Args:
+        lent: 1-D contiguous tensors on one device whose contents the borrower may overwrite whenever it runs.
+            The lender promises that, and rewrites or zeroes them afterwards; the workspace only reads their
+            storage, never their values.
+
+    Attributes:
+        fallback_bytes: bytes this workspace allocated itself because no lent buffer had room (held for reuse).
+    """
+
+    def __init__(self, lent: Sequence[Tensor]) -> None:
+        self._regions: list[Tensor] = []
+        for tensor in lent:
+            if tensor.ndim != 1 or not tensor.is_contiguous():
+                raise ValueError(f"a Newton-Schulz workspace needs 1-D contiguous buffers, got {tuple(tensor.shape)} "
+                                 f"with strides {tensor.stride()}")
+            if tensor.numel():
+                self._regions.append(tensor.view(torch.uint8))
+        devices = {region.device for region in self._regions}
+        if len(devices) > 1:
+            raise ValueError(f"a Newton-Schulz workspace needs buffers on one device, got {sorted(map(str, devices))}")
+        self.device = devices.pop() if devices else None
+        self.capacity = sum(region.numel() for region in self._regions)
+        self._fallbacks: list[Tensor] = []
+        self.reset()
+
+    @property
+    def fallback_bytes(self) -> int:
+        return sum(fallback.numel() for fallback in self._fallbacks)
+
+    def reset(self) -> None:
+        """Forget every tensor handed out: the next requests reuse the same memory, in the same order."""
+        self._next = [0] * len(self._regions)
+        self._fallback_index = 0
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+        """An uninitialised contiguous tensor: a view of the first lent buffer with room, else a new allocation."""
+        numel = 1
+        for size in shape:
+            numel *= size
+        nbytes = numel * dtype.itemsize
+        for index, region in enumerate(self._regions):
+            start = -(-self._next[index] // ALIGNMENT) * ALIGNMENT
+            if start + nbytes <= region.numel():
+                self._next[index] = start + nbytes
+                return region[start:start + nbytes].view(dtype).view(tuple(shape))
+        index = self._fallback_index
+        self._fallback_index += 1
+        if index == len(self._fallbacks):
+            self._fallbacks.append(torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+        elif self._fallbacks[index].numel() != nbytes:
+            self._fallbacks[index] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._fallbacks[index].view(dtype).view(tuple(shape))
+
+    def contains(self, tensor: Tensor) -> bool:
+        """Whether ``tensor``'s memory lies inside a lent buffer (a carved view, not a fallback allocation)."""
+        start = tensor.data_ptr()
+        for region in self._regions:
+            if region.data_ptr() <= start < region.data_ptr() + region.numel():
+                return True
+        return False

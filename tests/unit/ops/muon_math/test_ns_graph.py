@@ -1,0 +1,57 @@
+"""On a GPU, Newton-Schulz in a lent workspace is replayed from a CUDA graph: the same bits as the eager paths, no
+memory of its own beyond a small pool, and never while someone has wrapped the Newton-Schulz entries (counting)."""
+
+import pytest
+import torch
+
+from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+from deepspeed.runtime.zero.muon.original_muon import count_newton_schulz_calls
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+# The optimizer's order (by size(), largest first), as ZeRO lays out a rank's masters; tall, wide and square.
+SHAPES = [(384, 128)] * 3 + [(128, 384)] * 2 + [(128, 128)] * 2
+
+
+def run(lent: bool, graph: bool, steps: int = 5, count: bool = False):
+    device = torch.device("cuda", 0)
+    numels = [torch.Size(shape).numel() for shape in SHAPES]
+    master = torch.randn(sum(numels), generator=torch.Generator().manual_seed(0)).to(device)
+    params = [torch.nn.Parameter(piece.view(shape)) for piece, shape in zip(master.split(numels), SHAPES)]
+    optimizer = MuonWithAuxAdam([{"params": params, "use_muon": True, "lr": 0.05, "weight_decay": 0.1,
+                                  "ns_cuda_graph": graph}])
+    if lent:
+        optimizer.lend_step_workspace([torch.zeros(4_000_000, dtype=torch.bfloat16, device=device)])
+    calls = []
+    for step in range(steps):
+        grads = torch.randn(sum(numels), generator=torch.Generator().manual_seed(100 + step)).to(device)
+        for p, grad in zip(params, grads.split(numels)):
+            p.grad = grad.view(p.shape)
+        optimizer.prepare_muon_updates()
+        if count:
+            with count_newton_schulz_calls() as counter:
+                optimizer.step()
+            calls.append(sum(counter.values()))
+        else:
+            optimizer.step()
+    return optimizer, params, calls
+
+
+def test_graph_replay_gives_the_bits_of_the_eager_paths():
+    graphed, graphed_params, _ = run(lent=True, graph=True)
+    eager, eager_params, _ = run(lent=True, graph=False)
+    plain, plain_params, _ = run(lent=False, graph=True)
+    assert graphed.__dict__["_graphs"]._captured, "no graph was captured"
+    assert not eager.__dict__["_graphs"]._captured
+    for p, q, r in zip(graphed_params, eager_params, plain_params):
+        assert torch.equal(p, q) and torch.equal(p, r)
+        assert torch.equal(graphed.state[p]["momentum_buffer"], plain.state[r]["momentum_buffer"])
+    # Everything large lives in the lent buffer; the pool holds only the per-matrix norms and cuBLAS's needs.
+    assert graphed.__dict__["_step_workspace"].fallback_bytes == 0
+    assert graphed.graph_pool_bytes < 64 * 2**20
+
+
+def test_no_graph_while_the_entries_are_wrapped():
+    optimizer, _, calls = run(lent=True, graph=True, count=True)
+    assert calls == [0] + [1] * 4  # step 0 used what was prepared; each later step ran (and counted) one call
+    assert not optimizer.__dict__["_graphs"]._captured

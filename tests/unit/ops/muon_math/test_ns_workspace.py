@@ -1,0 +1,150 @@
+"""Newton-Schulz in lent memory: the workspace carves deterministically and never hands out one byte twice, Newton-
+Schulz run in it gives the bits of the allocating run, and MuonWithAuxAdam stepping in a lent workspace (what ZeRO
+does from the second step on) gives the bits of the optimizer that was lent nothing.
+"""
+
+import pytest
+import torch
+
+from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+from deepspeed.runtime.zero.muon.ns_workspace import ALIGNMENT, NSWorkspace
+from deepspeed.runtime.zero.muon.original_muon import (count_newton_schulz_calls, zeropower_via_gram_newtonschulz,
+                                                       zeropower_via_newtonschulz5)
+
+# Tall, wide and square batches, two sharing the small side (the joint Gram batch).
+BATCH_SHAPES = [(3, 48, 16), (2, 16, 40), (2, 16, 16), (1, 24, 24)]
+NS = {"gram": zeropower_via_gram_newtonschulz, "standard": zeropower_via_newtonschulz5}
+
+
+def byte_ranges(tensors):
+    return sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
+
+
+def test_carving_is_deterministic_aligned_disjoint_and_inside_the_lent_buffers():
+    lent = [torch.zeros(1000, dtype=torch.bfloat16), torch.zeros(3000, dtype=torch.float16)]
+    workspace = NSWorkspace(lent)
+    requests = [((10, 7), torch.float32), ((33,), torch.bfloat16), ((600,), torch.float32), ((5, 5), torch.float16)]
+    first = [workspace.empty(shape, dtype) for shape, dtype in requests]
+    for tensor, (shape, dtype) in zip(first, requests):
+        assert tensor.shape == shape and tensor.dtype == dtype and tensor.is_contiguous()
+        assert workspace.contains(tensor)
+        base = next(b.data_ptr() for b in lent if 0 <= tensor.data_ptr() - b.data_ptr() < b.numel() * 2)
+        assert (tensor.data_ptr() - base) % ALIGNMENT == 0
+    ranges = byte_ranges(first)
+    assert all(end <= start for (_, end), (start, _) in zip(ranges, ranges[1:])), "two carvings overlap"
+    assert workspace.fallback_bytes == 0
+    workspace.reset()
+    again = [workspace.empty(shape, dtype) for shape, dtype in requests]
+    assert [t.data_ptr() for t in again] == [t.data_ptr() for t in first]
+
+
+def test_what_does_not_fit_is_allocated_once_and_reused_after_reset():
+    workspace = NSWorkspace([torch.zeros(16)])
+    inside = workspace.empty((8,), torch.float32)
+    outside = workspace.empty((100,), torch.float32)
+    assert workspace.contains(inside) and not workspace.contains(outside)
+    assert workspace.fallback_bytes == 400
+    workspace.reset()
+    workspace.empty((8,), torch.float32)
+    assert workspace.empty((100,), torch.float32).data_ptr() == outside.data_ptr()
+    assert workspace.fallback_bytes == 400
+
+
+def test_workspace_refuses_buffers_it_cannot_carve():
+    with pytest.raises(ValueError, match="1-D contiguous"):
+        NSWorkspace([torch.zeros(4, 4)])
+    with pytest.raises(ValueError, match="1-D contiguous"):
+        NSWorkspace([torch.zeros(8)[::2]])
+
+
+@pytest.mark.parametrize("steps", [0, 1, 2, 3, 5, 6])
+@pytest.mark.parametrize("method", ["gram", "standard"])
+def test_newton_schulz_in_a_workspace_gives_the_same_bits(method, steps):
+    generator = torch.Generator().manual_seed(steps)
+    inputs = [torch.randn(shape, generator=generator) for shape in BATCH_SHAPES]
+    expected = NS[method]([x.clone() for x in inputs], steps=steps)
+    # Room for everything: the input region first, as the optimizer carves it, then Newton-Schulz's tensors.
+    workspace = NSWorkspace([torch.full((200_000,), float("nan"))])
+    flat = workspace.empty((sum(x.numel() for x in inputs),), torch.float32)
+    views, start = [], 0
+    for x in inputs:
+        views.append(flat[start:start + x.numel()].view(x.shape))
+        views[-1].copy_(x)
+        start += x.numel()
+    results = NS[method](views, steps=steps, workspace=workspace)
+    for result, reference in zip(results, expected):
+        assert torch.equal(result, reference)
+        assert workspace.contains(result)  # nothing was allocated for the results
+    assert workspace.fallback_bytes == 0
+
+
+def test_newton_schulz_in_a_workspace_needs_the_compute_dtype():
+    with pytest.raises(ValueError, match="compute dtype"):
+        zeropower_via_gram_newtonschulz([torch.randn(4, 8, dtype=torch.float64)], dtype=torch.float32,
+                                        workspace=NSWorkspace([]))
+
+
+def optimizer_and_params(generator, shapes, nesterov):
+    numels = [torch.Size(shape).numel() for shape in shapes]
+    master = torch.randn(sum(numels), generator=generator)
+    params = [torch.nn.Parameter(piece.view(shape)) for piece, shape in zip(master.split(numels), shapes)]
+    optimizer = MuonWithAuxAdam([{"params": params, "use_muon": True, "lr": 0.05, "momentum": 0.9,
+                                  "nesterov": nesterov, "weight_decay": 0.1}])
+    return optimizer, params, numels
+
+
+@pytest.mark.parametrize("room", ["all", "some"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_optimizer_in_a_lent_workspace_gives_the_same_bits(nesterov, room):
+    shapes = [(48, 16)] * 2 + [(24, 24)] + [(16, 40)] * 3  # the optimizer's order (by size(), largest first)
+    lent_opt, lent_params, numels = optimizer_and_params(torch.Generator().manual_seed(0), shapes, nesterov)
+    plain_opt, plain_params, _ = optimizer_and_params(torch.Generator().manual_seed(0), shapes, nesterov)
+    lent = torch.zeros(200_000 if room == "all" else 3_000, dtype=torch.bfloat16)
+    lent_opt.lend_step_workspace([lent])
+    for step in range(4):
+        grads = torch.randn(sum(numels), generator=torch.Generator().manual_seed(100 + step))
+        for p, q, grad in zip(lent_params, plain_params, grads.split(numels)):
+            p.grad, q.grad = grad.view(p.shape), grad.view(p.shape).clone()
+        lent.fill_(float("nan"))  # the lender's contents are dead: nothing may read them
+        computed_in_step = []
+        in_workspace = lent_opt._muon_updates_in_workspace
+        lent_opt._muon_updates_in_workspace = _recording(in_workspace, computed_in_step)
+        for optimizer in (lent_opt, plain_opt):
+            optimizer.prepare_muon_updates()
+            with count_newton_schulz_calls() as calls:
+                optimizer.step()
+            # Step 0 (no momenta yet) is prepared before the step; later ones run in the step, once either way.
+            assert sum(calls.values()) == (0 if optimizer is plain_opt or step == 0 else 1)
+        del lent_opt._muon_updates_in_workspace
+        assert computed_in_step == ([] if step == 0 else [True])  # step 0 took what was prepared
+        for p, q in zip(lent_params, plain_params):
+            assert torch.equal(p, q)
+            assert torch.equal(lent_opt.state[p]["momentum_buffer"], plain_opt.state[q]["momentum_buffer"])
+        if step > 0:
+            assert not torch.isnan(lent).all(), "the lent buffer was not used"
+
+
+def _recording(method, record):
+    def recorded(group):
+        updates = method(group)
+        record.append(updates is not None)
+        return updates
+    return recorded
+
+
+def test_prepared_updates_are_left_to_the_step_when_a_workspace_is_lent():
+    optimizer, params, numels = optimizer_and_params(torch.Generator().manual_seed(3), [(16, 8)] * 2, True)
+    optimizer.lend_step_workspace([torch.zeros(10_000)])
+    for step in range(2):
+        for p, grad in zip(params, torch.randn(sum(numels)).split(numels)):
+            p.grad = grad.view(p.shape)
+        optimizer.prepare_muon_updates()
+        # Nothing is computed before the step once the group can step in the workspace (from the second step).
+        assert (0 in optimizer._prepared) == (step == 0)
+        optimizer.step()
+
+
+def test_cuda_graph_flag_must_be_a_bool():
+    with pytest.raises(ValueError, match="ns_cuda_graph must be true or false"):
+        MuonWithAuxAdam([{"params": [torch.nn.Parameter(torch.zeros(4, 4))], "use_muon": True,
+                          "ns_cuda_graph": "yes"}])
