@@ -352,3 +352,42 @@ class TestMuonWorkSplit(DistributedTest):
         assert whole_group_steps == [1, 2]
         momenta = [basic.state[master]["momentum_buffer"] for master in muon_groups[0]["params"]]
         assert original_muon.flat_view(momenta) is not None
+
+
+class TestStepWorkspace(DistributedTest):
+    """ZeRO lends the basic optimizer its lp weights and reduced-gradient buffers as scratch memory for step():
+    both are dead then, and the lp weights are rewritten from the masters after the step, even one that raises."""
+
+    world_size = 2
+
+    @pytest.mark.parametrize("stage", [1, 2])
+    def test_lent_buffers_are_the_dead_ones_and_the_weights_end_equal_to_the_masters(self, stage):
+        torch.manual_seed(0)
+        engine, _, _, _ = deepspeed.initialize(model=TinyTransformer(layers=2), config=muon_config(stage, "bf16"))
+        zero, basic = engine.optimizer, engine.optimizer.optimizer
+        lent = [*zero.bit16_groups_flat, *zero.reducer.buffers()]
+        workspace = basic.__dict__["_step_workspace"]
+        assert workspace is not None and workspace.capacity == sum(t.numel() * t.element_size() for t in lent)
+        step_of_basic = basic.step
+        rank = dist.get_rank()
+
+        def step_that_scribbles_and_raises():
+            step_of_basic()
+            for buffer in lent:  # what a step using the workspace leaves behind, at worst
+                buffer.fill_(float("nan"))
+            raise RuntimeError("the basic optimizer failed")
+
+        for step in range(3):
+            if step == 2:
+                basic.step = step_that_scribbles_and_raises
+            tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step))
+            tokens = tokens[rank * 2:(rank + 1) * 2].to(engine.device)
+            engine.backward(engine(tokens, tokens))
+            if step < 2:
+                engine.step()
+            else:
+                with pytest.raises(RuntimeError, match="the basic optimizer failed"):
+                    engine.step()
+            for param in engine.module.parameters():
+                assert torch.equal(param.detach(), safe_get_full_fp32_param(param).to(param.dtype)), (
+                    f"step {step}: the lp weights differ from the masters")
