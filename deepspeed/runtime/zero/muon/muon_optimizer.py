@@ -203,6 +203,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 if updates is None or not updates.is_for(group):
                     updates = self._muon_updates_in_workspace(group) or self._muon_updates(group)
                 self._commit_muon_updates(group, updates)
+        self.__dict__.pop("_operands", None)
         return loss
 
     def lend_step_workspace(self, buffers: Sequence[Tensor]) -> None:
@@ -250,6 +251,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
     def discard_prepared_updates(self) -> None:
         """Forget what :meth:`prepare_muon_updates` computed (the step it was for is not taken)."""
         self._prepared = {}
+        self.__dict__.pop("_operands", None)
 
     @property
     def _prepared(self) -> dict[int, _MuonUpdates]:
@@ -290,15 +292,29 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
     def _workspace_operands(self, group: dict[str, Any]
                             ) -> tuple[dict[torch.Size, list[Tensor]], tuple[Tensor, Tensor]] | None:
-        """(params by shape, flat gradients and momenta) when a workspace is lent and the group is one run."""
+        """(params by shape, flat gradients and momenta) when a workspace is lent and the group is one run.
+
+        Remembered per group until the next call finds the params carrying other gradient tensors: the prepare
+        and the step of one optimizer step ask with the same gradients, and the answer is a few hundred Python
+        operations on a path bound by the host.
+        """
         if self.__dict__.get("_step_workspace") is None:
             return None
+        remembered = self.__dict__.setdefault("_operands", {})
+        grads = [p.grad for p in group["params"]]
+        entry = remembered.get(id(group))
+        if entry is not None and len(entry[0]) == len(grads) and all(a is b for a, b in zip(entry[0], grads)):
+            return entry[1]
         params = [p for p in group["params"] if p.grad is not None]
         by_shape: dict[torch.Size, list[Tensor]] = {}
         for p in params:
             by_shape.setdefault(p.shape, []).append(p)
         flat = self._flat_operands(params, by_shape)
-        return None if flat is None else (by_shape, flat)
+        operands = None if flat is None else (by_shape, flat)
+        # The entry holds the gradients (to compare identities, and in the flat views): step() and
+        # discard_prepared_updates() drop it, so they are freed when the caller drops them.
+        remembered[id(group)] = (grads, operands)
+        return operands
 
     def _muon_updates_in_workspace(self, group: dict[str, Any]) -> _MuonUpdates | None:
         """The group's updates computed inside ``step()`` in the lent workspace, momenta folded; None when the

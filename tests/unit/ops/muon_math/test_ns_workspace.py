@@ -3,6 +3,8 @@ Schulz run in it gives the bits of the allocating run, and MuonWithAuxAdam stepp
 does from the second step on) gives the bits of the optimizer that was lent nothing.
 """
 
+import weakref
+
 import pytest
 import torch
 
@@ -148,3 +150,21 @@ def test_cuda_graph_flag_must_be_a_bool():
     with pytest.raises(ValueError, match="ns_cuda_graph must be true or false"):
         MuonWithAuxAdam([{"params": [torch.nn.Parameter(torch.zeros(4, 4))], "use_muon": True,
                           "ns_cuda_graph": "yes"}])
+
+
+def test_no_gradient_outlives_the_step():
+    """What the prepare remembers for the step (the operands) must not keep the fp32 gradients alive into the next
+    forward and backward: under ZeRO they are a full fp32 copy of the rank's gradients."""
+    optimizer, params, numels = optimizer_and_params(torch.Generator().manual_seed(4), [(16, 8)] * 3, True)
+    optimizer.lend_step_workspace([torch.zeros(10_000)])
+    for step in range(3):
+        grads = torch.randn(sum(numels))
+        for p, grad in zip(params, grads.split(numels)):
+            p.grad = grad.view(p.shape)
+        alive = weakref.ref(grads)
+        optimizer.prepare_muon_updates()
+        optimizer.step()
+        for p in params:
+            p.grad = None
+        del grads, grad
+        assert alive() is None, f"step {step}: the optimizer still holds the gradients"
