@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 
-from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam, muon_param_groups
 from deepspeed.runtime.zero.muon.ns_workspace import ALIGNMENT, NSWorkspace
 from deepspeed.runtime.zero.muon.original_muon import (count_newton_schulz_calls, zeropower_via_gram_newtonschulz,
                                                        zeropower_via_newtonschulz5)
@@ -168,3 +168,12 @@ def test_no_gradient_outlives_the_step():
             p.grad = None
         del grads, grad
         assert alive() is None, f"step {step}: the optimizer still holds the gradients"
+
+
+def test_the_config_key_reaches_the_muon_group():
+    model = torch.nn.Linear(8, 8)
+    model.weight.use_muon, model.bias.use_muon = True, False
+    groups = muon_param_groups(model.named_parameters(), {"ns_cuda_graph": False})
+    assert [group.get("ns_cuda_graph") for group in groups] == [False, None]
+    assert MuonWithAuxAdam(groups).param_groups[0]["ns_cuda_graph"] is False
+    assert MuonWithAuxAdam(muon_param_groups(model.named_parameters(), {})).param_groups[0]["ns_cuda_graph"] is True
