@@ -338,7 +338,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             # First carve after a reset: the same address every time, which a graph replay relies on.
             workspace.reset()
             flat = workspace.empty((grads.numel(),), dtype)
-            batches, start = [], 0
+            batches, start = [], flat.storage_offset()  # as_strided's offset counts from the storage's start
             for count, rows, cols in shapes:
                 batches.append(flat.as_strided((count, rows, cols), (rows * cols, cols, 1), start))
                 start += count * rows * cols

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-# Every carved tensor starts on this boundary (bytes): cuBLAS and vectorised kernels want aligned operands.
+# Every carved tensor's address is a multiple of this (bytes): cuBLAS and vectorised kernels want aligned operands.
 ALIGNMENT = 256
 
 
@@ -69,7 +69,8 @@ class NSWorkspace:
             numel *= size
         nbytes = numel * dtype.itemsize
         for index, region in enumerate(self._regions):
-            start = -(-self._next[index] // ALIGNMENT) * ALIGNMENT
+            base = region.data_ptr()  # align the address, not the offset: a lent buffer may start anywhere
+            start = -(-(base + self._next[index]) // ALIGNMENT) * ALIGNMENT - base
             if start + nbytes <= region.numel():
                 self._next[index] = start + nbytes
                 return region[start:start + nbytes].view(dtype).view(tuple(shape))
