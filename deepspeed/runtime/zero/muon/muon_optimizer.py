@@ -234,7 +234,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def prepare_muon_updates(self) -> None:
-        """Compute every Muon group's update from the current gradients without changing anything.
+        """Compute the Muon groups' updates from the current gradients without changing anything.
+
+        Groups that :meth:`step` will compute in a lent workspace (see :meth:`lend_step_workspace`) are left to it.
 
         Momenta, params and state are left as they are: the new momenta are computed out of place, and the
         next :meth:`step` writes them and applies the updates (bit for bit what it would compute itself),
@@ -269,10 +271,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         iteration can also share its small-matrix work across shapes (see ``zeropower_via_gram_newtonschulz``).
         Nothing is written: a missing momentum counts as zeros.
         """
-        params = [p for p in group["params"] if p.grad is not None]
-        by_shape: dict[torch.Size, list[Tensor]] = {}
-        for p in params:
-            by_shape.setdefault(p.shape, []).append(p)
+        params, by_shape = _with_grads_by_shape(group)
         flat = self._flat_operands(params, by_shape)
         if flat is not None:
             return self._flat_muon_updates(group, by_shape, flat)
@@ -305,10 +304,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         entry = remembered.get(id(group))
         if entry is not None and len(entry[0]) == len(grads) and all(a is b for a, b in zip(entry[0], grads)):
             return entry[1]
-        params = [p for p in group["params"] if p.grad is not None]
-        by_shape: dict[torch.Size, list[Tensor]] = {}
-        for p in params:
-            by_shape.setdefault(p.shape, []).append(p)
+        params, by_shape = _with_grads_by_shape(group)
         flat = self._flat_operands(params, by_shape)
         operands = None if flat is None else (by_shape, flat)
         # The entry holds the gradients (to compare identities, and in the flat views): step() and
@@ -331,28 +327,23 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         workspace: NSWorkspace = self.__dict__["_step_workspace"]
         method, steps = group["ns_method"], group["ns_steps"]
         dtype = resolve_ns_dtype(grads, group["ns_dtype"])
-        shapes = [(len(params), params[0].shape[0], params[0].numel() // params[0].shape[0])
-                  for params in by_shape.values()]
 
         def carved_input() -> tuple[Tensor, list[Tensor]]:
             # First carve after a reset: the same address every time, which a graph replay relies on.
             workspace.reset()
             flat = workspace.empty((grads.numel(),), dtype)
-            batches, start = [], flat.storage_offset()  # as_strided's offset counts from the storage's start
-            for count, rows, cols in shapes:
-                batches.append(flat.as_strided((count, rows, cols), (rows * cols, cols, 1), start))
-                start += count * rows * cols
-            return flat, batches
+            return flat, _batch_views(flat, by_shape)
 
         def orthogonalise() -> list[Tensor]:
             return NS_FUNCTIONS[method](carved_input()[1], steps=steps, dtype=dtype, workspace=workspace)
 
+        direction, batches = carved_input()
         captured = None
         if grads.is_cuda and group.get("ns_cuda_graph", True) and NS_FUNCTIONS[method] is _ORIGINAL_NS_FUNCTIONS[
                 method]:
             # Captured before the input is written: the capture's warm-up call overwrites the input.
-            captured = self.__dict__["_graphs"].get((method, steps, dtype, tuple(shapes)), orthogonalise, grads.device)
-        direction, _ = carved_input()
+            key = (method, steps, dtype, tuple(batch.shape for batch in batches))
+            captured = self.__dict__["_graphs"].get(key, orthogonalise, grads.device)
         beta = group["momentum"]
         momenta.lerp_(grads, 1 - beta)
         if group["nesterov"]:
@@ -360,9 +351,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         else:
             direction.copy_(momenta)
         updates = captured.replay() if captured is not None else orthogonalise()
-        batches = [(params, [p.grad for p in params], max(1.0, rows / cols) ** 0.5)
-                   for params, (_, rows, cols) in zip(by_shape.values(), shapes)]
-        return _MuonUpdates(batches, updates, (grads, momenta), folded=True)
+        return _MuonUpdates(_recorded_batches(by_shape, batches), updates, (grads, momenta), folded=True)
 
     def _flat_operands(self, params: list[Tensor], by_shape: dict[torch.Size, list[Tensor]]
                        ) -> tuple[Tensor, Tensor] | None:
@@ -395,17 +384,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         if group["nesterov"]:
             torch.lerp(grads, direction, beta, out=direction)
         direction = direction.to(resolve_ns_dtype(direction, group["ns_dtype"]))
-        batches, directions, start = [], [], direction.storage_offset()
-        for shape_params in by_shape.values():
-            shape, count = shape_params[0].shape, len(shape_params)
-            rows, cols = shape[0], shape.numel() // shape[0]
-            # One view op per batch: (count, rows, cols) over the batch's run of the contiguous direction.
-            batch = direction.as_strided((count, rows, cols), (rows * cols, cols, 1), start)
-            start += count * rows * cols
-            batches.append((shape_params, [p.grad for p in shape_params],
-                            max(1.0, batch.size(-2) / batch.size(-1)) ** 0.5))
-            directions.append(batch)
-        return _MuonUpdates(batches, self._orthogonalised(group, directions), flat)
+        directions = _batch_views(direction, by_shape)
+        return _MuonUpdates(_recorded_batches(by_shape, directions), self._orthogonalised(group, directions), flat)
 
     @staticmethod
     def _orthogonalised(group: dict[str, Any], directions: list[Tensor]) -> list[Tensor]:
@@ -518,6 +498,34 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 self.state[p] = {key: _restored(key, value, p) for key, value in saved_state[pid].items()}
 
 
+def _with_grads_by_shape(group: dict[str, Any]) -> tuple[list[Tensor], dict[torch.Size, list[Tensor]]]:
+    """The group's params that have a gradient, and the same params by shape (in order)."""
+    params = [p for p in group["params"] if p.grad is not None]
+    by_shape: dict[torch.Size, list[Tensor]] = {}
+    for p in params:
+        by_shape.setdefault(p.shape, []).append(p)
+    return params, by_shape
+
+
+def _batch_views(flat: Tensor, by_shape: dict[torch.Size, list[Tensor]]) -> list[Tensor]:
+    """(count, rows, cols) views of ``flat``, one per shape in order, each over its batch's run: one view op per
+    batch (4-D kernels as (out, -1))."""
+    views, start = [], flat.storage_offset()  # as_strided's offset counts from the storage's start
+    for params in by_shape.values():
+        count, rows = len(params), params[0].shape[0]
+        cols = params[0].numel() // rows
+        views.append(flat.as_strided((count, rows, cols), (rows * cols, cols, 1), start))
+        start += count * rows * cols
+    return views
+
+
+def _recorded_batches(by_shape: dict[torch.Size, list[Tensor]], views: list[Tensor]
+                      ) -> list[tuple[list[Tensor], list[Tensor], float]]:
+    """``_MuonUpdates.batches``: per shape the params, their gradients and the RMS factor sqrt(max(1, rows/cols))."""
+    return [(params, [p.grad for p in params], max(1.0, view.size(-2) / view.size(-1)) ** 0.5)
+            for params, view in zip(by_shape.values(), views)]
+
+
 def _fusable(p: Tensor, state: dict[str, Any]) -> bool:
     """torch's fused AdamW kernel takes fp32 params, gradients and moments of one device (ZeRO's masters)."""
     return (hasattr(torch, "_fused_adamw_") and p.dtype == torch.float32 and p.grad.dtype == torch.float32
@@ -593,6 +601,8 @@ def muon_param_groups(
         muon_group["lr"] = options["muon_lr"]
     if "ns_dtype" in muon_group:
         muon_group["ns_dtype"] = _ns_dtype_from_config(muon_group["ns_dtype"])
+    if not isinstance(muon_group.get("ns_cuda_graph", True), bool):
+        raise ValueError(f"optimizer.params.ns_cuda_graph must be true or false, got {muon_group['ns_cuda_graph']!r}")
 
     adam_group = {"params": [p for _, p in trainable if not p.use_muon], "use_muon": False, "name": ADAM_GROUP_NAME}
     adam_group.update({key: options[key] for key in _ADAM_CONFIG_KEYS if key in options})

@@ -176,6 +176,8 @@ def test_the_config_key_reaches_the_muon_group():
     assert [group.get("ns_cuda_graph") for group in groups] == [False, None]
     assert MuonWithAuxAdam(groups).param_groups[0]["ns_cuda_graph"] is False
     assert MuonWithAuxAdam(muon_param_groups(model.named_parameters(), {})).param_groups[0]["ns_cuda_graph"] is True
+    with pytest.raises(ValueError, match="optimizer.params.ns_cuda_graph must be true or false, got 'yes'"):
+        muon_param_groups(model.named_parameters(), {"ns_cuda_graph": "yes"})
 
 
 def test_a_lent_buffer_that_is_itself_a_view_works():
