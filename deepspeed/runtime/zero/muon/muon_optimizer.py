@@ -74,17 +74,14 @@ class _MuonUpdates:
     step, where writing them is allowed).
     """
 
-    __slots__ = ("batches", "updates", "flat", "folded", "finish")
+    __slots__ = ("batches", "updates", "flat", "folded")
 
     def __init__(self, batches: list[tuple[list[Tensor], list[Tensor], float]], updates: list[Tensor],
-                 flat: tuple[Tensor, Tensor] | None = None, folded: bool = False,
-                 finish: Callable[[], None] | None = None) -> None:
+                 flat: tuple[Tensor, Tensor] | None = None, folded: bool = False) -> None:
         self.batches = batches
         self.updates = updates
         self.flat = flat
         self.folded = folded
-        # Set when the updates are still being computed on another stream: orders the current stream after them.
-        self.finish = finish
 
     def is_for(self, group: dict[str, Any]) -> bool:
         """Whether the group's params with a gradient are exactly those these updates were computed for, still
@@ -182,13 +179,13 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
              adam_groups_done: Callable[[], None] | None = None) -> float | None:
         """Apply one Muon or Adam update to every param that has a gradient.
 
-        Muon groups use the updates :meth:`prepare_muon_updates` computed for the current gradients, if it ran;
-        otherwise they compute them here, first; then the Adam groups are stepped, then the Muon updates applied.
+        Adam groups are stepped first. Muon groups use the updates :meth:`prepare_muon_updates` computed for the
+        current gradients, if it ran; otherwise they compute them here.
 
         Args:
             closure: re-evaluates the model and returns the loss (run with gradients enabled).
-            adam_groups_done: called once the Adam groups' params hold their new values, before any Muon param is
-                written; ZeRO starts publishing them then, so their all-gathers overlap Newton-Schulz.
+            adam_groups_done: called once the Adam groups' params hold their new values, before any Muon group is
+                touched; ZeRO starts publishing them then, so their all-gathers overlap Newton-Schulz.
 
         Returns:
             The closure's loss, or None.
@@ -198,25 +195,19 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         prepared, self._prepared = self._prepared, {}
-        # Muon updates first: one computed in the lent workspace and replayed from a CUDA graph runs on a side
-        # stream, and the Adam groups' element-wise work (memory-bound) and their publishing run beside its
-        # Newton-Schulz (compute-bound). They touch disjoint memory: the workspace is not theirs.
-        muon = []
-        for index, group in enumerate(self.param_groups):
-            if group["use_muon"]:
-                updates = prepared.get(index)
-                if updates is None or not updates.is_for(group):
-                    updates = self._muon_updates_in_workspace(group) or self._muon_updates(group)
-                muon.append((group, updates))
+        # Adam groups first: their few element-wise launches are queued at once, and the device works through
+        # them while the host is still issuing the Muon groups' launches.
         for group in self.param_groups:
             if not group["use_muon"]:
                 self._adam_group_step(group)
         if adam_groups_done is not None:
             adam_groups_done()
-        for group, updates in muon:
-            if updates.finish is not None:
-                updates.finish()
-            self._commit_muon_updates(group, updates)
+        for index, group in enumerate(self.param_groups):
+            if group["use_muon"]:
+                updates = prepared.get(index)
+                if updates is None or not updates.is_for(group):
+                    updates = self._muon_updates_in_workspace(group) or self._muon_updates(group)
+                self._commit_muon_updates(group, updates)
         self.__dict__.pop("_operands", None)
         return loss
 
@@ -364,10 +355,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             torch.lerp(grads, momenta, beta, out=direction)
         else:
             direction.copy_(momenta)
-        if captured is not None:
-            return _MuonUpdates(_recorded_batches(by_shape, batches), captured.start(), (grads, momenta), folded=True,
-                                finish=captured.finish)
-        return _MuonUpdates(_recorded_batches(by_shape, batches), orthogonalise(), (grads, momenta), folded=True)
+        updates = captured.replay() if captured is not None else orthogonalise()
+        return _MuonUpdates(_recorded_batches(by_shape, batches), updates, (grads, momenta), folded=True)
 
     def _flat_operands(self, params: list[Tensor], by_shape: dict[torch.Size, list[Tensor]]
                        ) -> tuple[Tensor, Tensor] | None:

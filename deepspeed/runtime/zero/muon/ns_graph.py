@@ -28,28 +28,15 @@ MAX_GRAPHS = 4
 
 
 class _Captured:
-    __slots__ = ("graph", "outputs", "stream")
+    __slots__ = ("graph", "outputs")
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, outputs: list[Tensor], stream: torch.cuda.Stream) -> None:
+    def __init__(self, graph: torch.cuda.CUDAGraph, outputs: list[Tensor]) -> None:
         self.graph = graph
         self.outputs = outputs
-        self.stream = stream
 
     def replay(self) -> list[Tensor]:
         self.graph.replay()
         return self.outputs
-
-    def start(self) -> list[Tensor]:
-        """Replay on the capture's side stream, after the work queued so far on the current stream, so that what the
-        caller queues next runs beside it; :meth:`finish` must be called before the outputs are read."""
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with torch.cuda.stream(self.stream):
-            self.graph.replay()
-        return self.outputs
-
-    def finish(self) -> None:
-        """Order the current stream after the replay :meth:`start` queued."""
-        torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
 
 class GraphedCalls:
@@ -108,4 +95,4 @@ class GraphedCalls:
         self.pool_bytes += pool
         logger.info("Muon: Newton-Schulz captured in a CUDA graph (%d outputs); its pool reserves %.1f MiB",
                     len(outputs), pool / 2**20)
-        return _Captured(graph, outputs, stream)
+        return _Captured(graph, outputs)

@@ -395,22 +395,24 @@ class TestStepWorkspace(DistributedTest):
                     f"step {step}: the lp weights differ from the masters")
 
     @pytest.mark.parametrize("stage", [1, 2])
-    def test_adam_group_is_published_before_the_muon_groups_are_written(self, stage):
-        """The Adam group's all-gather is started before the Muon update is applied (on a GPU it runs beside
-        Newton-Schulz): then this rank's partition of the Adam lp weights already holds the new masters."""
+    def test_adam_group_is_published_before_the_muon_groups_compute(self, stage):
+        """The Adam group's all-gather is started before Newton-Schulz (so the two overlap on a GPU): when the Muon
+        group's update is computed, this rank's partition of the Adam lp weights already holds the new masters."""
         torch.manual_seed(0)
         engine, _, _, _ = deepspeed.initialize(model=TinyTransformer(layers=2), config=muon_config(stage, "bf16"))
         zero, basic = engine.optimizer, engine.optimizer.optimizer
         adam = next(g for g, group in enumerate(basic.param_groups) if not group["use_muon"])
         seen = []
-        commit = basic._commit_muon_updates
+        for name in ("_muon_updates_in_workspace", "_commit_muon_updates"):
+            original = getattr(basic, name)
 
-        def checking(*args, **kwargs):
-            published = zero._lp_partition(adam)
-            seen.append(torch.equal(published, zero.single_partition_of_fp32_groups[adam].to(published.dtype)))
-            return commit(*args, **kwargs)
+            def checking(*args, _original=original, **kwargs):
+                published = zero._lp_partition(adam)
+                masters = zero.single_partition_of_fp32_groups[adam].to(published.dtype)
+                seen.append(torch.equal(published, masters))
+                return _original(*args, **kwargs)
 
-        basic._commit_muon_updates = checking
+            setattr(basic, name, checking)
         rank = dist.get_rank()
         for step in range(3):
             tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step))
