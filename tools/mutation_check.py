@@ -163,19 +163,17 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "                      * (1.0 if is_muon_group(self.optimizer.param_groups[g]) else factor)\n"
                   "                      for g in range(len(self.layouts))]\n"),
             Patch(STAGE,
-                  "        try:\n            if isinstance(self.optimizer, MuonWithAuxAdam):\n"
-                  "                self.optimizer.step(adam_groups_done=publish_other_groups)\n",
+                  "        try:\n            self.optimizer.step()\n",
                   "        muon_lrs = {id(group): group['lr'] for group in self.optimizer.param_groups\n"
                   "                    if is_muon_group(group)}\n"
                   "        for group in self.optimizer.param_groups:\n"
                   "            if id(group) in muon_lrs:\n"
                   "                group['lr'] = group['lr'] * float(factor)\n"
                   "        try:\n"
-                  "            if isinstance(self.optimizer, MuonWithAuxAdam):\n"
-                  "                self.optimizer.step(adam_groups_done=publish_other_groups)\n"
-                  "                for group in self.optimizer.param_groups:\n"
-                  "                    if id(group) in muon_lrs:\n"
-                  "                        group['lr'] = muon_lrs[id(group)]\n"),
+                  "            self.optimizer.step()\n"
+                  "            for group in self.optimizer.param_groups:\n"
+                  "                if id(group) in muon_lrs:\n"
+                  "                    group['lr'] = muon_lrs[id(group)]\n"),
         ),
     ),
     Mutation(

@@ -18,7 +18,6 @@ import deepspeed.comm as dist
 from deepspeed.runtime.optimizer_step import StepOutcome, transactional_step
 from deepspeed.runtime.zero.flat_layout import GroupLayout, even_layout, newton_schulz_cost, owner_layout
 from deepspeed.runtime.zero.grad_reducer import GradReducer, ReducerOptions
-from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
 
 @dataclass
@@ -167,14 +166,11 @@ class DeepSpeedZeroOptimizer:
         self.optimizer.state.clear()
 
     def _buffers_dead_during_step(self) -> List[torch.Tensor]:
-        """Buffers whose contents nothing needs while the basic optimizer steps (see `_apply`): the lp weights of
-        the Muon groups, which `_apply` rewrites from the fp32 masters right after, and the reducer's gradient
-        buffers, which `_prepare` has read into new fp32 tensors before and `step` zeroes after. The basic
-        optimizer may use them as scratch memory (Muon's Newton-Schulz does), so the step needs none of its own.
-        The other groups' lp weights are not lent: they are published while the Muon groups still compute."""
-        muon_flats = [flat for flat, group in zip(self.bit16_groups_flat, self.optimizer.param_groups)
-                      if is_muon_group(group)]
-        return [*muon_flats, *self.reducer.buffers()]
+        """Buffers whose contents nothing needs while the basic optimizer steps (see `_apply`): the lp weights,
+        which `update_lp_params` rewrites from the fp32 masters right after, and the reducer's gradient buffers,
+        which `_prepare` has read into new fp32 tensors before and `step` zeroes after. The basic optimizer may use
+        them as scratch memory (Muon's Newton-Schulz does), so the step needs none of its own."""
+        return [*self.bit16_groups_flat, *self.reducer.buffers()]
 
     def _partition_base(self, group: int) -> int:
         return self.layouts[group].partition_range(self._owner_rank(group))[0]
@@ -336,32 +332,15 @@ class DeepSpeedZeroOptimizer:
     def _apply(self, factor: torch.Tensor) -> None:
         """Step the basic optimizer on the gradients `_prepare` set, then publish the lp weights.
 
-        A basic optimizer that says when its Adam groups are final (MuonWithAuxAdam) has them published then: their
-        all-gathers run on the communication stream while the Muon groups' Newton-Schulz runs on the device. The
-        lp weights are rewritten even when the step raises: the basic optimizer may have used them as scratch
+        The lp weights are rewritten even when the step raises: the basic optimizer may have used them as scratch
         memory (`_buffers_dead_during_step`), and they must end up equal to the masters either way.
         """
-        gathers = {}
-
-        def publish_other_groups() -> None:
-            for g, group in enumerate(self.optimizer.param_groups):
-                if not is_muon_group(group):
-                    gathers[g] = self._publish(g)
-
         try:
-            if isinstance(self.optimizer, MuonWithAuxAdam):
-                self.optimizer.step(adam_groups_done=publish_other_groups)
-            else:
-                self.optimizer.step()
+            self.optimizer.step()
         finally:
-            # The fp32 gradients are dead now: free them before the publishing all-gathers allocate.
+            # The fp32 gradients are dead now: free them before the publishing all-gather allocates.
             self._release_master_grads()
-            for g in range(len(self.layouts)):
-                if g not in gathers:
-                    gathers[g] = self._publish(g)
-            for work in gathers.values():
-                if work is not None:
-                    work.wait()
+            self.update_lp_params()
 
     def _release_master_grads(self) -> None:
         for group in self.optimizer.param_groups:
@@ -373,20 +352,12 @@ class DeepSpeedZeroOptimizer:
 
     def update_lp_params(self) -> None:
         """Copy fp32 masters into this rank's lp partition and all-gather the partitions."""
-        for work in [self._publish(g) for g in range(len(self.layouts))]:
-            if work is not None:
-                work.wait()
-
-    def _publish(self, group: int):
-        """Copy group's fp32 masters into this rank's lp partition and start the all-gather of the partitions;
-        returns its work handle (None when there is nothing to gather). Waiting on it orders the current stream
-        after the gather, so work queued before the wait may overlap it."""
-        lp_partition = self._lp_partition(group)
-        lp_partition.copy_(self.single_partition_of_fp32_groups[group])
-        if self.layouts[group].num_partitions == 1:
-            return None
-        return dist.all_gather_into_tensor(self.bit16_groups_flat[group], lp_partition.clone(),
-                                           group=self.dp_process_group, async_op=True)
+        for g, layout in enumerate(self.layouts):
+            lp_partition = self._lp_partition(g)
+            lp_partition.copy_(self.single_partition_of_fp32_groups[g])
+            if layout.num_partitions > 1:
+                dist.all_gather_into_tensor(self.bit16_groups_flat[g], lp_partition.clone(),
+                                            group=self.dp_process_group)
 
     def refresh_fp32_params(self) -> None:
         """Rebuild the fp32 masters from the current lp weights (after loading only the module)."""

@@ -175,17 +175,14 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         return sorted(params, key=lambda e: (e[1] if isinstance(e, tuple) else e).size(), reverse=True)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None, *,
-             adam_groups_done: Callable[[], None] | None = None) -> float | None:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Apply one Muon or Adam update to every param that has a gradient.
 
-        Adam groups are stepped first. Muon groups use the updates :meth:`prepare_muon_updates` computed for the
-        current gradients, if it ran; otherwise they compute them here.
+        Muon groups use the updates :meth:`prepare_muon_updates` computed for the current gradients, if it ran;
+        otherwise they compute them here.
 
         Args:
             closure: re-evaluates the model and returns the loss (run with gradients enabled).
-            adam_groups_done: called once the Adam groups' params hold their new values, before any Muon group is
-                touched; ZeRO starts publishing them then, so their all-gathers overlap Newton-Schulz.
 
         Returns:
             The closure's loss, or None.
@@ -200,8 +197,6 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         for group in self.param_groups:
             if not group["use_muon"]:
                 self._adam_group_step(group)
-        if adam_groups_done is not None:
-            adam_groups_done()
         for index, group in enumerate(self.param_groups):
             if group["use_muon"]:
                 updates = prepared.get(index)
