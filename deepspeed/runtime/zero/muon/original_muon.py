@@ -103,28 +103,39 @@ def _memory_of(dead: Tensor, shape: torch.Size, empty: Callable[[Sequence[int]],
 
 
 def _restored_layout(X: Tensor, is_transposed: bool, like: Tensor) -> Tensor:
-    """Undo :func:`_normalized_wide`'s transpose and batch view: ``like``'s shape, the compute dtype."""
+    """Undo :func:`_normalized_wide`'s batch view (and its transpose, unless the iteration undid it already):
+    ``like``'s shape, the compute dtype."""
     if is_transposed:
         X = X.mT
     return X if X.shape == like.shape else X.reshape(like.shape)
 
 
-def _standard_iterations(X: Tensor, steps: int, workspace: NSWorkspace | None = None) -> Tensor:
+def _tall(memory: Tensor, wide_shape: torch.Size) -> Tensor:
+    """``memory`` (contiguous) viewed as the tall (count, cols, rows) form of a wide (count, rows, cols) result."""
+    count, rows, cols = wide_shape
+    return memory.view(count, cols, rows)
+
+
+def _standard_iterations(X: Tensor, steps: int, workspace: NSWorkspace | None = None, tall: bool = False) -> Tensor:
     """X <- a X + (b A + c A^2) X with A = X X^T; the scalars ride in ``baddbmm`` (three launches per step).
 
     Every product is written into memory taken once (A, B, and X's next value ping-ponging with X's memory), from
-    the workspace when given: the same products, so the same bits as fresh tensors.
+    the workspace when given: the same products, so the same bits as fresh tensors. With ``tall`` (the input was
+    transposed into the wide orientation) the last product is written transposed, X^T <- a X^T + X^T B^T, so the
+    result comes back contiguous in the matrix's own layout: whoever applies it reads it in one contiguous pass.
     """
     a, b, c = NS_COEFFICIENTS
     if steps == 0:
-        return X
+        return X.mT if tall else X
     empty = _allocator(workspace, X)
     count, rows, _ = X.shape
     A, B = empty((count, rows, rows)), empty((count, rows, rows))
     spare = empty(X.shape)
-    for _ in range(steps):
+    for step in range(steps):
         torch.bmm(X, X.mT, out=A)
         torch.baddbmm(A, A, A, beta=b, alpha=c, out=B)
+        if tall and step + 1 == steps:
+            return torch.baddbmm(X.mT, X.mT, B.mT, beta=a, out=_tall(spare, X.shape))
         torch.baddbmm(X, B, X, beta=a, out=spare)
         X, spare = spare, _memory_of(X, spare.shape, empty)
     return X
@@ -154,7 +165,7 @@ def zeropower_via_newtonschulz5(G: Tensor | Sequence[Tensor], steps: int = 5, dt
     if not isinstance(G, Tensor):
         return [zeropower_via_newtonschulz5(one, steps, dtype, workspace) for one in G]
     X, is_transposed = _normalized_wide(G, dtype, workspace)
-    return _restored_layout(_standard_iterations(X, steps, workspace), is_transposed, G)
+    return _restored_layout(_standard_iterations(X, steps, workspace, tall=is_transposed), False, G)
 
 
 def zeropower_via_gram_newtonschulz(G: Tensor | Sequence[Tensor], steps: int = 5, dtype: torch.dtype | None = None,
@@ -199,17 +210,20 @@ def zeropower_via_gram_newtonschulz(G: Tensor | Sequence[Tensor], steps: int = 5
     for index, (X, is_transposed) in enumerate(prepared):
         rows, cols = X.shape[-2:]
         if rows == cols:
-            results[index] = _restored_layout(_standard_iterations(X, steps, workspace), is_transposed, G[index])
+            results[index] = _restored_layout(_standard_iterations(X, steps, workspace, tall=is_transposed), False,
+                                              G[index])
         else:
             joint.setdefault((rows, X.dtype, X.device), []).append(index)
     for indices in joint.values():
-        outputs = _gram_iterations([prepared[i][0] for i in indices], steps, workspace)
+        outputs = _gram_iterations([prepared[i][0] for i in indices], steps, workspace,
+                                   tall=[prepared[i][1] for i in indices])
         for index, X in zip(indices, outputs):
-            results[index] = _restored_layout(X, prepared[index][1], G[index])
+            results[index] = _restored_layout(X, False, G[index])
     return results
 
 
-def _gram_iterations(Xs: list[Tensor], steps: int, workspace: NSWorkspace | None = None) -> list[Tensor]:
+def _gram_iterations(Xs: list[Tensor], steps: int, workspace: NSWorkspace | None = None,
+                     tall: Sequence[bool] | None = None) -> list[Tensor]:
     """The Gram iteration for 3-D batches of wide matrices that share the small side m.
 
     Each batch keeps its own X (different widths); R, Z, Q and the products among them are m x m and are
@@ -218,8 +232,12 @@ def _gram_iterations(Xs: list[Tensor], steps: int, workspace: NSWorkspace | None
     Memory is taken once per call and reused by role (from the workspace when given): R and PR, three m x m
     buffers that Z, Q and Q's next value rotate through, and per batch one spare X that ping-pongs with X's own
     memory. The products are the same as into fresh tensors, so the bits are too.
+
+    ``tall[i]``: batch i was transposed into the wide orientation; its result comes back in the matrix's own
+    layout, contiguous, because the last product is written transposed ((Q X)^T = X^T Q^T).
     """
     a, b, c = NS_COEFFICIENTS
+    tall = list(tall) if tall is not None else [False] * len(Xs)
     sizes = [X.size(0) for X in Xs]
     first = Xs[0]
     rows = first.size(-2)
@@ -233,10 +251,13 @@ def _gram_iterations(Xs: list[Tensor], steps: int, workspace: NSWorkspace | None
         for X, R_part in zip(Xs, R.split(sizes)):
             torch.bmm(X, X.mT, out=R_part)
 
-    def left_multiplied(Q: Tensor, Xs: list[Tensor]) -> list[Tensor]:
+    def left_multiplied(Q: Tensor, Xs: list[Tensor], last: bool = False) -> list[Tensor]:
         products = []
         for index, (Q_part, X) in enumerate(zip(Q.split(sizes), Xs)):
             out = spares[index] if spares[index] is not None else empty(X.shape)
+            if last and tall[index]:
+                products.append(torch.bmm(X.mT, Q_part.mT, out=_tall(out, X.shape)))
+                continue
             products.append(torch.bmm(Q_part, X, out=out))
             spares[index] = _memory_of(X, out.shape, empty)
         return products
@@ -263,7 +284,9 @@ def _gram_iterations(Xs: list[Tensor], steps: int, workspace: NSWorkspace | None
             Q_next = torch.baddbmm(Q, Z, Q, beta=a, out=free.pop())
             free += [Q, Z]
             Q = Q_next
-    return left_multiplied(Q, Xs) if Q is not None else Xs
+    if Q is None:
+        return [X.mT if is_tall else X for X, is_tall in zip(Xs, tall)]
+    return left_multiplied(Q, Xs, last=True)
 
 
 NSFunction = Callable[..., Tensor]

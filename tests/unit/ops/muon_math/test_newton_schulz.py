@@ -93,3 +93,20 @@ def test_a_list_gives_what_each_tensor_gives_alone(fn):
         alone = fn(alone_input)
         assert got.shape == alone_input.shape
         torch.testing.assert_close(got, alone, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("fn", [zeropower_via_newtonschulz5, zeropower_via_gram_newtonschulz])
+@pytest.mark.parametrize("steps", [1, 2, 3, 5])
+def test_tall_results_come_back_contiguous_in_their_own_layout(fn, steps):
+    """A tall matrix is iterated in its wide orientation, but the last product is written transposed, so the update
+    is contiguous in the parameter's layout (applying it is one contiguous pass) and equals the wide result's
+    transpose to rounding."""
+    generator = torch.Generator().manual_seed(4)
+    tall = [torch.randn(shape, generator=generator) for shape in [(3, 48, 16), (40, 16), (2, 64, 16)]]
+    wide_results = fn([G.mT.contiguous() for G in tall], steps=steps)
+    for got, G, wide in zip(fn(tall, steps=steps), tall, wide_results):
+        assert got.shape == G.shape and got.is_contiguous()
+        torch.testing.assert_close(got, wide.mT, rtol=0, atol=2e-6)
+    single = fn(tall[1], steps=steps)
+    assert single.is_contiguous()
+    torch.testing.assert_close(single, wide_results[1].mT, rtol=0, atol=2e-6)
