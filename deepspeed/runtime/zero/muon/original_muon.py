@@ -102,11 +102,9 @@ def _memory_of(dead: Tensor, shape: torch.Size, empty: Callable[[Sequence[int]],
     return empty(shape)
 
 
-def _restored_layout(X: Tensor, is_transposed: bool, like: Tensor) -> Tensor:
-    """Undo :func:`_normalized_wide`'s batch view (and its transpose, unless the iteration undid it already):
-    ``like``'s shape, the compute dtype."""
-    if is_transposed:
-        X = X.mT
+def _restored_layout(X: Tensor, like: Tensor) -> Tensor:
+    """Undo :func:`_normalized_wide`'s batch view: ``like``'s shape, the compute dtype. (Its transpose the iterations
+    undo themselves, by writing their last product transposed.)"""
     return X if X.shape == like.shape else X.reshape(like.shape)
 
 
@@ -165,7 +163,7 @@ def zeropower_via_newtonschulz5(G: Tensor | Sequence[Tensor], steps: int = 5, dt
     if not isinstance(G, Tensor):
         return [zeropower_via_newtonschulz5(one, steps, dtype, workspace) for one in G]
     X, is_transposed = _normalized_wide(G, dtype, workspace)
-    return _restored_layout(_standard_iterations(X, steps, workspace, tall=is_transposed), False, G)
+    return _restored_layout(_standard_iterations(X, steps, workspace, tall=is_transposed), G)
 
 
 def zeropower_via_gram_newtonschulz(G: Tensor | Sequence[Tensor], steps: int = 5, dtype: torch.dtype | None = None,
@@ -210,15 +208,14 @@ def zeropower_via_gram_newtonschulz(G: Tensor | Sequence[Tensor], steps: int = 5
     for index, (X, is_transposed) in enumerate(prepared):
         rows, cols = X.shape[-2:]
         if rows == cols:
-            results[index] = _restored_layout(_standard_iterations(X, steps, workspace, tall=is_transposed), False,
-                                              G[index])
+            results[index] = _restored_layout(_standard_iterations(X, steps, workspace, tall=is_transposed), G[index])
         else:
             joint.setdefault((rows, X.dtype, X.device), []).append(index)
     for indices in joint.values():
         outputs = _gram_iterations([prepared[i][0] for i in indices], steps, workspace,
                                    tall=[prepared[i][1] for i in indices])
         for index, X in zip(indices, outputs):
-            results[index] = _restored_layout(X, False, G[index])
+            results[index] = _restored_layout(X, G[index])
     return results
 
 
