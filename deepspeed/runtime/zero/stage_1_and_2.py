@@ -325,13 +325,9 @@ class DeepSpeedZeroOptimizer:
 
     @staticmethod
     def _unscaled(grad: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-        """A new fp32 tensor: `grad` times the 0-d fp32 `factor`, in one pass.
-
-        Viewed as one element, the factor takes part in type promotion (a 0-d tensor does not), so a low-precision
-        gradient is read, widened and multiplied in fp32 by one kernel: the bits of `grad.to(fp32) * factor`
-        without the intermediate fp32 copy (one read and write of the whole partition less).
-        """
-        return torch.mul(grad, factor.reshape(1))
+        if grad.dtype == torch.float32:
+            return grad * factor
+        return grad.to(torch.float32).mul_(factor)
 
     def _apply(self, factor: torch.Tensor) -> None:
         """Step the basic optimizer on the gradients `_prepare` set, then publish the lp weights.

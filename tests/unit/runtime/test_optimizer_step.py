@@ -71,17 +71,3 @@ class TestStepDoesNotWaitForTheDevice(DistributedTest):
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         assert math.isfinite(engine.get_global_grad_norm())
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_unscaled_gradient_is_fp32_with_the_bits_of_cast_then_multiply(dtype):
-    """ZeRO unscales a partition's gradient in one pass; the result must be what widening and then multiplying give,
-    and a new tensor (the reducer's buffer is not written)."""
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-    grad = (torch.randn(10_000, generator=torch.Generator().manual_seed(0)) * 300).to(dtype)
-    before = grad.clone()
-    factor = torch.tensor(1.0 / (65536.0 * 1.37), dtype=torch.float32)
-    unscaled = DeepSpeedZeroOptimizer._unscaled(grad, factor)
-    assert unscaled.dtype == torch.float32 and unscaled.shape == grad.shape
-    assert torch.equal(unscaled, grad.to(torch.float32) * factor)
-    assert torch.equal(grad, before) and unscaled.data_ptr() != grad.data_ptr()
