@@ -345,10 +345,11 @@ def time_turn(runner, args, accelerator) -> dict:
     skipped_before = runner.skipped_steps
     dist.barrier()  # both ranks start the timed steps together
     with _cyclic_gc_paused():
+        steady = steady_steps(runner, accelerator, args.block_steps)
         whole = [timed_step(runner, accelerator, sync_before_optimizer=False)[0] for _ in range(args.block_steps)]
         synced = [timed_step(runner, accelerator, sync_before_optimizer=True) for _ in range(args.block_steps)]
-    return {"step_s": whole, "step_synced_s": [total for total, _ in synced], "opt_s": [opt for _, opt in synced],
-            "skipped": runner.skipped_steps - skipped_before}
+    return {"step_steady_s": steady, "step_s": whole, "step_synced_s": [total for total, _ in synced],
+            "opt_s": [opt for _, opt in synced], "skipped": runner.skipped_steps - skipped_before}
 
 
 @contextlib.contextmanager
@@ -452,6 +453,25 @@ def host_probe(runner, accelerator, steps: int) -> dict:
             "device_tail_ms": med(tail)}
 
 
+def steady_steps(runner, accelerator, steps: int) -> list:
+    """Steps back to back, as a training loop runs them: no synchronisation between steps, so the host issues the
+    next forward while the device still runs this step's optimizer tail. Per step, the device time from its start
+    to the next step's start (CUDA events in the current stream; their sum is the wall time of the steps). One
+    untimed step leads in, so that every timed step starts as in a long run, behind its predecessor's tail.
+    Without events (CPU) the steps are timed on the host clock, which is the same thing there."""
+    if accelerator.Event is None:
+        return [timed_step(runner, accelerator, sync_before_optimizer=False)[0] for _ in range(steps)]
+    starts = [accelerator.Event(enable_timing=True) for _ in range(steps + 1)]
+    accelerator.synchronize()
+    runner_step(runner)
+    for event in starts[:-1]:
+        event.record()
+        runner_step(runner)
+    starts[-1].record()
+    accelerator.synchronize()
+    return [start.elapsed_time(end) / 1e3 for start, end in zip(starts, starts[1:])]
+
+
 def timed_step(runner, accelerator, sync_before_optimizer: bool):
     """One training step between device synchronisations: (whole step s, optimizer step s or None)."""
     accelerator.synchronize()
@@ -531,7 +551,7 @@ def merge_build(gathered: list) -> dict:
 def merge_turn(gathered: list) -> dict:
     """One mode's turn in a block: per step the slowest rank's time (a step ends when every rank has finished)."""
     merged = {key: [max(values) for values in zip(*(rank[key] for rank in gathered))]
-              for key in ("step_s", "step_synced_s", "opt_s")}
+              for key in ("step_steady_s", "step_s", "step_synced_s", "opt_s")}
     merged["skipped"] = max(rank["skipped"] for rank in gathered)
     return merged
 

@@ -72,8 +72,9 @@ def summarize_mode(entry: dict, tokens_per_step: int) -> dict:
     if not blocks:
         return {}
     summary = {f"{key}_ms": spread_ms([v for b in blocks for v in b[f"{key}_s"]])
-               for key in ("step", "opt", "step_synced")}
-    summary |= {f"{key}_halves": halves(blocks, f"{key}_s") for key in ("step", "opt")}
+               for key in ("step", "opt", "step_synced", "step_steady") if f"{key}_s" in blocks[0]}
+    summary |= {f"{key}_halves": halves(blocks, f"{key}_s") for key in ("step", "opt", "step_steady")
+                if f"{key}_s" in blocks[0]}
     summary |= {f"{key}_block_medians_ms": [spread_ms(b[f"{key}_s"])["median"] for b in blocks]
                 for key in ("step", "opt")}
     summary["blocks"] = len(blocks)
@@ -483,14 +484,15 @@ def chart(results: dict, path) -> None:
 def summary_text(results: dict) -> str:
     """Short plain-text table for the end of the log."""
     lines = [f"{'mode':18s} {'step ms':>9s} {'p10':>8s} {'p90':>8s} {'opt ms':>8s} {'tok/s':>10s} {'GiB':>6s} "
-             f"{'NS ms/rank':>14s} {'Δrerun step/opt':>16s}"]
+             f"{'NS ms/rank':>14s} {'Δrerun step/opt':>16s} {'steady ms':>9s}"]
     for name, s in results["summary"].items():
         if not s:
             continue
         lines.append(f"{name:18s} {s['step_ms']['median']:9.2f} {s['step_ms']['p10']:8.2f} {s['step_ms']['p90']:8.2f} "
                      f"{s['opt_ms']['median']:8.2f} {s['tokens_per_s']:10.0f} {s['peak_mem_gib']:6.2f} "
                      f"{_fmt_list(s.get('ns_ms_per_rank')):>14s} "
-                     f"{_pct(s['step_halves']['delta_pct']) + ' / ' + _pct(s['opt_halves']['delta_pct']):>16s}")
+                     f"{_pct(s['step_halves']['delta_pct']) + ' / ' + _pct(s['opt_halves']['delta_pct']):>16s} "
+                     f"{_fmt(s.get('step_steady_ms', {}).get('median')):>9s}")
     for t in results["targets"]:
         halves = f"; halves A / B: {' / '.join(_fmt(v, '.3f') for v in t['halves'])}" if "halves" in t else ""
         lines.append(f"[{_verdict(t['passed'])}] {t['target']}: {_fmt(t['value'], '.3f')} {t['unit']} "
