@@ -23,6 +23,7 @@ from deepspeed.runtime.zero.muon.original_muon import (
     resolve_ns_dtype,
     stacked_view,
 )
+from deepspeed.runtime.zero.muon.fused_momentum import fold_and_direction
 from deepspeed.runtime.zero.muon.ns_graph import GraphedCalls
 from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
 
@@ -344,12 +345,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             # Captured before the input is written: the capture's warm-up call overwrites the input.
             key = (method, steps, dtype, tuple(batch.shape for batch in batches))
             captured = self.__dict__["_graphs"].get(key, orthogonalise, grads.device)
-        beta = group["momentum"]
-        momenta.lerp_(grads, 1 - beta)
-        if group["nesterov"]:
-            torch.lerp(grads, momenta, beta, out=direction)
-        else:
-            direction.copy_(momenta)
+        # The new momenta, then the direction straight into the Newton-Schulz input: one pass on a GPU with Triton.
+        fold_and_direction(grads, momenta, direction, group["momentum"], group["nesterov"])
         updates = captured.replay() if captured is not None else orthogonalise()
         return _MuonUpdates(_recorded_batches(by_shape, batches), updates, (grads, momenta), folded=True)
 

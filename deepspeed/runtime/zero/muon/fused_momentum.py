@@ -1,0 +1,77 @@
+"""Muon's momentum fold and Nesterov direction in one pass over memory.
+
+Why: under ZeRO the Muon step's element-wise work before Newton-Schulz is two passes over the fp32 momenta of a
+rank's matrices (``momenta.lerp_(grads)``, then ``lerp(grads, momenta)`` into the Newton-Schulz input), which
+on a GPU is bound by memory bandwidth: 22 bytes moved per element. One Triton kernel reads the gradient and
+the momentum once and writes the new momentum and the direction: 14 bytes per element
+(``benchmarks/muon_elementwise_probe.py`` measures both). The kernel evaluates torch's own ``lerp`` formula
+in fp32, so the results are the same bits as the two torch passes (checked on the GPU by the tests).
+
+Everywhere else (CPU, no Triton, non-contiguous or non-fp32 operands) the two torch passes run.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+# Elements per Triton program: large enough to keep every SM streaming, a power of two for tl.arange.
+_BLOCK = 4096
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether the Triton kernel can be used (Triton importable and a CUDA device present)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def fold_and_direction(grads: Tensor, momenta: Tensor, direction: Tensor, beta: float, nesterov: bool) -> None:
+    """momenta <- lerp(momenta, grads, 1 - beta) in place; direction <- lerp(grads, momenta, beta) (Nesterov) or
+    the new momenta, cast to ``direction``'s dtype.
+
+    ``grads`` and ``momenta`` are fp32 and of one shape; ``direction`` has their element count (any float dtype).
+    ``grads`` is only read. Bit for bit the two torch passes this replaces.
+    """
+    if _fusable(grads, momenta, direction):
+        _fused(grads, momenta, direction, beta, nesterov)
+        return
+    momenta.lerp_(grads, 1 - beta)
+    if nesterov:
+        torch.lerp(grads, momenta, beta, out=direction.view(momenta.shape))
+    else:
+        direction.view(momenta.shape).copy_(momenta)
+
+
+def _fusable(grads: Tensor, momenta: Tensor, direction: Tensor) -> bool:
+    return (grads.is_cuda and momenta.is_cuda and direction.is_cuda and triton_available()
+            and grads.dtype == momenta.dtype == torch.float32
+            and direction.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and grads.is_contiguous() and momenta.is_contiguous() and direction.is_contiguous()
+            and grads.numel() == momenta.numel() == direction.numel())
+
+
+def _fused(grads: Tensor, momenta: Tensor, direction: Tensor, beta: float, nesterov: bool) -> None:
+    kernel = _kernel()
+    numel = grads.numel()
+    fold_weight = 1 - beta
+    grid = (-(-numel // _BLOCK),)
+    with torch.cuda.device(grads.device):
+        kernel[grid](grads, momenta, direction, numel, fold_weight, beta,
+                     FOLD_SMALL=abs(fold_weight) < 0.5, DIRECTION_SMALL=abs(beta) < 0.5, NESTEROV=nesterov,
+                     BLOCK=_BLOCK)
+
+
+@functools.cache
+def _kernel():
+    from deepspeed.runtime.zero.muon.fused_momentum_kernel import fold_and_direction_kernel
+
+    return fold_and_direction_kernel

@@ -1,0 +1,34 @@
+"""The Triton kernel behind :func:`deepspeed.runtime.zero.muon.fused_momentum.fold_and_direction`.
+
+A module of its own because it imports Triton at the top (Triton resolves the kernel's names in its module's
+globals): :mod:`fused_momentum` imports it only on a CUDA machine with Triton installed.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _lerp(start, end, weight, SMALL: tl.constexpr):
+    # torch's formula (ATen/native/Lerp.h), in fp32: the branch keeps the result exact at weight 0 and 1.
+    if SMALL:
+        return start + weight * (end - start)
+    return end - (end - start) * (1.0 - weight)
+
+
+@triton.jit
+def fold_and_direction_kernel(grads_ptr, momenta_ptr, direction_ptr, numel, fold_weight, direction_weight,
+                              FOLD_SMALL: tl.constexpr, DIRECTION_SMALL: tl.constexpr, NESTEROV: tl.constexpr,
+                              BLOCK: tl.constexpr):
+    """momentum <- lerp(momentum, grad, fold_weight); direction <- lerp(grad, momentum, direction_weight) or the
+    momentum, stored in the direction's dtype. One program per BLOCK elements."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    grad = tl.load(grads_ptr + offsets, mask=mask)
+    momentum = _lerp(tl.load(momenta_ptr + offsets, mask=mask), grad, fold_weight, FOLD_SMALL)
+    tl.store(momenta_ptr + offsets, momentum, mask=mask)
+    if NESTEROV:
+        result = _lerp(grad, momentum, direction_weight, DIRECTION_SMALL)
+    else:
+        result = momentum
+    tl.store(direction_ptr + offsets, result.to(direction_ptr.dtype.element_ty), mask=mask)
