@@ -7,8 +7,10 @@ End-to-end check on CPU (two gloo processes, a tiny model, well under a minute):
 
 Every selected mode is built once, warmed up and kept alive beside the others (its peak memory measured
 while it is built and warmed up). Then --blocks blocks: in each, every mode in turn runs --rewarm-steps
-untimed steps, --block-steps whole steps (synchronised only at step ends) and --block-steps steps with a
-synchronisation before the optimizer step too (which time the optimizer step alone). The order of the
+untimed steps, --block-steps whole steps back to back as a training loop runs them (timed with CUDA events at
+step starts: the whole step and tokens/s), --block-steps whole steps synchronised at their start and end, and
+--block-steps steps with a synchronisation before the optimizer step too (which time the optimizer step
+alone). The order of the
 modes changes from block to block, so a slow period of a shared machine hits all modes alike, and the
 even and odd blocks are two reruns interleaved in time (the report compares them). After the blocks,
 mode by mode: the optimizer step's phases, every Newton-Schulz call (synchronised, per rank) and, for
