@@ -575,7 +575,9 @@ def merge_extras(gathered: list) -> dict:
 def machine_info(deepspeed, device: torch.device, world: int) -> dict:
     info = {"torch": torch.__version__, "python": platform.python_version(), "world_size": world,
             "device_type": device.type, "cpu_count": os.cpu_count(), "deepspeed": deepspeed.__version__,
-            "git_hash": deepspeed.__git_hash__, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+            # A copy without .git (the GPU machine's) has no hash of its own: BENCH_GIT_HASH names the commit.
+            "git_hash": os.environ.get("BENCH_GIT_HASH") or deepspeed.__git_hash__,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info |= {"gpu": props.name, "gpu_memory_gib": round(props.total_memory / 2**30, 1),
