@@ -13,9 +13,12 @@ Everywhere else (CPU, no Triton, non-contiguous or non-fp32 operands) the two to
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 from torch import Tensor
+
+logger = logging.getLogger(__name__)
 
 # Elements per Triton program: large enough to keep every SM streaming, a power of two for tl.arange.
 _BLOCK = 4096
@@ -41,8 +44,7 @@ def fold_and_direction(grads: Tensor, momenta: Tensor, direction: Tensor, beta: 
     ``grads`` and ``momenta`` are fp32 and of one shape; ``direction`` has their element count (any float dtype).
     ``grads`` is only read. Bit for bit the two torch passes this replaces.
     """
-    if _fusable(grads, momenta, direction):
-        _fused(grads, momenta, direction, beta, nesterov)
+    if _fusable(grads, momenta, direction) and _fused(grads, momenta, direction, beta, nesterov):
         return
     momenta.lerp_(grads, 1 - beta)
     if nesterov:
@@ -52,22 +54,36 @@ def fold_and_direction(grads: Tensor, momenta: Tensor, direction: Tensor, beta: 
 
 
 def _fusable(grads: Tensor, momenta: Tensor, direction: Tensor) -> bool:
-    return (grads.is_cuda and momenta.is_cuda and direction.is_cuda and triton_available()
-            and grads.dtype == momenta.dtype == torch.float32
+    return (grads.is_cuda and grads.device == momenta.device == direction.device and triton_available()
+            and grads.numel() > 0 and grads.dtype == momenta.dtype == torch.float32
             and direction.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and grads.is_contiguous() and momenta.is_contiguous() and direction.is_contiguous()
             and grads.numel() == momenta.numel() == direction.numel())
 
 
-def _fused(grads: Tensor, momenta: Tensor, direction: Tensor, beta: float, nesterov: bool) -> None:
-    kernel = _kernel()
+def _fused(grads: Tensor, momenta: Tensor, direction: Tensor, beta: float, nesterov: bool) -> bool:
+    """Run the kernel; False (and the torch passes from then on) when Triton cannot compile it on this machine,
+    which it finds out before anything is written."""
+    if _FAILED:
+        return False
     numel = grads.numel()
     fold_weight = 1 - beta
     grid = (-(-numel // _BLOCK),)
-    with torch.cuda.device(grads.device):
-        kernel[grid](grads, momenta, direction, numel, fold_weight, beta,
-                     FOLD_SMALL=abs(fold_weight) < 0.5, DIRECTION_SMALL=abs(beta) < 0.5, NESTEROV=nesterov,
-                     BLOCK=_BLOCK)
+    try:
+        with torch.cuda.device(grads.device):
+            _kernel()[grid](grads, momenta, direction, numel, fold_weight, beta,
+                            FOLD_SMALL=abs(fold_weight) < 0.5, DIRECTION_SMALL=abs(beta) < 0.5, NESTEROV=nesterov,
+                            BLOCK=_BLOCK)
+    except Exception as error:  # a Triton install without a working compiler: keep training, say so once
+        _FAILED.append(error)
+        logger.warning("Muon: the fused momentum kernel could not run (%s); using torch's lerp passes instead "
+                       "(same results, one more pass over the momenta)", error)
+        return False
+    return True
+
+
+# The error that made the kernel unusable in this process, if any.
+_FAILED: list[Exception] = []
 
 
 @functools.cache
