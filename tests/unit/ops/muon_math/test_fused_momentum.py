@@ -47,3 +47,22 @@ def test_cpu_matches_the_torch_passes(beta, nesterov, dtype):
 @pytest.mark.parametrize("beta,nesterov,dtype", CASES)
 def test_fused_kernel_gives_the_bits_of_the_torch_passes(beta, nesterov, dtype):
     compare("cuda", beta, nesterov, dtype)
+
+
+@pytest.fixture
+def fresh_kernel_state():
+    yield
+    fused_momentum._FAILED.clear()
+
+
+def test_a_kernel_that_cannot_run_writes_nothing_and_is_not_tried_again(fresh_kernel_state, caplog):
+    # CPU operands: without Triton the kernel's import fails, with it the launch refuses host pointers. Either
+    # way the failure comes before any write, and the caller is told to run the torch passes.
+    grads, momenta = torch.randn(100), torch.randn(100)
+    direction = torch.zeros(100, dtype=torch.bfloat16)
+    before = momenta.clone()
+    with caplog.at_level("WARNING", logger=fused_momentum.__name__):
+        assert not fused_momentum._fused(grads, momenta, direction, 0.95, nesterov=True)
+        assert not fused_momentum._fused(grads, momenta, direction, 0.95, nesterov=True)
+    assert torch.equal(momenta, before) and not direction.any()
+    assert len([r for r in caplog.records if "fused momentum kernel could not run" in r.message]) == 1
