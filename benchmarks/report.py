@@ -149,11 +149,11 @@ def _ratio_check(summaries: dict, name: str, a: str, b: str, threshold: float) -
 def evaluate_targets(results: dict, summaries: dict) -> list:
     """The issue's targets, measured side by side in this run (ZeRO-2, bf16)."""
     muon, adamw, ddp = TARGET_CONFIG
-    targets = [_ratio_check(summaries, "our Muon step <= 1.05 x our AdamW step (whole step, back to back)", muon,
-                            adamw, 1.05),
-               _ratio_check(summaries,
-                            "our Muon step <= 0.85 x DDP + torch.optim.Muon step (whole step, back to back)", muon,
-                            ddp, 0.85)]
+    # Files from before the back-to-back phase timed the whole step synchronised at its ends only.
+    step = "whole step, back to back" if _median(summaries, muon, "step_ends") is not None else "whole step"
+    targets = [_ratio_check(summaries, f"our Muon step <= 1.05 x our AdamW step ({step})", muon, adamw, 1.05),
+               _ratio_check(summaries, f"our Muon step <= 0.85 x DDP + torch.optim.Muon step ({step})", muon, ddp,
+                            0.85)]
     standalone = results.get("ns_standalone", {})
     per_rank = summaries.get(muon, {}).get("ns_ms_per_rank")
     all_on_one = standalone.get("synced_sum_ms")

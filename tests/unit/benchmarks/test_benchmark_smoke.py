@@ -40,6 +40,7 @@ def test_smoke_run_writes_every_mode_and_target(tmp_path):
         summary = results["summary"][name]
         assert summary["blocks"] == results["args"]["blocks"]
         assert summary["step_ms"]["median"] > 0 and summary["opt_ms"]["median"] > 0
+        assert summary["step_ends_ms"]["median"] > 0  # the step synchronised at its ends, beside the back-to-back one
         assert {"A", "B", "delta_pct"} <= set(summary["step_halves"])
         assert summary["peak_mem_gib"] is not None
     # The in-step Newton-Schulz records: our engine makes one call per group step, every matrix once.
@@ -47,6 +48,19 @@ def test_smoke_run_writes_every_mode_and_target(tmp_path):
         assert all(calls == 1 for calls in results["summary"][name]["ns_calls_per_rank"]), name
     targets = {target["target"]: target for target in results["targets"]}
     assert len(targets) == 5
+    assert "our Muon step <= 1.05 x our AdamW step (whole step, back to back)" in targets
     assert all(target["value"] is not None for target in targets.values()), targets
     engine_call = results["ns_standalone"]["owner_subset"]["engine_call_ms"]
     assert set(engine_call) == {"standard", "gram"}
+
+
+def test_report_renders_results_written_before_the_back_to_back_phase(tmp_path):
+    # Session 6's last full run timed only steps synchronised at their ends, under "step_s": re-rendered, its
+    # verdicts must come out as they were published (Muon / AdamW 1.041 x), with no back-to-back column invented.
+    saved = os.path.join(REPO_ROOT, "benchmarks", "results", "earlier", "run-1855-c9aa1d4.json")
+    cmd = [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "report.py"), saved, "--out-dir", str(tmp_path)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "our AdamW step (whole step): 1.041 x" in result.stdout, result.stdout
+    table = (tmp_path / "run-1855-c9aa1d4.md").read_text()
+    assert "| ds-z2-bf16-muon | 27.63 [26.31, 29.71] | n/a |" in table
