@@ -26,8 +26,10 @@ _BLOCK = 4096
 
 @functools.cache
 def triton_available() -> bool:
-    """Whether the Triton kernel can be used (Triton importable and a CUDA device present)."""
-    if not torch.cuda.is_available():
+    """Whether the Triton kernel can be used: the accelerator supports Triton, and Triton is importable."""
+    from deepspeed.accelerator import get_accelerator
+
+    if not get_accelerator().is_triton_supported():
         return False
     try:
         import triton  # noqa: F401
