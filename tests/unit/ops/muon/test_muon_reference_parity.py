@@ -55,14 +55,17 @@ class TestMuonReferenceParity(DistributedTest):
     @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
     def test_optimizer_step_leaves_gradients_alone(self, dtype):
         engine = initialize(make_model(), muon_config(2, dtype, micro=8, fp16={"initial_scale_power": 8}))
-        seen, changed = [], []
+        # A stack: an optimizer may step inner optimizers inside its own step (the hooks then nest).
+        pending, seen, changed = [], [], []
 
         def before_step(optimizer, args, kwargs):
-            seen.append([(p, p.grad.detach().clone()) for group in optimizer.param_groups for p in group["params"]
-                         if p.grad is not None])
+            grads = [(p, p.grad.detach().clone()) for group in optimizer.param_groups for p in group["params"]
+                     if p.grad is not None]
+            pending.append(grads)
+            seen.append(grads)
 
         def after_step(optimizer, args, kwargs):
-            for param, grad in seen[-1]:
+            for param, grad in pending.pop():
                 if param.grad is None or not torch.equal(param.grad, grad):
                     changed.append(tuple(param.shape))
 
@@ -73,5 +76,5 @@ class TestMuonReferenceParity(DistributedTest):
             for handle in handles:
                 handle.remove()
         assert engine.skipped_steps == 0
-        assert len(seen) == 3 and all(len(grads) > 0 for grads in seen)
+        assert len(seen) >= 3 and any(len(grads) > 0 for grads in seen)
         assert changed == [], f"the optimizer step wrote into the gradients of parameters shaped {changed}"
