@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Run this project's Muon suite, with this project's test harness, against a released upstream DeepSpeed.
 
-    python tools/against_upstream.py VERSION [VERSION ...] [-m MARKEXPR] [-n WORKERS] [--keep] [--suite PATH]
+    python tools/against_upstream.py VERSION [VERSION ...] [-m MARKEXPR] [-k KEYWORDS] [-n WORKERS] [--keep]
+                                     [--suite PATH]
 
 VERSION is a release on the package registry (e.g. 0.19.8) or ``this`` for the checkout itself. For a release
 the tool downloads its source distribution into a temporary directory outside the repository, installs it
@@ -72,11 +73,12 @@ def run_quiet(command: list[str], what: str, env: dict | None = None, cwd: Path 
 def explain_pip_failure(output: str) -> str:
     lines = [line for line in output.splitlines() if line.strip() and "is ignored: it is neither" not in line]
     text = "\n".join(lines)
-    if re.search(r"No matching distribution found|Could not find a version that satisfies", text):
+    # A registry that cannot be reached also ends in "No matching distribution": test the network first.
+    if re.search(r"NewConnectionError|Temporary failure in name resolution|Network is unreachable|"
+                 r"ConnectionError|Max retries exceeded|timed out|\(from versions: none\)", text):
+        hint = "the package registry could not be reached (no network?), or it has no deepspeed at all"
+    elif re.search(r"No matching distribution found|Could not find a version that satisfies", text):
         hint = "the package registry has no such release of deepspeed (check the version number)"
-    elif re.search(r"NewConnectionError|Temporary failure in name resolution|Network is unreachable|"
-                   r"ConnectionError|Max retries exceeded|timed out", text):
-        hint = "the package registry could not be reached (no network?)"
     else:
         hint = "see pip's output above"
     return "\n".join(line[:300] for line in lines[-8:]) + f"\n=> {hint}"
@@ -123,12 +125,14 @@ def prepare_release(version: str, workdir: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- run
-def run_suite(python: Path, tests_dir: Path, suite: str, marker: str | None, workers: int, report: Path,
-              log: Path, env: dict) -> None:
+def run_suite(python: Path, tests_dir: Path, suite: str, marker: str | None, keyword: str | None, workers: int,
+              report: Path, log: Path, env: dict) -> None:
     command = [str(python), "-m", "pytest", suite, "-n", str(workers), "-q", "-p", "no:cacheprovider",
                f"--junitxml={report}"]
     if marker:
         command += ["-m", marker]
+    if keyword:
+        command += ["-k", keyword]
     print(f"    {' '.join(command[1:])}  (in {tests_dir}; log {log})", flush=True)
     with open(log, "w") as out:
         subprocess.run(command, cwd=tests_dir, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -164,7 +168,8 @@ def read_report(report: Path) -> list[TestResult]:
     return sorted(results, key=lambda r: r.test_id)
 
 
-def run_tree(tree: str, suite: str, marker: str | None, workers: int, keep: bool) -> list[TestResult]:
+def run_tree(tree: str, suite: str, marker: str | None, keyword: str | None, workers: int,
+             keep: bool) -> list[TestResult]:
     workdir = Path(tempfile.mkdtemp(prefix=f"ds-against-{tree}-"))
     if workdir.resolve().is_relative_to(REPO_ROOT):
         raise ToolError(f"the temporary directory {workdir} lies inside the repository; set TMPDIR elsewhere")
@@ -179,7 +184,8 @@ def run_tree(tree: str, suite: str, marker: str | None, workers: int, keep: bool
             tests_dir = workdir / "tests"
             shutil.copytree(REPO_ROOT / "tests", tests_dir, ignore=shutil.ignore_patterns("__pycache__"))
         print(f"[{tree}] running {suite}" + (f" -m '{marker}'" if marker else ""), flush=True)
-        run_suite(python, tests_dir, suite, marker, workers, workdir / "report.xml", workdir / "pytest.log", env)
+        run_suite(python, tests_dir, suite, marker, keyword, workers, workdir / "report.xml", workdir / "pytest.log",
+                  env)
         return read_report(workdir / "report.xml")
     finally:
         if keep:
@@ -225,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trees", nargs="+", metavar="VERSION", help=f"a deepspeed release, or '{THIS_TREE}'")
     parser.add_argument("-m", dest="marker", default=None, help="pytest marker expression, e.g. upstream_pr")
+    parser.add_argument("-k", dest="keyword", default=None, help="pytest -k expression (one test, a few)")
     parser.add_argument("-n", dest="workers", type=int, default=2, help="pytest-xdist workers (default 2)")
     parser.add_argument("--suite", default=DEFAULT_SUITE, help=f"test path under tests/ (default {DEFAULT_SUITE})")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directories")
@@ -235,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ToolError(f"no test path tests/{args.suite} in {REPO_ROOT}")
         runs = {}
         for tree in trees:
-            runs[tree] = run_tree(tree, args.suite, args.marker, args.workers, args.keep)
+            runs[tree] = run_tree(tree, args.suite, args.marker, args.keyword, args.workers, args.keep)
             print_table(tree, runs[tree])
         if len(runs) > 1:
             print_matrix(runs, args.suite)
