@@ -24,7 +24,7 @@ from deepspeed import comm  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 from deepspeed.comm import init_distributed  # noqa: E402
 from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: E402
-from deepspeed.runtime.config import DeepSpeedConfig  # noqa: E402
+from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigAssertionError, DeepSpeedConfigError  # noqa: E402
 
 from deepspeed.utils.logging import log_dist  # noqa: E402
 import torch  # noqa: E402
@@ -41,7 +41,9 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
         (engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler)
 
     Raises:
-        AssertionError: no model, no config, or a config given twice (upstream's messages).
+        AssertionError: no model (upstream's message).
+        DeepSpeedConfigError: the config is invalid; the message names the key. No config, or a config given
+            twice, raise DeepSpeedConfigAssertionError, both a DeepSpeedConfigError and upstream's AssertionError.
     """
     log_dist(f"DeepSpeed info: version={__version__}, git-hash={__git_hash__}, git-branch={__git_branch__}",
              ranks=[0], level=logging.INFO)
@@ -67,11 +69,11 @@ def _resolve_config(args, config):
         args.deepspeed_config = args.deepscale_config
     args_config = getattr(args, "deepspeed_config", None) if args is not None else None
     if args_config is not None and config is not None:
-        raise AssertionError("Not sure how to proceed, we were given deepspeed configs in the deepspeed arguments "
-                             "and deepspeed.initialize() function call")
+        raise DeepSpeedConfigAssertionError("Not sure how to proceed, we were given deepspeed configs in the "
+                                            "deepspeed arguments and deepspeed.initialize() function call")
     config = config if config is not None else args_config
     if config is None:
-        raise AssertionError("DeepSpeed requires --deepspeed_config to specify configuration file")
+        raise DeepSpeedConfigAssertionError("DeepSpeed requires --deepspeed_config to specify configuration file")
     return config
 
 
@@ -89,4 +91,4 @@ def tag_muon_params(model: torch.nn.Module) -> None:
 
 
 __all__ = ["initialize", "init_distributed", "comm", "get_accelerator", "DeepSpeedEngine", "DeepSpeedConfig",
-           "__version__"]
+           "DeepSpeedConfigError", "__version__"]
