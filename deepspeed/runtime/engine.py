@@ -1,7 +1,8 @@
 """DeepSpeedEngine: forward, backward, step and the counters; everything else is delegated."""
 
 import os
-from typing import Optional
+from collections.abc import Callable, Iterable
+from typing import Optional, Union
 
 import torch
 
@@ -11,6 +12,11 @@ from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from deepspeed.runtime.engine_setup import (build_basic_optimizer, build_lr_scheduler, build_zero_optimizer,
                                             model_dtype_of)
 from deepspeed.utils.logging import log_dist, set_log_level
+
+# Upstream's types of the `optimizer` and `lr_scheduler` callables deepspeed.initialize accepts.
+DeepSpeedOptimizerCallable = Callable[[Union[Iterable[torch.nn.Parameter], dict[str, Iterable]]],
+                                      torch.optim.Optimizer]
+DeepSpeedSchedulerCallable = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 
 LOCAL_RANK_MESSAGE = ("DeepSpeed requires the LOCAL_RANK environment variable, it is set by the deepspeed launcher, "
                       "deepspeed.init_distributed, or the torch's launcher. If using a different launcher please "
