@@ -114,7 +114,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
     Raises:
         ValueError: a group without ``use_muon``, an unknown group key, a Muon param with fewer than
-            two dims, an unknown ``ns_method``, or an ``ns_dtype`` that is not a torch.dtype.
+            two dims, an unknown ``ns_method``, ``ns_steps`` that is not an integer >= 1, ``momentum``
+            outside [0, 1), or an ``ns_dtype`` that is not a torch.dtype. (Config values are checked
+            earlier, with the config key in the message: deepspeed/runtime/optimizer_params.py.)
     """
 
     def __init__(self, param_groups: Iterable[dict[str, Any]]) -> None:
@@ -144,11 +146,20 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         group = {**defaults, **param_group}
         if is_muon:
             group["params"] = self._sorted_muon_params(index, group["params"])
-            if group["ns_method"] not in NS_FUNCTIONS:
+            if not isinstance(group["ns_method"], str) or group["ns_method"] not in NS_FUNCTIONS:
                 raise ValueError(f"ns_method must be one of {{'standard', 'gram'}}, got {group['ns_method']}")
             if not isinstance(group["ns_cuda_graph"], bool):
                 raise ValueError(f"MuonWithAuxAdam param group {index}: ns_cuda_graph must be true or false, "
                                  f"got {group['ns_cuda_graph']!r}")
+            steps = group["ns_steps"]
+            if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+                # Fewer than one iteration would apply the raw momentum: no orthogonalisation, no error.
+                raise ValueError(f"MuonWithAuxAdam param group {index}: ns_steps must be an integer >= 1, got "
+                                 f"{steps!r}")
+            beta = group["momentum"]
+            if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < 1:
+                raise ValueError(f"MuonWithAuxAdam param group {index}: momentum must be a number in [0, 1), got "
+                                 f"{beta!r}")
             if group["ns_dtype"] is not None and not isinstance(group["ns_dtype"], torch.dtype):
                 raise ValueError(
                     f"MuonWithAuxAdam param group {index}: ns_dtype must be a torch.dtype or None, "
