@@ -1,9 +1,11 @@
 """DeepSpeed fork in which Muon trains correctly under ZeRO with fp16/bf16 and resumes exactly.
 
 Public surface follows upstream DeepSpeed: `deepspeed.initialize`, `deepspeed.init_distributed`,
-`deepspeed.comm`, `deepspeed.accelerator.get_accelerator`, `deepspeed.utils.safe_get_full_*`.
+`deepspeed.comm`, `deepspeed.accelerator.get_accelerator`, `deepspeed.utils.safe_get_full_*`. Upstream names this
+fork does not provide fail on use saying what to use instead (deepspeed/not_provided.py).
 """
 
+import argparse
 import logging
 import os
 
@@ -20,16 +22,25 @@ __git_branch__ = git_branch
 _parsed = _pkg_version.parse(__version__)
 __version_major__, __version_minor__, __version_patch__ = _parsed.major, _parsed.minor, _parsed.micro
 
-from deepspeed import comm  # noqa: E402
+from deepspeed import comm, ops  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
-from deepspeed.comm import init_distributed  # noqa: E402
-from deepspeed.runtime.engine import DeepSpeedEngine  # noqa: E402
-from deepspeed.runtime.config import DeepSpeedConfig  # noqa: E402
+from deepspeed.comm import TORCH_DISTRIBUTED_DEFAULT_PORT, init_distributed  # noqa: E402
+from deepspeed.not_provided import module_getattr  # noqa: E402
+from deepspeed.runtime import zero  # noqa: E402
+from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer  # noqa: E402
+from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigAssertionError, DeepSpeedConfigError  # noqa: E402
+from deepspeed.runtime.constants import MUON_OPTIMIZER  # noqa: E402
+from deepspeed.runtime.engine import (DeepSpeedEngine, DeepSpeedOptimizerCallable,  # noqa: E402
+                                      DeepSpeedSchedulerCallable)
 
-from deepspeed.utils.logging import log_dist  # noqa: E402
+from deepspeed.utils.logging import log_dist, logger  # noqa: E402
 import torch  # noqa: E402
 
-TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
+# Upstream's switch for its own Triton inference kernels, which this fork does not have (its one Triton kernel,
+# the fused Muon momentum pass, asks get_accelerator().is_triton_supported() instead).
+HAS_TRITON = False
+
+__getattr__ = module_getattr(__name__)
 
 
 def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_parameters=None, training_data=None,
@@ -41,7 +52,9 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
         (engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler)
 
     Raises:
-        AssertionError: no model, no config, or a config given twice (upstream's messages).
+        AssertionError: no model (upstream's message).
+        DeepSpeedConfigError: the config is invalid; the message names the key. No config, or a config given
+            twice, raise DeepSpeedConfigAssertionError, both a DeepSpeedConfigError and upstream's AssertionError.
     """
     log_dist(f"DeepSpeed info: version={__version__}, git-hash={__git_hash__}, git-branch={__git_branch__}",
              ranks=[0], level=logging.INFO)
@@ -51,8 +64,7 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
                           distributed_port=distributed_port, dist_init_required=dist_init_required)
     config = _resolve_config(args, config if config is not None else config_params)
     config_class = DeepSpeedConfig(config, mpu)
-    if config_class.optimizer_name == "muon":
-        tag_muon_params(model)
+    set_optimizer_flags(config_class, model)
     engine = DeepSpeedEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                              training_data=training_data, lr_scheduler=lr_scheduler, mpu=mpu,
                              dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
@@ -67,12 +79,34 @@ def _resolve_config(args, config):
         args.deepspeed_config = args.deepscale_config
     args_config = getattr(args, "deepspeed_config", None) if args is not None else None
     if args_config is not None and config is not None:
-        raise AssertionError("Not sure how to proceed, we were given deepspeed configs in the deepspeed arguments "
-                             "and deepspeed.initialize() function call")
+        raise DeepSpeedConfigAssertionError("Not sure how to proceed, we were given deepspeed configs in the "
+                                            "deepspeed arguments and deepspeed.initialize() function call")
     config = config if config is not None else args_config
     if config is None:
-        raise AssertionError("DeepSpeed requires --deepspeed_config to specify configuration file")
+        raise DeepSpeedConfigAssertionError("DeepSpeed requires --deepspeed_config to specify configuration file")
     return config
+
+
+def set_optimizer_flags(config_class: DeepSpeedConfig, model: torch.nn.Module) -> None:
+    """Tag `model`'s parameters for the config's optimizer: `use_muon` when it is Muon (see tag_muon_params)."""
+    if config_class.optimizer_name == MUON_OPTIMIZER:
+        tag_muon_params(model)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add upstream's DeepSpeed command-line arguments to `parser` and return it.
+
+    `--deepspeed` (a flag for the script's own use), `--deepspeed_config PATH` (read by deepspeed.initialize from
+    `args`), and their deprecated spellings `--deepscale` and `--deepscale_config`.
+    """
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="Enable DeepSpeed (a flag for the script's own use; DeepSpeed does not read it)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed JSON configuration file.")
+    group.add_argument("--deepscale", default=False, action="store_true", help="Deprecated spelling of --deepspeed")
+    group.add_argument("--deepscale_config", default=None, type=str,
+                       help="Deprecated spelling of --deepspeed_config")
+    return parser
 
 
 def tag_muon_params(model: torch.nn.Module) -> None:
@@ -88,5 +122,7 @@ def tag_muon_params(model: torch.nn.Module) -> None:
         param.use_muon = param.ndim >= 2 and "embed" not in lowered and "lm_head" not in lowered
 
 
-__all__ = ["initialize", "init_distributed", "comm", "get_accelerator", "DeepSpeedEngine", "DeepSpeedConfig",
-           "__version__"]
+__all__ = ["initialize", "init_distributed", "add_config_arguments", "comm", "ops", "zero", "get_accelerator",
+           "DeepSpeedEngine", "DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedOptimizer",
+           "DeepSpeedOptimizerCallable", "DeepSpeedSchedulerCallable", "MUON_OPTIMIZER", "HAS_TRITON",
+           "TORCH_DISTRIBUTED_DEFAULT_PORT", "set_optimizer_flags", "log_dist", "logger", "__version__"]

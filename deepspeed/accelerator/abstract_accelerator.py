@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from deepspeed.not_provided import is_stand_in
+
 
 class DeepSpeedAccelerator(abc.ABC):
     """Abstract device: placement, RNG, streams, memory, dtypes and collective backend of one device kind."""
@@ -320,12 +322,17 @@ class DeepSpeedAccelerator(abc.ABC):
         """Return the named op builder class, or None when it does not exist."""
 
     def _load_op_builder(self, class_name: str) -> Any:
-        """Return `class_name` from `op_builder_dir()`, or None when the module or the class is missing."""
+        """Return `class_name` from `op_builder_dir()`, or None when the module or the class is missing.
+
+        An upstream builder this fork does not build is missing too, though the module answers its name with a
+        stand-in (deepspeed/not_provided.py) for scripts that import it.
+        """
         try:
             module = importlib.import_module(self.op_builder_dir())
         except ImportError:
             return None
-        return getattr(module, class_name, None)
+        builder = getattr(module, class_name, None)
+        return None if is_stand_in(builder) else builder
 
     @abc.abstractmethod
     def build_extension(self) -> Any:

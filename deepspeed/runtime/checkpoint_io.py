@@ -232,6 +232,8 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     """Write a checkpoint of `engine`; every rank must call it. Returns True.
 
     Raises (on every rank, whichever rank failed; the previous `latest` is then left untouched):
+        AssertionError: the ranks passed different tags and checkpoint.tag_validation is Fail (before any file
+            is written; with Warn or Ignore every rank saves under rank 0's tag).
         ValueError: bad save_dir, or client_state/scheduler state that is not plain data.
         KeyError: client_state uses a key reserved by DeepSpeed.
         RuntimeError: another rank failed (quoting its error).
@@ -239,8 +241,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     if not isinstance(save_dir, (str, os.PathLike)) or str(save_dir) == "":
         raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
     save_dir = str(save_dir)
-    tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
-    _validate_tag(engine, tag)
+    tag = _agreed_tag(engine, str(tag if tag is not None else f"global_step{engine.global_steps}"))
     if engine.micro_steps % engine.gradient_accumulation_steps() != 0:
         logger.warning(f"saving checkpoint '{tag}' in the middle of gradient accumulation: the gradients "
                        "accumulated since the last optimizer step are not saved")
@@ -311,19 +312,37 @@ def _copy_zero_to_fp32(save_dir: str) -> None:
                     "changing permissions.")
 
 
-def _validate_tag(engine, tag: str) -> None:
-    mode = str(engine._config.checkpoint_config.tag_validation).upper()
-    if mode == "IGNORE" or not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    tags = [None] * dist.get_world_size()
+def _agreed_tag(engine, tag: str) -> str:
+    """The tag every rank saves under: its own when all ranks passed the same, else rank 0's.
+
+    Tags are compared whatever checkpoint.tag_validation says, because a save is one transaction: a rank that
+    wrote under its own tag would leave two partial checkpoints (one without the model file) or fail on a
+    directory that only rank 0 creates. Fail refuses the save on every rank before anything is written; Warn
+    logs upstream's warning with every rank's tag; Ignore logs nothing above INFO. `latest` names rank 0's tag.
+
+    Raises:
+        AssertionError: tags differ and tag_validation is Fail (upstream's exception type and message, plus
+            the tags by rank).
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return tag
+    tags: List[Optional[str]] = [None] * dist.get_world_size()
     dist.all_gather_object(tags, tag)
-    if len(set(tags)) > 1:
-        message = (f"[rank={dist.get_rank()}] The checkpoint tag name '{tag}' is not consistent across all ranks. "
-                   "Including rank unique information in checkpoint tag could cause issues when restoring with "
-                   "different world sizes.")
-        if mode == "FAIL":
-            raise AssertionError(message)
-        logger.warning(message)
+    if len(set(tags)) == 1:
+        return tag
+    mode = str(engine._config.checkpoint_config.tag_validation).upper()
+    by_rank = ", ".join(f"rank {rank}: '{name}'" for rank, name in enumerate(tags))
+    message = (f"[rank={dist.get_rank()}] The checkpoint tag name '{tag}' is not consistent across all ranks. "
+               "Including rank unique information in checkpoint tag could cause issues when restoring with "
+               f"different world sizes. Tags by rank: {by_rank}")
+    if mode == "FAIL":
+        raise AssertionError(f"{message}; nothing was saved (checkpoint.tag_validation is Fail)")
+    consequence = f"every rank saves under rank 0's tag '{tags[0]}' (checkpoint.tag_validation is {mode.title()})"
+    if mode == "WARN":
+        logger.warning(f"{message}; {consequence}")
+    else:
+        logger.info(f"{message}; {consequence}")
+    return tags[0]
 
 
 # ---------------------------------------------------------------------------------------------- load

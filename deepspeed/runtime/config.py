@@ -33,6 +33,7 @@ from deepspeed.runtime.constants import (
     MAX_GRAD_NORM,
     UPSTREAM_KEYS_NOT_IMPLEMENTED,
 )
+from deepspeed.runtime.optimizer_params import validate_optimizer_params
 from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, ZeroStageEnum
 
@@ -55,7 +56,9 @@ class OptimizerConfig(DeepSpeedConfigModel):
         description="adam, adamw, muon or sgd (any case), or a torch.optim class name spelled exactly (e.g. RMSprop)."
     )
     params: dict[str, Any] = Field(
-        default_factory=dict, description='Constructor keyword arguments; "auto" values are dropped.'
+        default_factory=dict,
+        description='Constructor keyword arguments; "auto" values are dropped. Checked by type: see '
+        '"Optimizer params" below.',
     )
     legacy_fusion: bool = Field(False, description="Upstream's legacy fused fp16 optimizer path.")
 
@@ -265,7 +268,7 @@ def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     counts = collections.Counter(key for key, _ in pairs)
     duplicates = [key for key, count in counts.items() if count > 1]
     if duplicates:
-        raise ValueError(f"Duplicate keys in DeepSpeed config: {duplicates}")
+        raise DeepSpeedConfigError(f"Duplicate keys in DeepSpeed config: {duplicates}")
     return dict(pairs)
 
 
@@ -285,7 +288,8 @@ def load_config_dict(config: dict | str | os.PathLike) -> dict[str, Any]:
     """The config as a plain dict: a copy of a dict, a JSON file's contents, or decoded urlsafe-base64 JSON.
 
     Raises:
-        ValueError: duplicate keys in JSON, a file that is not a JSON object, or an input of none of the forms.
+        DeepSpeedConfigError: duplicate keys in JSON, a file that is not a JSON object, or an input of none of
+            the forms.
     """
     if isinstance(config, dict):
         return copy.deepcopy(config)
@@ -294,15 +298,17 @@ def load_config_dict(config: dict | str | os.PathLike) -> dict[str, Any]:
             try:
                 loaded = json.load(f, object_pairs_hook=_reject_duplicate_keys)
             except json.JSONDecodeError as err:
-                raise ValueError(f"DeepSpeed config file {config} is not valid JSON: {err}") from err
+                raise DeepSpeedConfigError(f"DeepSpeed config file {config} is not valid JSON: {err}") from err
         if not isinstance(loaded, dict):
-            raise ValueError(f"DeepSpeed config file {config} must hold a JSON object, got {type(loaded).__name__}")
+            raise DeepSpeedConfigError(
+                f"DeepSpeed config file {config} must hold a JSON object, got {type(loaded).__name__}"
+            )
         return loaded
     if isinstance(config, str):
         loaded = _decode_base64_json(config)
         if isinstance(loaded, dict):
             return loaded
-    raise ValueError(
+    raise DeepSpeedConfigError(
         "Expected a string path to an existing deepspeed config, or a dictionary or a valid base64. "
         f"Received: {config}"
     )
@@ -368,7 +374,7 @@ class DeepSpeedConfig:
         DeepSpeedConfigError: a key is unknown inside a section, or a value is invalid (the message names it).
         DeepSpeedConfigAssertionError: upstream's AssertionError cases, with upstream's messages: batch sizes,
             fp16 with bf16, optimizer or scheduler names, data_types.param_dtype conflicts.
-        ValueError: `config` is none of the accepted forms, or its JSON has duplicate keys.
+        DeepSpeedConfigError: also when `config` is none of the accepted forms, or its JSON has duplicate keys.
     """
 
     def __init__(self, config: dict | str | os.PathLike, mpu: Any = None, mesh_device: Any = None) -> None:
@@ -397,7 +403,9 @@ class DeepSpeedConfig:
 
         self.optimizer_config = sections.optimizer
         self.optimizer_name = resolve_optimizer_name(sections.optimizer.type) if sections.optimizer else None
-        self.optimizer_params = dict(sections.optimizer.params) if sections.optimizer else None
+        self.optimizer_params = (
+            validate_optimizer_params(self.optimizer_name, sections.optimizer.params) if sections.optimizer else None
+        )
         self.optimizer_legacy_fusion = sections.optimizer.legacy_fusion if sections.optimizer else False
         self.scheduler_config = sections.scheduler
         self.scheduler_name = resolve_scheduler_name(sections.scheduler.type) if sections.scheduler else None

@@ -131,13 +131,16 @@ class DeepSpeedConfigModel(BaseModel):
             return value
         path = cls.key_path(info.field_name)
         if isinstance(value, bool):
-            raise ValueError(f"{path} must be a number, not bool")
+            raise ValueError(f"{path} must be a number, not bool (got {value!r})")
         if not isinstance(value, (int, float)):
             raise ValueError(f"{path} must be a number, got {value!r}")
         if not math.isfinite(value):
-            raise ValueError(f"{path} must be a finite number (not inf/-inf/nan)")
+            raise ValueError(f"{path} must be a finite number (not inf/-inf/nan), got {value!r}")
         if kind is int and value != int(value):
             raise ValueError(f"{path} must be an integer, got {value!r}")
+        if kind is int and abs(value) >= 2**63:
+            # Checked here: pydantic reports an integral float this large (1e30) as a string it cannot parse.
+            raise ValueError(f"{path} must be an integer of magnitude below 2**63, got {value!r}")
         return value
 
 
@@ -149,15 +152,16 @@ _BOUND_ERRORS = {
 }
 
 
-def describe_validation_error(error: ValidationError) -> str:
+def describe_validation_error(error: ValidationError, section: str = "") -> str:
     """One line per problem, each naming the dotted key path and what was expected.
 
     Messages written by our validators already name their key and are kept verbatim; pydantic's own
-    messages get the key path in front.
+    messages get the key path in front. `section` is the path of the validated model in the JSON config
+    ("" for the whole config), since pydantic's locations are relative to the model.
     """
     lines = []
     for item in error.errors(include_url=False):
-        loc = [str(part) for part in item["loc"]]
+        loc = ([section] if section else []) + [str(part) for part in item["loc"]]
         path = ".".join(loc)
         ctx = item.get("ctx") or {}
         if "error" in ctx:
@@ -181,4 +185,5 @@ def validate_config(model_cls: type[BaseModel], data: Any) -> BaseModel:
     try:
         return model_cls.model_validate(data)
     except ValidationError as err:
-        raise DeepSpeedConfigError(describe_validation_error(err)) from err
+        section = getattr(model_cls, "section", "")
+        raise DeepSpeedConfigError(describe_validation_error(err, section)) from err

@@ -17,6 +17,11 @@ ADAM_W_MODE = "adam_w_mode"
 ADAM_W_MODE_DEFAULT = True
 MAX_GRAD_NORM = "max_grad_norm"
 
+# Muon's value sets (optimizer.params); deepspeed/runtime/optimizer_params.py holds the rules for every key.
+MUON_NS_METHODS = ("standard", "gram")
+MUON_NS_DTYPES = ("fp32", "bf16", "fp16")
+MUON_ADJUST_LR_FNS = ("original", "match_rms_adamw")
+
 # scheduler.type: deepspeed.runtime.lr_schedules classes (exact spelling); else torch.optim.lr_scheduler.
 DEEPSPEED_SCHEDULERS = ("LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 

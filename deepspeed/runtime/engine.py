@@ -1,16 +1,22 @@
 """DeepSpeedEngine: forward, backward, step and the counters; everything else is delegated."""
 
 import os
-from typing import Optional
+from collections.abc import Callable, Iterable
+from typing import Optional, Union
 
 import torch
 
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from deepspeed.runtime.engine_setup import (build_basic_optimizer, build_lr_scheduler, build_zero_optimizer,
                                             model_dtype_of)
 from deepspeed.utils.logging import log_dist, set_log_level
+
+# Upstream's types of the `optimizer` and `lr_scheduler` callables deepspeed.initialize accepts.
+DeepSpeedOptimizerCallable = Callable[[Union[Iterable[torch.nn.Parameter], dict[str, Iterable]]],
+                                      torch.optim.Optimizer]
+DeepSpeedSchedulerCallable = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 
 LOCAL_RANK_MESSAGE = ("DeepSpeed requires the LOCAL_RANK environment variable, it is set by the deepspeed launcher, "
                       "deepspeed.init_distributed, or the torch's launcher. If using a different launcher please "
@@ -77,9 +83,9 @@ class DeepSpeedEngine(torch.nn.Module):
         """Cast floating parameters to the model dtype, move to the device, and broadcast from rank 0."""
         dtype = model_dtype_of(self._config)
         if dtype == torch.float16 and not get_accelerator().is_fp16_supported():
-            raise ValueError("Type fp16 is not supported on your device.")
+            raise DeepSpeedConfigError("Type fp16 is not supported on your device.")
         if dtype == torch.bfloat16 and not get_accelerator().is_bf16_supported():
-            raise ValueError("Type bf16 is not supported on your device.")
+            raise DeepSpeedConfigError("Type bf16 is not supported on your device.")
         for param in self.module.parameters():
             if param.is_floating_point():
                 param.data = param.data.to(dtype)

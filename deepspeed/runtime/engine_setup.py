@@ -4,7 +4,7 @@ from typing import Optional
 
 import torch
 
-from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigAssertionError, DeepSpeedConfigError
 
 ADAM_OPTIMIZERS = ("adam", "adamw")
 MUON_OPTIMIZER = "muon"
@@ -31,7 +31,9 @@ def build_basic_optimizer(engine, client_optimizer, model_parameters) -> Optiona
 
     Raises:
         ValueError: the model has no trainable parameters.
-        AssertionError: upstream's untested-optimizer rule under ZeRO.
+        DeepSpeedConfigError: the config's optimizer refuses its `optimizer.params`.
+        DeepSpeedConfigAssertionError: ZeRO without an optimizer, or upstream's untested-optimizer rule under ZeRO
+            (both an AssertionError, as upstream raises them).
     """
     config = engine._config
     engine._client_optimizer = client_optimizer is not None
@@ -44,34 +46,49 @@ def build_basic_optimizer(engine, client_optimizer, model_parameters) -> Optiona
     elif client_optimizer is not None:
         optimizer = client_optimizer(model_parameters if model_parameters is not None else trainable)
     elif config.optimizer_name is not None:
-        optimizer = _optimizer_from_config(engine, model_parameters if model_parameters is not None else trainable)
+        named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
+        params = model_parameters if model_parameters is not None else trainable
+        optimizer = optimizer_from_config(config, named, params)
     else:
         if config.zero_optimization_stage >= 1:
-            raise AssertionError(f"zero stage {config.zero_optimization_stage} requires an optimizer")
+            raise DeepSpeedConfigAssertionError(f"zero stage {config.zero_optimization_stage} requires an optimizer")
         return None
     optimizer.param_groups[:] = [g for g in optimizer.param_groups if len(g["params"]) > 0]
     _check_no_duplicate_params(engine, optimizer)
     if config.zero_optimization_stage >= 1 and type(optimizer) not in _zero_supported_types():
         if not config.zero_allow_untested_optimizer:
-            raise AssertionError(UNTESTED_OPTIMIZER_MESSAGE)
+            raise DeepSpeedConfigAssertionError(UNTESTED_OPTIMIZER_MESSAGE)
     return optimizer
 
 
-def _optimizer_from_config(engine, params) -> torch.optim.Optimizer:
-    config = engine._config
+def optimizer_from_config(config: DeepSpeedConfig, named_params, params) -> torch.optim.Optimizer:
+    """The optimizer the config's `optimizer` section describes.
+
+    Args:
+        config: the parsed config (its `optimizer_params` are already checked, see runtime/optimizer_params.py).
+        named_params: (name, param) pairs of the trainable parameters (Muon's groups are built from them).
+        params: what a torch optimizer is given (the client's `model_parameters`, else the trainable params).
+
+    Raises:
+        DeepSpeedConfigError: the torch optimizer's constructor refuses a key or value of `optimizer.params`.
+    """
     name = config.optimizer_name
     kwargs = dict(config.optimizer_params or {})
+    if name == MUON_OPTIMIZER:
+        from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam, muon_param_groups
+        return MuonWithAuxAdam(muon_param_groups(named_params, kwargs))
     if name in ADAM_OPTIMIZERS:
         kwargs.pop("torch_adam", None)
         adam_w_mode = kwargs.pop("adam_w_mode", True)
         cls = torch.optim.AdamW if (name == "adamw" or adam_w_mode) else torch.optim.Adam
+    else:
+        cls = getattr(torch.optim, "SGD" if name == "sgd" else name)
+    try:
         return cls(params, **kwargs)
-    if name == MUON_OPTIMIZER:
-        from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam, muon_param_groups
-        named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
-        return MuonWithAuxAdam(muon_param_groups(named, kwargs))
-    torch_name = "SGD" if name == "sgd" else name
-    return getattr(torch.optim, torch_name)(params, **kwargs)
+    except (TypeError, ValueError) as exc:
+        # Keys this fork does not check itself (e.g. momentum for SGD, foreach) are torch's to refuse.
+        raise DeepSpeedConfigError(f"optimizer.params {kwargs} are refused by torch.optim.{cls.__name__} "
+                                   f"(optimizer.type '{name}'): {exc}") from exc
 
 
 def _check_no_duplicate_params(engine, optimizer) -> None:
@@ -93,8 +110,8 @@ def build_zero_optimizer(engine, basic_optimizer):
 
     config = engine._config
     if config.zero_optimization_stage > 2:
-        raise ValueError(f"zero_optimization.stage {config.zero_optimization_stage} is not supported by this fork "
-                         "yet; expected 0, 1 or 2")
+        raise DeepSpeedConfigError(f"zero_optimization.stage {config.zero_optimization_stage} is not supported by "
+                                   "this fork yet; expected 0, 1 or 2")
     model_dtype = model_dtype_of(config)
     zero = config.zero_config
     _reject_unimplemented_offload(zero)
@@ -127,8 +144,8 @@ def _reject_unimplemented_offload(zero) -> None:
     section = zero.offload_optimizer
     device = getattr(getattr(section, "device", None), "value", getattr(section, "device", None))
     if section is not None and device not in (None, "none"):
-        raise ValueError(f"zero_optimization.offload_optimizer.device '{device}' is not implemented in this fork; "
-                         "expected 'none' (or remove the section)")
+        raise DeepSpeedConfigError(f"zero_optimization.offload_optimizer.device '{device}' is not implemented in "
+                                   "this fork; expected 'none' (or remove the section)")
 
 
 def _checks_overflow(config: DeepSpeedConfig) -> bool:
@@ -143,7 +160,7 @@ def build_lr_scheduler(engine, client_scheduler):
     """The client's scheduler (instance, or callable given the basic optimizer), else the config's, else None.
 
     Raises:
-        ValueError: an unknown scheduler type.
+        DeepSpeedConfigError: an unknown scheduler type, or `scheduler.params` its constructor refuses.
     """
     if client_scheduler is not None:
         if callable(client_scheduler) and not hasattr(client_scheduler, "step"):
@@ -154,8 +171,14 @@ def build_lr_scheduler(engine, client_scheduler):
         return None
     from deepspeed.runtime import lr_schedules
     params = dict(config.scheduler_params or {})
-    if hasattr(lr_schedules, config.scheduler_name):
-        return getattr(lr_schedules, config.scheduler_name)(engine.optimizer, **params)
-    if hasattr(torch.optim.lr_scheduler, config.scheduler_name):
-        return getattr(torch.optim.lr_scheduler, config.scheduler_name)(engine.basic_optimizer, **params)
-    raise ValueError(f"DeepSpeed does not recognize LR scheduler {config.scheduler_name}")
+    name = config.scheduler_name
+    if hasattr(lr_schedules, name):
+        cls, optimizer = getattr(lr_schedules, name), engine.optimizer
+    elif hasattr(torch.optim.lr_scheduler, name):
+        cls, optimizer = getattr(torch.optim.lr_scheduler, name), engine.basic_optimizer
+    else:
+        raise DeepSpeedConfigError(f"DeepSpeed does not recognize LR scheduler {name}")
+    try:
+        return cls(optimizer, **params)
+    except (TypeError, ValueError) as exc:
+        raise DeepSpeedConfigError(f"scheduler.params {params} are refused by {name}: {exc}") from exc

@@ -1,0 +1,9 @@
+"""`deepspeed.zero` (also `deepspeed.runtime.zero`): ZeRO stages 0-2. Upstream's stage-3 names fail on use saying
+what to use instead (deepspeed/not_provided.py)."""
+
+from deepspeed.not_provided import module_getattr
+from deepspeed.runtime.zero.partition_parameters import GatheredParameters, Init
+
+__all__ = ["GatheredParameters", "Init"]
+
+__getattr__ = module_getattr(__name__)

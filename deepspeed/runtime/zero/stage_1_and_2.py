@@ -15,6 +15,7 @@ from typing import Dict, List, Optional
 import torch
 
 import deepspeed.comm as dist
+from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
 from deepspeed.runtime.optimizer_step import StepOutcome, transactional_step
 from deepspeed.runtime.zero.flat_layout import GroupLayout, even_layout, newton_schulz_cost, owner_layout
 from deepspeed.runtime.zero.grad_reducer import GradReducer, ReducerOptions
@@ -66,7 +67,7 @@ def is_muon_group(group: dict) -> bool:
     return bool(group.get("use_muon", False))
 
 
-class DeepSpeedZeroOptimizer:
+class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
     """ZeRO stage 0/1/2 optimizer wrapper with fp32 masters and a transactional step.
 
     Args:

@@ -166,6 +166,71 @@ class TestInterruptedSave(DistributedTest):
         assert_identical(full_snapshot(fresh), at_good, "loaded after the failed saves")
 
 
+def _logged(call):
+    """`call()`'s result and the DeepSpeed logger's records at INFO and above while it ran."""
+    records = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logger = logging.getLogger("DeepSpeed")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        return call(), records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+class TestMismatchedTags(DistributedTest):
+    """Ranks that pass different tags: Fail refuses before anything is written; Warn and Ignore save one complete
+    checkpoint under rank 0's tag (never a file error on one rank, never a partial checkpoint)."""
+
+    world_size = 2
+
+    @pytest.mark.parametrize("mode", ["Warn", "Ignore", "Fail"])
+    def test_tag_validation(self, class_tmpdir, mode):
+        directory = os.path.join(str(class_tmpdir), f"tags-{mode}")
+        config = checkpoint_config(1, "fp32")
+        config["checkpoint"] = {"tag_validation": mode}
+        engine = _trained(config)
+        engine.save_checkpoint(directory, tag="before")
+        saved = full_snapshot(engine)
+        train(engine, batches_for(engine, 1, seed=7), "fp32")
+        tags = ["step-rank0", "step-rank1"]
+        mine = tags[dist.get_rank()]
+        upstream = f"[rank={dist.get_rank()}] The checkpoint tag name '{mine}' is not consistent across all ranks."
+        if mode == "Fail":
+            error = _raises_everywhere(lambda: engine.save_checkpoint(directory, tag=mine), upstream,
+                                       "rank 0: 'step-rank0', rank 1: 'step-rank1'", "nothing was saved")
+            assert isinstance(error, AssertionError)
+            dist.barrier()
+            assert sorted(os.listdir(directory)) == ["before", "latest", "zero_to_fp32.py"]
+            assert _read_latest(directory) == "before"
+            fresh = new_engine(config, seed=1)
+            fresh.load_checkpoint(directory)
+            assert_identical(full_snapshot(fresh), saved, "the previous checkpoint, after the refused save")
+            return
+        result, records = _logged(lambda: engine.save_checkpoint(directory, tag=mine))
+        assert result is True
+        warnings = [r.getMessage() for r in records if r.levelno >= logging.WARNING and upstream in r.getMessage()]
+        if mode == "Warn":
+            assert len(warnings) == 1, warnings
+            assert "rank 0: 'step-rank0', rank 1: 'step-rank1'" in warnings[0]
+            assert "every rank saves under rank 0's tag 'step-rank0'" in warnings[0]
+        else:
+            assert warnings == []
+        dist.barrier()
+        assert sorted(os.listdir(directory)) == ["before", "latest", "step-rank0", "zero_to_fp32.py"]
+        assert sorted(os.listdir(os.path.join(directory, "step-rank0"))) == sorted(
+            [MODEL_FILE, _optim_file(0), _optim_file(1)])
+        assert _read_latest(directory) == "step-rank0" and _temporary_files(directory) == []
+        at_save = full_snapshot(engine)
+        fresh = new_engine(config, seed=1)
+        fresh.load_checkpoint(directory)
+        assert_identical(full_snapshot(fresh), at_save, "loaded from rank 0's tag")
+
+
 class TestRefusedLoads(DistributedTest):
     world_size = 2
 

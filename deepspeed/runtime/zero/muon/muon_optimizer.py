@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from deepspeed.runtime.constants import MUON_OPTIMIZER
+from deepspeed.runtime.optimizer_params import MuonParams, validate_optimizer_params
 from deepspeed.runtime.zero.muon.original_muon import (
     NS_FUNCTIONS,
     adam_update,
@@ -49,11 +51,8 @@ _TORCH_ADDED_KEYS = frozenset(
 MUON_GROUP_NAME = "muon-params"
 ADAM_GROUP_NAME = "adam-params"
 
+# The config's ns_dtype names (deepspeed.runtime.constants.MUON_NS_DTYPES) as torch dtypes.
 _NS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_MUON_CONFIG_KEYS = ("lr", "momentum", "weight_decay", "ns_method", "ns_steps", "nesterov", "ns_dtype",
-                     "ns_cuda_graph")
-_ADAM_CONFIG_KEYS = ("lr", "betas", "eps", "weight_decay")
-OPTIMIZER_PARAM_KEYS = frozenset({*_MUON_CONFIG_KEYS, *_ADAM_CONFIG_KEYS, "muon_lr", "adam_lr"})
 
 # The entries as this module found them: a replaced entry (a test counting calls, a user's hook) must see every
 # call, which a graph replay would bypass, so graphs are used only while the entries are these.
@@ -115,7 +114,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
     Raises:
         ValueError: a group without ``use_muon``, an unknown group key, a Muon param with fewer than
-            two dims, an unknown ``ns_method``, or an ``ns_dtype`` that is not a torch.dtype.
+            two dims, an unknown ``ns_method``, ``ns_steps`` that is not an integer >= 1, ``momentum``
+            outside [0, 1), or an ``ns_dtype`` that is not a torch.dtype. (Config values are checked
+            earlier, with the config key in the message: deepspeed/runtime/optimizer_params.py.)
     """
 
     def __init__(self, param_groups: Iterable[dict[str, Any]]) -> None:
@@ -145,11 +146,20 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         group = {**defaults, **param_group}
         if is_muon:
             group["params"] = self._sorted_muon_params(index, group["params"])
-            if group["ns_method"] not in NS_FUNCTIONS:
+            if not isinstance(group["ns_method"], str) or group["ns_method"] not in NS_FUNCTIONS:
                 raise ValueError(f"ns_method must be one of {{'standard', 'gram'}}, got {group['ns_method']}")
             if not isinstance(group["ns_cuda_graph"], bool):
                 raise ValueError(f"MuonWithAuxAdam param group {index}: ns_cuda_graph must be true or false, "
                                  f"got {group['ns_cuda_graph']!r}")
+            steps = group["ns_steps"]
+            if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+                # Fewer than one iteration would apply the raw momentum: no orthogonalisation, no error.
+                raise ValueError(f"MuonWithAuxAdam param group {index}: ns_steps must be an integer >= 1, got "
+                                 f"{steps!r}")
+            beta = group["momentum"]
+            if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < 1:
+                raise ValueError(f"MuonWithAuxAdam param group {index}: momentum must be a number in [0, 1), got "
+                                 f"{beta!r}")
             if group["ns_dtype"] is not None and not isinstance(group["ns_dtype"], torch.dtype):
                 raise ValueError(
                     f"MuonWithAuxAdam param group {index}: ns_dtype must be a torch.dtype or None, "
@@ -564,10 +574,11 @@ def muon_param_groups(
     """Build MuonWithAuxAdam's groups from ``p.use_muon`` tags and the config's ``optimizer.params``.
 
     At most two groups, Muon first (``name`` 'muon-params') then Adam ('adam-params'), holding only
-    params with ``requires_grad``; an empty group is omitted. ``lr`` and ``weight_decay`` apply to
+    params with ``requires_grad``; an empty group is omitted. Which key configures which group is
+    :class:`~deepspeed.runtime.optimizer_params.MuonParams`' table: ``lr`` and ``weight_decay`` apply to
     both groups; ``muon_lr`` / ``adam_lr`` override ``lr`` for one; ``momentum``, ``ns_method``,
-    ``ns_steps``, ``nesterov`` and ``ns_dtype`` ('fp32', 'bf16', 'fp16') are Muon's; ``betas`` and
-    ``eps`` are Adam's. Upstream silently drops ``nesterov`` and ``ns_steps``; we honour them.
+    ``ns_steps``, ``nesterov``, ``ns_dtype`` ('fp32', 'bf16', 'fp16') and ``ns_cuda_graph`` are Muon's;
+    ``betas`` and ``eps`` are Adam's. Upstream silently drops ``nesterov`` and ``ns_steps``; we honour them.
 
     Args:
         named_params: (name, param) pairs, e.g. ``model.named_parameters()``.
@@ -577,43 +588,21 @@ def muon_param_groups(
         The param groups, ready for ``MuonWithAuxAdam``.
 
     Raises:
-        ValueError: an unknown key in ``optimizer_params``, an unknown ``ns_dtype`` string, or a
-            trainable param without a ``use_muon`` attribute (upstream's message plus the names).
+        DeepSpeedConfigError: an unknown key or an invalid value in ``optimizer_params`` (a ValueError).
+        ValueError: a trainable param without a ``use_muon`` attribute (upstream's message plus the names).
     """
-    options = dict(optimizer_params or {})
-    for key in options:
-        if key not in OPTIMIZER_PARAM_KEYS:
-            raise ValueError(
-                f"optimizer.params key '{key}' is not supported by the Muon optimizer; "
-                f"allowed keys: {sorted(OPTIMIZER_PARAM_KEYS)}"
-            )
+    muon_options, adam_options = MuonParams.group_options(
+        validate_optimizer_params(MUON_OPTIMIZER, dict(optimizer_params or {}))
+    )
     trainable = [(name, p) for name, p in named_params if p.requires_grad]
     untagged = [name for name, p in trainable if not hasattr(p, "use_muon")]
     if untagged:
         raise ValueError(f"{MISSING_USE_MUON_MESSAGE}; missing on: {untagged}")
 
     muon_group = {"params": [p for _, p in trainable if p.use_muon], "use_muon": True, "name": MUON_GROUP_NAME}
-    muon_group.update({key: options[key] for key in _MUON_CONFIG_KEYS if key in options})
-    if "muon_lr" in options:
-        muon_group["lr"] = options["muon_lr"]
-    if "ns_dtype" in muon_group:
-        muon_group["ns_dtype"] = _ns_dtype_from_config(muon_group["ns_dtype"])
-    if not isinstance(muon_group.get("ns_cuda_graph", True), bool):
-        raise ValueError(f"optimizer.params.ns_cuda_graph must be true or false, got {muon_group['ns_cuda_graph']!r}")
-
+    muon_group.update(muon_options)
+    if muon_group.get("ns_dtype") is not None:
+        muon_group["ns_dtype"] = _NS_DTYPES[muon_group["ns_dtype"]]
     adam_group = {"params": [p for _, p in trainable if not p.use_muon], "use_muon": False, "name": ADAM_GROUP_NAME}
-    adam_group.update({key: options[key] for key in _ADAM_CONFIG_KEYS if key in options})
-    if "adam_lr" in options:
-        adam_group["lr"] = options["adam_lr"]
-    if "betas" in adam_group:
-        # JSON gives a list; a tuple matches torch's convention and the default.
-        adam_group["betas"] = tuple(adam_group["betas"])
+    adam_group.update(adam_options)
     return [group for group in (muon_group, adam_group) if group["params"]]
-
-
-def _ns_dtype_from_config(value: str | None) -> torch.dtype | None:
-    if value is None:
-        return None
-    if value not in _NS_DTYPES:
-        raise ValueError(f"optimizer.params.ns_dtype must be one of {sorted(_NS_DTYPES)} or null, got {value!r}")
-    return _NS_DTYPES[value]

@@ -248,8 +248,16 @@ def test_group_contract_errors():
         MuonWithAuxAdam([{"params": [b], "use_muon": True}])
     with pytest.raises(ValueError, match=r"ns_method must be one of \{'standard', 'gram'\}, got svd"):
         MuonWithAuxAdam([{"params": [w], "use_muon": True, "ns_method": "svd"}])
+    with pytest.raises(ValueError, match=r"ns_method must be one of \{'standard', 'gram'\}, got \{\}"):
+        MuonWithAuxAdam([{"params": [w], "use_muon": True, "ns_method": {}}])
     with pytest.raises(ValueError, match=r"ns_dtype must be a torch.dtype or None, got 'bf16'"):
         MuonWithAuxAdam([{"params": [w], "use_muon": True, "ns_dtype": "bf16"}])
+    for steps in (0, -1, 2.0, True, "5"):
+        with pytest.raises(ValueError, match=rf"group 0: ns_steps must be an integer >= 1, got {steps!r}"):
+            MuonWithAuxAdam([{"params": [w], "use_muon": True, "ns_steps": steps}])
+    for beta in (1, 3.5, -0.1, True, "0.9"):
+        with pytest.raises(ValueError, match=rf"group 0: momentum must be a number in \[0, 1\), got {beta!r}"):
+            MuonWithAuxAdam([{"params": [w], "use_muon": True, "momentum": beta}])
     optimizer = MuonWithAuxAdam([{"params": [w], "use_muon": True}])
     with pytest.raises(ValueError, match="unknown key 'bogus'"):
         optimizer.add_param_group({"params": [b], "use_muon": False, "bogus": 1})

@@ -1,5 +1,7 @@
 """Invalid configs fail at parse time with a message that names the offending key (and its section)."""
 
+import copy
+
 import pytest
 
 from deepspeed.runtime.config import DeepSpeedConfigAssertionError, DeepSpeedConfigError
@@ -295,3 +297,50 @@ def test_every_problem_is_reported(make_config):
     message = str(info.value)
     assert "fp16.loss_scale must be >= 0" in message
     assert "zero_optimization.reduce_bucket_size must be > 0" in message
+
+
+# A config that sets a value for most keys of every section; each leaf is corrupted in turn below.
+FULL = {
+    "train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+    "steps_per_print": 10, "gradient_clipping": 1.0, "prescale_gradients": False, "gradient_predivide_factor": 1.0,
+    "gradient_allreduce_op": "mean", "communication_data_type": "fp32", "log_level": "info",
+    "wall_clock_breakdown": False, "memory_breakdown": False, "dataloader_drop_last": False,
+    "zero_allow_untested_optimizer": False,
+    "optimizer": {"type": "muon", "params": {"lr": 0.02, "momentum": 0.95, "ns_steps": 5}, "legacy_fusion": False},
+    "fp16": {"enabled": True, "auto_cast": False, "loss_scale": 0, "initial_scale_power": 16,
+             "loss_scale_window": 1000, "hysteresis": 2, "consecutive_hysteresis": False, "min_loss_scale": 1},
+    "bf16": {"enabled": False, "check_grad_overflow": True},
+    "zero_optimization": {"stage": 2, "contiguous_gradients": True, "reduce_scatter": True,
+                          "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8, "overlap_comm": False,
+                          "load_from_fp32_weights": True, "offload_optimizer": {"device": "none"}},
+    "data_types": {"grad_accum_dtype": "fp32"},
+    "checkpoint": {"tag_validation": "Warn", "load_universal": False, "use_node_local_storage": False,
+                   "checkpoint_serialization": True, "parallel_write": {"pipeline_stage": False}},
+}
+# Upstream's batch-size messages name the quantity in words ("Micro batch size per gpu: 0 ...").
+BATCH_WORDS = {"train_batch_size": "Train batch size", "train_micro_batch_size_per_gpu": "Micro batch size per gpu",
+               "gradient_accumulation_steps": "Gradient accumulation steps"}
+
+
+def _leaves(section, path=()):
+    for key, value in section.items():
+        if isinstance(value, dict) and value:
+            yield from _leaves(value, path + (key, ))
+        else:
+            yield path + (key, )
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, id=".".join(p)) for p in _leaves(FULL)])
+def test_single_field_corruptions_name_their_key(make_config, path):
+    """Each corruption of one leaf is accepted or refused with a DeepSpeedConfigError that names the leaf."""
+    for corruption in ["abc", "16", "", 3.5, 0, 1, -1, 1e30, True, False, None, {}, [], [1, 2]]:
+        config = copy.deepcopy(FULL)
+        section = config
+        for key in path[:-1]:
+            section = section[key]
+        section[path[-1]] = corruption
+        try:
+            make_config(config)
+        except DeepSpeedConfigError as error:
+            names = (path[-1], BATCH_WORDS.get(path[-1], path[-1]), "batch related parameters")
+            assert any(name in str(error) for name in names), f"{'.'.join(path)}={corruption!r}: {error}"

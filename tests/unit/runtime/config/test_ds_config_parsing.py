@@ -165,10 +165,12 @@ def test_torch_optim_names_are_case_sensitive(make_config):
         make_config({"train_batch_size": 1, "optimizer": {"type": "rmsprop"}})
 
 
-def test_muon_params_are_passed_through(make_config):
-    params = {"muon_lr": 0.02, "adam_lr": 3e-4, "ns_method": "gram", "anything_else": 1}
+def test_muon_params_are_checked_and_passed_through(make_config):
+    params = {"muon_lr": 0.02, "adam_lr": 3e-4, "ns_method": "gram"}
     config = make_config({"train_batch_size": 1, "optimizer": {"type": "muon", "params": params}})
     assert config.optimizer_params == params
+    with pytest.raises(DeepSpeedConfigError, match="optimizer.params key 'anything_else' is not supported"):
+        make_config({"train_batch_size": 1, "optimizer": {"type": "muon", "params": {**params, "anything_else": 1}}})
 
 
 @pytest.mark.parametrize(

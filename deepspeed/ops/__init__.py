@@ -1,0 +1,8 @@
+"""`deepspeed.ops`: upstream's native ops. This fork builds none yet: the subpackages exist so that scripts' imports
+work, and each upstream name in them fails on use saying what to use instead (deepspeed/not_provided.py)."""
+
+from deepspeed.not_provided import module_getattr
+from deepspeed.ops import (adagrad, adam, aio, compile, deepspeed4science, fp_quantizer, gds, lamb, lion,  # noqa: F401
+                           op_builder, pin_memory, quantizer, random_ltd, transformer, triton_ops)
+
+__getattr__ = module_getattr(__name__)
