@@ -49,7 +49,7 @@ def ninja_installed() -> bool:
 
 
 def _native_ops() -> dict[str, Any]:
-    """{op name: builder} of the accelerator's op builders; empty while this build has none."""
+    """{op name: builder} of every op this tree can build (op_builder/all_ops.py)."""
     try:
         from deepspeed.ops.op_builder.all_ops import ALL_OPS
     except ImportError:
@@ -81,9 +81,12 @@ def op_report(verbose: bool = True) -> None:
         print(NO_NATIVE_OPS)
     for name, builder in ops.items():
         installed = YES if installed_ops.get(name, False) else NO
-        compatible = OKAY if builder.is_compatible(verbose) else NO
+        is_compatible = builder.is_compatible()
         print(name, "." * (OP_NAME_WIDTH - len(name) - 1), installed, "." * (INSTALLED_WIDTH - len(installed) - 1),
-              compatible)
+              OKAY if is_compatible else NO)
+        if verbose and not is_compatible:
+            for problem in builder.compatibility_problems():
+                print(f" {WARNING} {name}: {problem}")
     print(DASHES)
 
 

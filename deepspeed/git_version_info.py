@@ -34,4 +34,9 @@ def _torch_info() -> dict:
 
 
 torch_info = _torch_info()
+try:
+    # Where setup.py compiled ops, the torch they were compiled against (their loader refuses another).
+    from .git_version_info_installed import torch_info  # noqa: F401, F811
+except ImportError:
+    pass
 compatible_ops = {}

@@ -1,7 +1,7 @@
 """Upstream DeepSpeed names that this fork does not provide, and stand-ins that fail on use saying what to use.
 
 Scripts written for upstream DeepSpeed import names at the top that they may never use (`from deepspeed.ops.adam
-import DeepSpeedCPUAdam` behind an offload flag). So each package below answers its missing upstream names with a
+import FusedAdam` behind a GPU flag). So each package below answers its missing upstream names with a
 stand-in instead of an ImportError: the import succeeds, and the first real use (calling it, instantiating it,
 reading an attribute, or using a constant's value) raises `NotProvidedError` naming the name and what this fork
 offers instead. Names upstream does not have still raise AttributeError. A package opts in with
@@ -40,10 +40,9 @@ def _values(advice: str, *names: str) -> dict[str, Missing]:
 
 ZERO3 = ("ZeRO stage 3 (partitioned parameters) is not implemented; at zero_optimization.stage 0, 1 or 2 every rank "
          "holds whole parameters, so engine.module can be used directly")
-NATIVE_OPS = ("DeepSpeed's native ops are not built by this fork; the config's optimizer types (Adam, AdamW, Muon, or "
-              "any torch.optim class name) build torch optimizers, nothing needs compiling")
-CPU_OPTIMIZERS = ("optimizer offload and DeepSpeed's CPU optimizers are not implemented; use torch.optim.AdamW, or "
-                  "optimizer.type 'AdamW' in the config")
+NATIVE_OPS = ("this fork builds one native op, cpu_adam (CPUAdamBuilder: DeepSpeedCPUAdam and ZeRO-Offload's step); "
+              "the config's other optimizer types (Adam, AdamW, Muon, or any torch.optim class name) build torch "
+              "optimizers, nothing needs compiling")
 FUSED_ADAM = ("use optimizer.type 'Adam' or 'AdamW' in the config (torch.optim.AdamW), or torch.optim.AdamW directly "
               "(fused=True on CUDA); FusedAdam's own state layout and bias_correction=False are not reproduced")
 ZENFLOW = "ZenFlow is not implemented (zero_optimization.zenflow is refused); use optimizer.type 'AdamW'"
@@ -96,10 +95,10 @@ NUMA = "NUMA core binding (the launcher's --bind_cores_to_rank) is not implement
 MODULE_UTILS = "use functools.reduce(getattr, name.split('.'), module) / setattr on the parent"
 
 _OP_BUILDERS = (
-    "AsyncIOBuilder", "CCLCommBuilder", "CPUAdagradBuilder", "CPUAdamBuilder", "CPULionBuilder", "DeepCompileBuilder",
+    "AsyncIOBuilder", "CCLCommBuilder", "CPUAdagradBuilder", "CPULionBuilder", "DeepCompileBuilder",
     "EvoformerAttnBuilder", "FPQuantizerBuilder", "FlashAttentionBuilder", "FusedAdamBuilder", "FusedLambBuilder",
     "FusedLionBuilder", "GDSBuilder", "InferenceBuilder", "InferenceCoreBuilder", "InferenceCutlassBuilder",
-    "NotImplementedBuilder", "OpBuilder", "PinMemoryBuilder", "QuantizerBuilder", "RaggedOpsBuilder",
+    "NotImplementedBuilder", "PinMemoryBuilder", "QuantizerBuilder", "RaggedOpsBuilder",
     "RaggedUtilsBuilder", "RandomLTDBuilder", "ShareMemCommBuilder", "SpatialInferenceBuilder",
     "StochasticTransformerBuilder", "TransformerBuilder", "UtilsBuilder", "get_default_compute_capabilities",
 )
@@ -159,7 +158,6 @@ NOT_PROVIDED: dict[str, dict[str, Missing]] = {
         **_callables(TRANSFORMER_KERNELS, "DeepSpeedTransformerLayer", "DeepSpeedTransformerConfig"),
     },
     "deepspeed.ops.adam": {
-        **_callables(CPU_OPTIMIZERS, "DeepSpeedCPUAdam"),
         **_callables(FUSED_ADAM, "FusedAdam"),
         **_callables(ZENFLOW, "ZenFlowCPUAdam", "ZenFlowSelectiveAdamW", "ZenFlowSelectiveAdamW_stage3"),
     },

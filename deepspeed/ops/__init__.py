@@ -1,5 +1,6 @@
-"""`deepspeed.ops`: upstream's native ops. This fork builds none yet: the subpackages exist so that scripts' imports
-work, and each upstream name in them fails on use saying what to use instead (deepspeed/not_provided.py)."""
+"""`deepspeed.ops`: upstream's native ops. This fork builds one, cpu_adam (`deepspeed.ops.adam.DeepSpeedCPUAdam`,
+`deepspeed.ops.op_builder.CPUAdamBuilder`); the other subpackages exist so that scripts' imports work, and each
+upstream name in them fails on use saying what to use instead (deepspeed/not_provided.py)."""
 
 from deepspeed.not_provided import module_getattr
 from deepspeed.ops import (adagrad, adam, aio, compile, deepspeed4science, fp_quantizer, gds, lamb, lion,  # noqa: F401

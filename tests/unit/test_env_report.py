@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from deepspeed import env_report
+from deepspeed.ops.op_builder import CPUAdamBuilder
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,7 +30,11 @@ def test_full_report():
     assert ("[OKAY]" in ninja_line) == env_report.ninja_installed()
     assert ("[FAIL]" in ninja_line) != env_report.ninja_installed()
     assert "op name" in out and "installed" in out and "compatible" in out
-    assert env_report.NO_NATIVE_OPS in out
+    assert env_report.NO_NATIVE_OPS not in out
+    cpu_adam = next(line for line in out.splitlines() if line.startswith("cpu_adam "))
+    builder = CPUAdamBuilder()
+    assert ("[YES]" in cpu_adam) == builder.is_installed() and ("[NO]" in cpu_adam) != builder.is_installed()
+    assert cpu_adam.endswith("[OKAY]") == builder.is_compatible()
     assert "DeepSpeed general environment info:" in out
     for row in ("torch install path", "torch version", "deepspeed install path", "deepspeed info",
                 "torch cuda version", "accelerator", "dtypes supported", "communication backend",
@@ -49,3 +54,14 @@ def test_hidden_sections(capsys):
 @pytest.mark.parametrize("size, text", [(512, "512.00 B"), (3 * 1024**3, "3.00 GB")])
 def test_human_readable_size(size, text):
     assert env_report.human_readable_size(size) == text
+
+
+def test_an_op_that_cannot_be_built_is_reported_with_the_reason(monkeypatch, capsys):
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    monkeypatch.setattr(CPUAdamBuilder, "is_installed", lambda self: False)
+    env_report.op_report(verbose=True)
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("cpu_adam "))
+    assert "[NO]" in row and not row.endswith("[OKAY]")
+    reasons = out.split(row, 1)[1]
+    assert "[WARNING] cpu_adam: no C++ compiler: `/nonexistent/c++` is not on PATH" in reasons
