@@ -157,23 +157,22 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "and clipped; Muon itself sees the loss-scaled gradient"),
         patches=(
             Patch(STAGE,
-                  "        fp32_grads = [self._unscaled(self.reducer.partition_grad(g), factor) "
-                  "for g in range(len(self.layouts))]\n",
-                  "        fp32_grads = [self.reducer.partition_grad(g).to(torch.float32)\n"
+                  "        fp32_grads = [self._unscaled(grad, factor) for grad in reduced]\n",
+                  "        fp32_grads = [grad.to(torch.float32)\n"
                   "                      * (1.0 if is_muon_group(self.optimizer.param_groups[g]) else factor)\n"
-                  "                      for g in range(len(self.layouts))]\n"),
+                  "                      for g, grad in enumerate(reduced)]\n"),
             Patch(STAGE,
-                  "        try:\n            self.optimizer.step()\n",
-                  "        muon_lrs = {id(group): group['lr'] for group in self.optimizer.param_groups\n"
-                  "                    if is_muon_group(group)}\n"
-                  "        for group in self.optimizer.param_groups:\n"
-                  "            if id(group) in muon_lrs:\n"
-                  "                group['lr'] = group['lr'] * float(factor)\n"
-                  "        try:\n"
-                  "            self.optimizer.step()\n"
-                  "            for group in self.optimizer.param_groups:\n"
-                  "                if id(group) in muon_lrs:\n"
-                  "                    group['lr'] = muon_lrs[id(group)]\n"),
+                  "            else:\n                self.optimizer.step()\n",
+                  "            else:\n"
+                  "                muon_lrs = {id(group): group['lr'] for group in self.optimizer.param_groups\n"
+                  "                            if is_muon_group(group)}\n"
+                  "                for group in self.optimizer.param_groups:\n"
+                  "                    if id(group) in muon_lrs:\n"
+                  "                        group['lr'] = group['lr'] * float(factor)\n"
+                  "                self.optimizer.step()\n"
+                  "                for group in self.optimizer.param_groups:\n"
+                  "                    if id(group) in muon_lrs:\n"
+                  "                        group['lr'] = muon_lrs[id(group)]\n"),
         ),
     ),
     Mutation(

@@ -5,6 +5,7 @@ from typing import Optional
 import torch
 
 from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigAssertionError, DeepSpeedConfigError
+from deepspeed.runtime.zero.config import OffloadDeviceEnum
 
 ADAM_OPTIMIZERS = ("adam", "adamw")
 MUON_OPTIMIZER = "muon"
@@ -21,9 +22,25 @@ def model_dtype_of(config: DeepSpeedConfig) -> torch.dtype:
     return torch.float32
 
 
+# Adam's keys that DeepSpeedCPUAdam takes (as torch's, except `amsgrad` and upstream's `bias_correction`).
+CPU_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "bias_correction")
+
+CLIENT_OPTIMIZER_WITH_OFFLOAD_MESSAGE = (
+    "zero_optimization.offload_optimizer steps the optimizer on the CPU, but the client optimizer ({name}) has no "
+    "CPU step of its own and would run torch's CPU code, usually far slower. Use deepspeed.ops.adam.DeepSpeedCPUAdam "
+    "(or let the config's optimizer section build one), or set \"zero_force_ds_cpu_optimizer\": false to keep "
+    "this optimizer.")
+
+
 def _zero_supported_types() -> tuple:
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
-    return (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, MuonWithAuxAdam)
+    return (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, MuonWithAuxAdam, DeepSpeedCPUAdam)
+
+
+def offloads_optimizer(config: DeepSpeedConfig) -> bool:
+    """True when ZeRO (stage >= 1) places the optimizer on the CPU (zero_optimization.offload_optimizer)."""
+    return config.zero_optimization_stage >= 1 and config.zero_config.has_optimizer_offload
 
 
 def build_basic_optimizer(engine, client_optimizer, model_parameters) -> Optional[torch.optim.Optimizer]:
@@ -34,6 +51,9 @@ def build_basic_optimizer(engine, client_optimizer, model_parameters) -> Optiona
         DeepSpeedConfigError: the config's optimizer refuses its `optimizer.params`.
         DeepSpeedConfigAssertionError: ZeRO without an optimizer, or upstream's untested-optimizer rule under ZeRO
             (both an AssertionError, as upstream raises them).
+        ZeRORuntimeException: optimizer offload with a client optimizer that has no CPU step of its own, unless
+            zero_force_ds_cpu_optimizer is false (as upstream).
+        OpBuildError: optimizer offload, and the CPU optimizer op cannot be built here.
     """
     config = engine._config
     engine._client_optimizer = client_optimizer is not None
@@ -41,6 +61,7 @@ def build_basic_optimizer(engine, client_optimizer, model_parameters) -> Optiona
     if not trainable and (client_optimizer is not None or config.optimizer_name is not None):
         raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False); "
                          "DeepSpeed needs at least one parameter to optimize")
+    optimizer = None
     if isinstance(client_optimizer, torch.optim.Optimizer):
         optimizer = client_optimizer
     elif client_optimizer is not None:
@@ -49,10 +70,12 @@ def build_basic_optimizer(engine, client_optimizer, model_parameters) -> Optiona
         named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
         params = model_parameters if model_parameters is not None else trainable
         optimizer = optimizer_from_config(config, named, params)
-    else:
+    if optimizer is None:
         if config.zero_optimization_stage >= 1:
             raise DeepSpeedConfigAssertionError(f"zero stage {config.zero_optimization_stage} requires an optimizer")
         return None
+    if client_optimizer is not None:
+        _check_client_optimizer_for_offload(config, optimizer)
     optimizer.param_groups[:] = [g for g in optimizer.param_groups if len(g["params"]) > 0]
     _check_no_duplicate_params(engine, optimizer)
     if config.zero_optimization_stage >= 1 and type(optimizer) not in _zero_supported_types():
@@ -80,6 +103,8 @@ def optimizer_from_config(config: DeepSpeedConfig, named_params, params) -> torc
     if name in ADAM_OPTIMIZERS:
         kwargs.pop("torch_adam", None)
         adam_w_mode = kwargs.pop("adam_w_mode", True)
+        if offloads_optimizer(config):
+            return _cpu_adam(params, kwargs, adamw_mode=name == "adamw" or adam_w_mode)
         cls = torch.optim.AdamW if (name == "adamw" or adam_w_mode) else torch.optim.Adam
     else:
         cls = getattr(torch.optim, "SGD" if name == "sgd" else name)
@@ -89,6 +114,30 @@ def optimizer_from_config(config: DeepSpeedConfig, named_params, params) -> torc
         # Keys this fork does not check itself (e.g. momentum for SGD, foreach) are torch's to refuse.
         raise DeepSpeedConfigError(f"optimizer.params {kwargs} are refused by torch.optim.{cls.__name__} "
                                    f"(optimizer.type '{name}'): {exc}") from exc
+
+
+def _cpu_adam(params, kwargs: dict, adamw_mode: bool) -> torch.optim.Optimizer:
+    """DeepSpeedCPUAdam for optimizer type adam/adamw under optimizer offload (upstream's choice too)."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    refused = sorted(set(kwargs) - set(CPU_ADAM_KEYS))
+    if refused:
+        raise DeepSpeedConfigError(f"optimizer.params {refused} are not taken by DeepSpeedCPUAdam, which steps the "
+                                   "optimizer under zero_optimization.offload_optimizer; it takes "
+                                   f"{list(CPU_ADAM_KEYS)}")
+    return DeepSpeedCPUAdam(params, adamw_mode=adamw_mode, **kwargs)
+
+
+def _check_client_optimizer_for_offload(config: DeepSpeedConfig, optimizer: torch.optim.Optimizer) -> None:
+    """Upstream's zero_force_ds_cpu_optimizer rule, asked as a capability: an optimizer that steps on the host with
+    the native op (DeepSpeedCPUAdam; MuonWithAuxAdam, which also orthogonalises on the accelerator) passes."""
+    if not offloads_optimizer(config) or not config.zero_force_ds_cpu_optimizer:
+        return
+    if getattr(optimizer, "fuses_grad_scale", False) or hasattr(optimizer, "run_on_host"):
+        return
+    from deepspeed.runtime.zero.utils import ZeRORuntimeException
+
+    raise ZeRORuntimeException(CLIENT_OPTIMIZER_WITH_OFFLOAD_MESSAGE.format(name=type(optimizer).__name__))
 
 
 def _check_no_duplicate_params(engine, optimizer) -> None:
@@ -114,7 +163,7 @@ def build_zero_optimizer(engine, basic_optimizer):
                                    "this fork yet; expected 0, 1 or 2")
     model_dtype = model_dtype_of(config)
     zero = config.zero_config
-    _reject_unimplemented_offload(zero)
+    offload = _offload_section(config)
     fp16 = config.float16_config
     options = ZeroOptions(
         stage=config.zero_optimization_stage,
@@ -128,6 +177,7 @@ def build_zero_optimizer(engine, basic_optimizer):
         clip_grad=config.gradient_clipping,
         check_overflow=_checks_overflow(config),
         average=config.gradient_allreduce_op == "mean",
+        offload_optimizer=offload,
     )
     dynamic = config.fp16_enabled and fp16.loss_scale == 0
     static_scale = fp16.loss_scale if config.fp16_enabled else 1.0
@@ -138,14 +188,21 @@ def build_zero_optimizer(engine, basic_optimizer):
                                   engine.device)
 
 
-def _reject_unimplemented_offload(zero) -> None:
-    """Optimizer offload is parsed for config compatibility but not implemented: refuse it rather than ignore it.
-    (offload_param needs stage 3, which the config validation and the stage check above already refuse.)"""
-    section = zero.offload_optimizer
-    device = getattr(getattr(section, "device", None), "value", getattr(section, "device", None))
-    if section is not None and device not in (None, "none"):
-        raise DeepSpeedConfigError(f"zero_optimization.offload_optimizer.device '{device}' is not implemented in "
-                                   "this fork; expected 'none' (or remove the section)")
+def _offload_section(config: DeepSpeedConfig):
+    """zero_optimization.offload_optimizer when it offloads to the CPU, else None; NVMe is refused.
+
+    (offload_param needs stage 3, which the config validation and the stage check above already refuse.)
+    """
+    if not offloads_optimizer(config):
+        return None
+    section = config.zero_config.offload_optimizer
+    device = OffloadDeviceEnum(section.device).value
+    if device != OffloadDeviceEnum.cpu.value:
+        raise DeepSpeedConfigError(f"zero_optimization.offload_optimizer.device '{device}' is not "
+                                   "implemented in this fork: NVMe offload needs upstream's asynchronous I/O op, "
+                                   "which is not built here; use 'cpu' (masters and optimizer state in host memory) "
+                                   "or 'none'")
+    return section
 
 
 def _checks_overflow(config: DeepSpeedConfig) -> bool:

@@ -7,6 +7,10 @@ fp32 masters ("hp") for its partition. The wrapped ("basic") optimizer sees only
 whole matrices for Muon groups (each has exactly one owner, see flat_layout.owner_layout) and one flat
 1-D partition for other groups. So Muon's momentum and Newton-Schulz run in the basic optimizer's step,
 inside the transaction, once per matrix across the group.
+
+With optimizer offload (zero/offload.py) the masters and the basic optimizer's state live in host memory and the
+basic optimizer steps there; the reduced gradients travel to the host before the verdict and the updated weights
+come back after the step.
 """
 
 from dataclasses import dataclass
@@ -17,8 +21,10 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
 from deepspeed.runtime.optimizer_step import StepOutcome, transactional_step
+from deepspeed.runtime.zero.config import DeepSpeedZeroOffloadOptimizerConfig
 from deepspeed.runtime.zero.flat_layout import GroupLayout, even_layout, newton_schulz_cost, owner_layout
 from deepspeed.runtime.zero.grad_reducer import GradReducer, ReducerOptions
+from deepspeed.runtime.zero.offload import HostOffload
 
 
 @dataclass
@@ -37,6 +43,7 @@ class ZeroOptions:
         clip_grad: gradient_clipping (<= 0 disables).
         check_overflow: skip steps with non-finite gradients.
         average: average (True) or sum (False) gradients over data-parallel ranks.
+        offload_optimizer: zero_optimization.offload_optimizer when its device is "cpu" (stages 1, 2), else None.
     """
 
     stage: int
@@ -50,6 +57,7 @@ class ZeroOptions:
     clip_grad: float = 0.0
     check_overflow: bool = True
     average: bool = True
+    offload_optimizer: Optional[DeepSpeedZeroOffloadOptimizerConfig] = None
 
 
 @dataclass(frozen=True)
@@ -93,14 +101,13 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         self.bit16_groups = [[p for p in group["params"] if p.requires_grad] for group in init_optimizer.param_groups]
         self.layouts = self._build_layouts()
         self._flatten_lp_params()
+        self._offload = self._build_offload()
         self._create_hp_partitions()
         self._rebind_basic_optimizer()
         self.reducer = GradReducer(self.layouts, self._reduction_order(), self.dp_rank, self.dp_world_size, dp_group,
                                    self._reducer_options(), self.device)
         self._hook_handles = self._register_grad_hooks()
-        lend_step_workspace = getattr(self.optimizer, "lend_step_workspace", None)
-        if lend_step_workspace is not None:
-            lend_step_workspace(self._buffers_dead_during_step())
+        self._configure_basic_optimizer()
         self.overflow = False
         self._last_outcome: Optional[StepOutcome] = None
         self._grads_ready = False
@@ -141,10 +148,20 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         rank = self.dp_rank if self.layouts[group].num_partitions > 1 else 0
         return self.parallel_partitioned_bit16_groups[group][rank]
 
+    def _build_offload(self) -> Optional[HostOffload]:
+        offload = self.options.offload_optimizer
+        if offload is None:
+            return None
+        numels = [layout.partition_size for layout in self.layouts]
+        return HostOffload(numels, self.options.accum_dtype, self.options.model_dtype, self.device,
+                           offload.pin_memory)
+
     def _create_hp_partitions(self) -> None:
-        self.single_partition_of_fp32_groups = [
-            self._lp_partition(g).detach().to(torch.float32, copy=True) for g in range(len(self.layouts))
-        ]
+        lp_partitions = [self._lp_partition(g).detach() for g in range(len(self.layouts))]
+        if self._offload is not None:
+            self.single_partition_of_fp32_groups = self._offload.host_masters(lp_partitions)
+        else:
+            self.single_partition_of_fp32_groups = [lp.to(torch.float32, copy=True) for lp in lp_partitions]
 
     def _rebind_basic_optimizer(self) -> None:
         """Point the basic optimizer at this rank's fp32 masters (whole matrices for Muon groups)."""
@@ -165,6 +182,21 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
                 self._hp_slots[id(hp)] = _HpSlot(g, 0, hp.numel(), hp.shape)
             group["params"] = params
         self.optimizer.state.clear()
+
+    def _configure_basic_optimizer(self) -> None:
+        """Tell the basic optimizer what it may use: on the accelerator, buffers dead during its step; offloaded, that
+        it steps on the host (where Muon still orthogonalises on the accelerator, see MuonWithAuxAdam.run_on_host)."""
+        # DeepSpeedCPUAdam declares that its step takes the unscale-and-clip factor and writes the model-dtype copy
+        # in the same pass; other optimizers get unscaled fp32 gradients and the copy is a separate pass.
+        self._fuses_grad_scale = self._offload is not None and getattr(self.optimizer, "fuses_grad_scale", False)
+        if self._offload is not None:
+            run_on_host = getattr(self.optimizer, "run_on_host", None)
+            if run_on_host is not None:
+                run_on_host(self.device)
+            return
+        lend_step_workspace = getattr(self.optimizer, "lend_step_workspace", None)
+        if lend_step_workspace is not None:
+            lend_step_workspace(self._buffers_dead_during_step())
 
     def _buffers_dead_during_step(self) -> List[torch.Tensor]:
         """Buffers whose contents nothing needs while the basic optimizer steps (see `_apply`): the lp weights,
@@ -257,7 +289,7 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
 
     @property
     def cpu_offload(self) -> bool:
-        return False
+        return self._offload is not None
 
     @property
     def param_groups(self) -> list:
@@ -310,19 +342,35 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         Nothing the step protects changes here (the gradients are new tensors, and the basic optimizer computes
         its Muon updates out of place), so a skipped step drops both. Queuing Newton-Schulz now lets the host
         issue its many launches while the device finishes the backward, instead of after the verdict.
+
+        Offloaded, the gradients first travel to host staging buffers; an optimizer that unscales in its own step
+        (DeepSpeedCPUAdam) needs nothing else before the verdict.
         """
+        reduced = [self.reducer.partition_grad(g) for g in range(len(self.layouts))]
+        if self._offload is not None:
+            self._offload.send_grads(reduced)
+            if self._fuses_grad_scale:
+                return
+            reduced, factor = self._offload.host_grads(), factor.cpu()
         # A new fp32 tensor per group: multiplying in place would write the reducer's buffer when it is fp32.
-        fp32_grads = [self._unscaled(self.reducer.partition_grad(g), factor) for g in range(len(self.layouts))]
+        fp32_grads = [self._unscaled(grad, factor) for grad in reduced]
+        self._set_master_grads(fp32_grads)
+        prepare_muon_updates = getattr(self.optimizer, "prepare_muon_updates", None)
+        if prepare_muon_updates is not None:
+            prepare_muon_updates()
+
+    def _set_master_grads(self, grads: List[torch.Tensor]) -> None:
+        """Give each master view the matching slice of its group's gradient as `.grad`."""
         for group in self.optimizer.param_groups:
             for param in group["params"]:
                 slot = self._hp_slots[id(param)]
                 # One view op per param (a step is bound by the host at small scale); the master is contiguous, so
                 # its strides are the gradient view's.
-                buffer = fp32_grads[slot.group]
+                buffer = grads[slot.group]
+                if buffer.dtype != param.dtype:
+                    # Host-staged gradients stay in the model dtype; the host step upcasts them as it reads them.
+                    param.grad_dtype = None
                 param.grad = buffer.as_strided(slot.shape, param.stride(), buffer.storage_offset() + slot.start)
-        prepare_muon_updates = getattr(self.optimizer, "prepare_muon_updates", None)
-        if prepare_muon_updates is not None:
-            prepare_muon_updates()
 
     @staticmethod
     def _unscaled(grad: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
@@ -336,26 +384,53 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         The lp weights are rewritten even when the step raises: the basic optimizer may have used them as scratch
         memory (`_buffers_dead_during_step`), and they must end up equal to the masters either way.
         """
+        is_written = False
         try:
-            self.optimizer.step()
+            if self._fuses_grad_scale:
+                is_written = self._fused_host_step(factor)
+            else:
+                self.optimizer.step()
         finally:
             # The fp32 gradients are dead now: free them before the publishing all-gather allocates.
             self._release_master_grads()
-            self.update_lp_params()
+            self._publish(is_written)
+
+    def _fused_host_step(self, factor: torch.Tensor) -> bool:
+        """The offloaded step in one pass per group: unscale and clip, update the host masters, write the model-dtype
+        weights into the buffers that go back to the device. Returns True (the weights are written)."""
+        self._set_master_grads(self._offload.host_grads())
+        targets = self._offload.lp_targets([self._lp_partition(g) for g in range(len(self.layouts))])
+        copies = []
+        for group in self.optimizer.param_groups:
+            slots = [self._hp_slots[id(param)] for param in group["params"]]
+            copies.append([targets[slot.group][slot.start:slot.start + slot.numel] for slot in slots])
+        self.optimizer.step(fp16_param_groups=copies, grad_scale=factor.item())
+        return True
 
     def _release_master_grads(self) -> None:
         for group in self.optimizer.param_groups:
             for param in group["params"]:
                 param.grad = None
+        if self._offload is not None:
+            self._offload.release_grads()
         discard = getattr(self.optimizer, "discard_prepared_updates", None)
         if discard is not None:
             discard()
 
     def update_lp_params(self) -> None:
         """Copy fp32 masters into this rank's lp partition and all-gather the partitions."""
+        self._publish(is_written=False)
+
+    def _publish(self, is_written: bool) -> None:
+        """Bring the masters into this rank's lp partition (offloaded: from the host; `is_written`: the step already
+        wrote them in the model dtype) and all-gather the partitions."""
         for g, layout in enumerate(self.layouts):
             lp_partition = self._lp_partition(g)
-            lp_partition.copy_(self.single_partition_of_fp32_groups[g])
+            master = self.single_partition_of_fp32_groups[g]
+            if self._offload is not None:
+                self._offload.send_weights(g, lp_partition, master, is_written)
+            else:
+                lp_partition.copy_(master)
             if layout.num_partitions > 1:
                 dist.all_gather_into_tensor(self.bit16_groups_flat[g], lp_partition.clone(),
                                             group=self.dp_process_group)

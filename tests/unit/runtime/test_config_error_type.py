@@ -62,8 +62,8 @@ class TestAtInitialize(DistributedTest):
 
     @pytest.mark.parametrize("change, message", [
         ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage 3 is not supported by this fork"),
-        ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
-         "zero_optimization.offload_optimizer.device 'cpu' is not implemented"),
+        ({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
+         "zero_optimization.offload_optimizer.device 'nvme' is not implemented"),
         ({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": -1.0}}},
          "refused by torch.optim.SGD (optimizer.type 'sgd'): Invalid momentum value: -1.0"),
         ({"optimizer": {"type": "AdamW", "params": {"bias_correction": False}}},

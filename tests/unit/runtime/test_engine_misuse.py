@@ -63,12 +63,14 @@ class TestMisuse(DistributedTest):
 class TestUnimplementedOptions(DistributedTest):
     world_size = 1
 
-    @pytest.mark.parametrize("key, message", [
-        ("offload_optimizer", "zero_optimization.offload_optimizer.device 'cpu' is not implemented"),
-        ("offload_param", "zero_optimization.offload_param requires zero_optimization.stage 3, got 2"),
+    @pytest.mark.parametrize("key, section, message", [
+        ("offload_optimizer", {"device": "nvme", "nvme_path": "/tmp"},
+         "zero_optimization.offload_optimizer.device 'nvme' is not implemented"),
+        ("offload_param", {"device": "cpu"},
+         "zero_optimization.offload_param requires zero_optimization.stage 3, got 2"),
     ])
-    def test_offload_is_refused_not_ignored(self, key, message):
+    def test_offload_is_refused_not_ignored(self, key, section, message):
         config = make_config(2, "fp32")
-        config["zero_optimization"][key] = {"device": "cpu"}
+        config["zero_optimization"][key] = section
         with pytest.raises(ValueError, match=message):
             initialize(make_model(), config)

@@ -1,0 +1,126 @@
+"""ZeRO-Offload's placement (`zero_optimization.offload_optimizer.device: "cpu"`): the fp32 masters and the optimizer
+state live in host memory and the optimizer steps there; the accelerator keeps the model-dtype weights and the
+reduced gradients.
+
+This module owns the host side of that: the masters, pinned staging buffers for the gradients on their way to the
+host and for the updated weights on their way back, and the copies between them. It knows nothing of loss scales,
+optimizers or collectives. On a CPU-only run the "accelerator" is the host: no copies, the optimizer reads the
+reducer's gradients and writes the model's weights directly.
+
+The transaction (runtime/optimizer_step.py) is unchanged: the verdict is taken on the device's gradients. Before it
+only the staging buffers are written; the step on the host and the copy back run after it.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+
+class HostOffload:
+    """Host memory of one rank's ZeRO partitions under optimizer offload.
+
+    Args:
+        partition_numels: elements of this rank's partition of each group.
+        grad_dtype: dtype of the reduced gradients (the gradient-accumulation dtype).
+        lp_dtype: the model dtype.
+        device: the accelerator device of this rank (a CPU device means no staging).
+        pin_memory: allocate the host buffers and masters page-locked (faster, asynchronous copies).
+    """
+
+    def __init__(self, partition_numels: Sequence[int], grad_dtype: torch.dtype, lp_dtype: torch.dtype,
+                 device: torch.device, pin_memory: bool) -> None:
+        self.device = device
+        self.is_staged = device.type != "cpu"
+        self.pin_memory = pin_memory and self.is_staged
+        self._grads: List[Tensor] = []
+        self._lp: List[Tensor] = []
+        if self.is_staged:
+            self._grads = [self._empty(numel, grad_dtype) for numel in partition_numels]
+            self._lp = [self._empty(numel, lp_dtype) for numel in partition_numels]
+        self._grads_arrived: Optional[object] = None
+        self._lp_sent: List[Optional[object]] = [None] * len(partition_numels)
+
+    def _empty(self, numel: int, dtype: torch.dtype) -> Tensor:
+        return torch.empty(numel, dtype=dtype, pin_memory=self.pin_memory)
+
+    def _event(self):
+        from deepspeed.accelerator import get_accelerator
+
+        event = get_accelerator().Event()
+        event.record()
+        return event
+
+    def host_masters(self, lp_partitions: Sequence[Tensor]) -> List[Tensor]:
+        """fp32 host copies of this rank's lp partitions: the masters the host optimizer steps."""
+        masters = []
+        for lp in lp_partitions:
+            master = self._empty(lp.numel(), torch.float32)
+            master.copy_(lp)
+            masters.append(master)
+        return masters
+
+    def send_grads(self, device_grads: Sequence[Tensor]) -> None:
+        """Start copying the reduced gradients into the host staging buffers (no-op on a CPU-only run).
+
+        Stream-ordered after the reduction that produced them; `host_grads` waits for the copy. Writes nothing
+        but the staging buffers, so it may run before the step's verdict.
+        """
+        if not self.is_staged:
+            self._device_grads = list(device_grads)
+            return
+        for staging, grad in zip(self._grads, device_grads):
+            staging.copy_(grad, non_blocking=self.pin_memory)
+        self._grads_arrived = self._event()
+
+    def host_grads(self) -> List[Tensor]:
+        """The gradients `send_grads` sent, on the host (the reducer's own tensors on a CPU-only run)."""
+        if not self.is_staged:
+            return self._device_grads
+        if self._grads_arrived is not None:
+            self._grads_arrived.synchronize()
+            self._grads_arrived = None
+        return self._grads
+
+    def release_grads(self) -> None:
+        self.__dict__.pop("_device_grads", None)
+
+    def lp_targets(self, lp_partitions: Sequence[Tensor]) -> List[Tensor]:
+        """Where the host step writes the updated weights in the model dtype: the staging buffers (once their
+        previous copy to the device has finished), or the lp partitions themselves on a CPU-only run."""
+        if not self.is_staged:
+            return list(lp_partitions)
+        for group in range(len(self._lp)):
+            self._wait_for_send(group)
+        return self._lp
+
+    def _wait_for_send(self, group: int) -> None:
+        sent = self._lp_sent[group]
+        if sent is not None:
+            sent.synchronize()
+            self._lp_sent[group] = None
+
+    def send_weights(self, group: int, lp_partition: Tensor, master: Tensor, is_written: bool) -> None:
+        """Bring the updated weights of `group` into its lp partition on the device.
+
+        Args:
+            group: the group index.
+            lp_partition: this rank's lp partition of the group (on the device).
+            master: its fp32 master (on the host).
+            is_written: the step already wrote the weights into `lp_targets()` (the fused op does); else they are
+                cast from the master here.
+        """
+        if not self.is_staged:
+            if not is_written:
+                lp_partition.copy_(master)
+            return
+        staging = self._lp[group]
+        if not is_written:
+            self._wait_for_send(group)
+            staging.copy_(master)
+        # Asynchronous from pinned memory: the host goes on while the copy runs; the all-gather that publishes the
+        # partition is queued behind it on the same stream.
+        lp_partition.copy_(staging, non_blocking=self.pin_memory)
+        self._lp_sent[group] = self._event()

@@ -1,0 +1,184 @@
+"""ZeRO-Offload (zero_optimization.offload_optimizer {device: cpu}) at stages 1 and 2, on 2 CPU ranks.
+
+Offload vs no offload in fp32 (AdamW and Muon, step by step); the overflow oracle (a skipped step equals never
+taking it, bit for bit, host state included); the resume oracle (save, resume in a fresh engine, continue: bit for
+bit); the reporter's table of upstream issue #8432 with offload; and what the engine refuses.
+"""
+
+import pytest
+import torch
+
+import deepspeed
+from deepspeed.ops.adam import DeepSpeedCPUAdam
+from deepspeed.ops.op_builder import CPUAdamBuilder
+from deepspeed.runtime.config import DeepSpeedConfigError
+from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+from deepspeed.runtime.zero.utils import ZeRORuntimeException
+from unit.checkpoint.resume_harness import assert_identical, checkpoint_config, full_snapshot
+from unit.common import DistributedTest
+from unit.runtime.engine_harness import (fp32_masters, global_batches, initialize, make_config, make_model,
+                                         model_params, relative_error, train_steps)
+from unit.simple_model import SimpleModel, random_dataloader
+
+HIDDEN = 16
+OFFLOAD = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
+MUON = {"type": "muon", "params": {"lr": 0.02, "adam_lr": 1e-2, "ns_dtype": "fp32", "weight_decay": 0.01}}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_adam_op():
+    """Build (or find) the op in the test process, so the forked ranks inherit it loaded."""
+    return CPUAdamBuilder().load()
+
+
+def offload_config(stage, dtype, optimizer=None, offload=True, **extra):
+    config = make_config(stage, dtype, micro=4, optimizer=optimizer, **extra)
+    if offload:
+        config["zero_optimization"].update(OFFLOAD)
+    return config
+
+
+def host_state_tensors(engine):
+    """Every tensor the offloaded optimizer keeps: the masters and the basic optimizer's state."""
+    tensors = list(engine.optimizer.single_partition_of_fp32_groups)
+    for state in engine.optimizer.optimizer.state.values():
+        tensors += [value for value in state.values() if torch.is_tensor(value)]
+    return tensors
+
+
+class TestOffloadParity(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+    @pytest.mark.parametrize("stage", [1, 2])
+    def test_offload_follows_the_run_without_it(self, stage, optimizer):
+        optim = MUON if optimizer == "muon" else None
+        batches = global_batches(5, 8, HIDDEN)
+        offloaded, _ = initialize(make_model(HIDDEN), offload_config(stage, "fp32", optim, clip=1.0))
+        plain, _ = initialize(make_model(HIDDEN), offload_config(stage, "fp32", optim, offload=False, clip=1.0))
+        assert offloaded.optimizer.cpu_offload and not plain.optimizer.cpu_offload
+        expected_type = MuonWithAuxAdam if optimizer == "muon" else DeepSpeedCPUAdam
+        assert type(offloaded.basic_optimizer) is expected_type
+        assert all(t.device.type == "cpu" for t in host_state_tensors(offloaded))
+        for step, batch in enumerate(batches):
+            assert train_steps(offloaded, [batch], "fp32") == pytest.approx(train_steps(plain, [batch], "fp32"),
+                                                                            rel=1e-5)
+            for index, (a, b) in enumerate(zip(fp32_masters(offloaded), fp32_masters(plain))):
+                assert relative_error(a, b) < 1e-5, f"param {index} step {step}"
+            assert offloaded.get_global_grad_norm() == pytest.approx(plain.get_global_grad_norm(), rel=1e-5)
+        for a, b in zip(model_params(offloaded), model_params(plain)):
+            assert relative_error(a, b) < 1e-5
+        key = "momentum_buffer" if optimizer == "muon" else "exp_avg"
+        for param_a, param_b in zip(offloaded.module.parameters(), plain.module.parameters()):
+            if param_a.ndim >= 2:
+                a = deepspeed.utils.safe_get_full_optimizer_state(param_a, key)
+                b = deepspeed.utils.safe_get_full_optimizer_state(param_b, key)
+                assert a.device == b.device and relative_error(a, b) < 1e-5
+
+
+class TestOffloadOverflowOracle(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+    @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+    @pytest.mark.parametrize("stage", [1, 2])
+    def test_skipped_step_equals_never_taking_it(self, stage, dtype, optimizer):
+        k = 2
+        optim = MUON if optimizer == "muon" else None
+        extra = {"bf16": {"enabled": True, "check_grad_overflow": True}} if dtype == "bf16" else {}
+        config = offload_config(stage, dtype, optim, **extra)
+        batches = global_batches(k + 2, 8, HIDDEN)
+        poisoned, _ = initialize(make_model(HIDDEN), config)
+        for step, batch in enumerate(batches[:k + 1]):
+            train_steps(poisoned, [batch], dtype, loss_multipliers={0: float("inf")} if step == k else None)
+            assert poisoned.was_step_applied() == (step != k)
+        after_skip = full_snapshot(poisoned)
+        host_after_skip = [t.clone() for t in host_state_tensors(poisoned)]
+        clean, _ = initialize(make_model(HIDDEN), config)
+        train_steps(clean, batches[:k], dtype)
+        never_taken = full_snapshot(clean)
+        for key in ("masters", "params", "states", "local_states", "local_devices"):
+            assert_identical(after_skip[key], never_taken[key], key)
+        for index, (a, b) in enumerate(zip(host_after_skip, host_state_tensors(clean))):
+            assert torch.equal(a, b), f"host tensor {index}"
+        train_steps(poisoned, batches[k + 1:], dtype)
+        assert poisoned.was_step_applied() and all(torch.isfinite(t).all() for t in fp32_masters(poisoned))
+
+
+class TestOffloadResume(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+    @pytest.mark.parametrize("stage", [1, 2])
+    def test_resume_equals_uninterrupted(self, stage, optimizer, tmpdir):
+        for dtype in ("fp32", "fp16", "bf16"):
+            config = checkpoint_config(stage, dtype, optimizer)
+            config["zero_optimization"].update(OFFLOAD)
+            engine = deepspeed.initialize(model=make_model(HIDDEN, seed=0), config=config)[0]
+            batches = global_batches(6, 2 * 2, HIDDEN)
+            train_steps(engine, batches[:3], dtype)
+            engine.save_checkpoint(str(tmpdir), tag=dtype)
+            expected_losses = train_steps(engine, batches[3:], dtype)
+            resumed = deepspeed.initialize(model=make_model(HIDDEN, seed=1), config=config)[0]
+            resumed.load_checkpoint(str(tmpdir), tag=dtype)
+            assert train_steps(resumed, batches[3:], dtype) == expected_losses, dtype
+            assert_identical(full_snapshot(resumed), full_snapshot(engine), dtype)
+
+
+class TestOffloadReporterTable(DistributedTest):
+    """The reporter's isolation table of upstream issue #8432 (fp16 Muon, SimpleModel 128 x 5, lr 0.05, 30 steps),
+    with the optimizer offloaded: every parameter moves and stays finite."""
+
+    world_size = 2
+
+    @pytest.mark.parametrize("stage", [1, 2])
+    def test_every_parameter_moves(self, stage):
+        config = {"train_micro_batch_size_per_gpu": 8, "steps_per_print": 10**6,
+                  "optimizer": {"type": "muon", "params": {"lr": 0.05}}, "fp16": {"enabled": True},
+                  "zero_optimization": {"stage": stage, **OFFLOAD}}
+        torch.manual_seed(0)
+        engine = deepspeed.initialize(model=SimpleModel(hidden_dim=128, nlayers=5), config=config)[0]
+        torch.manual_seed(1 + deepspeed.comm.get_rank())
+        data = random_dataloader(model=engine, total_samples=30 * 8, hidden_dim=128, device=engine.device,
+                                 dtype=torch.float16)
+        before = fp32_masters(engine)
+        for x, y in data:
+            engine.backward(engine(x, y))
+            engine.step()
+        after = fp32_masters(engine)
+        assert engine.global_steps == 30 and 1 <= engine.skipped_steps < 15
+        moved = [i for i, (a, b) in enumerate(zip(before, after)) if relative_error(b, a) > 1e-3]
+        assert len(moved) == len(before) == 10
+        assert all(torch.isfinite(t).all() for t in after + model_params(engine))
+
+
+class TestOffloadConfig(DistributedTest):
+    world_size = 1
+
+    def test_what_the_engine_refuses(self):
+        model = make_model(HIDDEN)
+        nvme = offload_config(1, "fp32")
+        nvme["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": "/tmp"}
+        with pytest.raises(DeepSpeedConfigError, match="offload_optimizer.device 'nvme' is not implemented in this "
+                           "fork: NVMe offload"):
+            initialize(model, nvme)
+        client = torch.optim.AdamW(model.parameters())
+        with pytest.raises(ZeRORuntimeException, match=r"client optimizer \(AdamW\) has no CPU step .* "
+                           r"\"zero_force_ds_cpu_optimizer\": false"):
+            deepspeed.initialize(model=model, optimizer=client, config=offload_config(1, "fp32"))
+        with pytest.raises(DeepSpeedConfigError, match=r"optimizer.params \['foreach'\] are not taken by "
+                           "DeepSpeedCPUAdam"):
+            initialize(model, offload_config(2, "fp32", {"type": "AdamW", "params": {"lr": 1e-3, "foreach": True}}))
+
+    def test_client_optimizers_that_step_on_the_host_and_the_opt_out(self):
+        model = make_model(HIDDEN)
+        engine = deepspeed.initialize(model=model, optimizer=DeepSpeedCPUAdam(model.parameters(), lr=1e-3),
+                                      config=offload_config(2, "fp32"))[0]
+        assert engine.optimizer.cpu_offload and engine.optimizer_name() == "DeepSpeedCPUAdam"
+        config = offload_config(1, "fp32", zero_force_ds_cpu_optimizer=False)
+        model = make_model(HIDDEN)
+        engine = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config)[0]
+        # A torch optimizer on the host masters (the generic path): it trains.
+        before = fp32_masters(engine)
+        train_steps(engine, global_batches(2, 4, HIDDEN), "fp32")
+        assert any(not torch.equal(a, b) for a, b in zip(before, fp32_masters(engine)))
