@@ -182,3 +182,22 @@ class TestOffloadConfig(DistributedTest):
         before = fp32_masters(engine)
         train_steps(engine, global_batches(2, 4, HIDDEN), "fp32")
         assert any(not torch.equal(a, b) for a, b in zip(before, fp32_masters(engine)))
+
+
+class TestOffloadNeedsTheOp(DistributedTest):
+    """No silent slow path: when the op cannot be built, deepspeed.initialize fails saying why."""
+
+    world_size = 1
+
+    @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+    def test_an_op_that_cannot_be_built_stops_initialize(self, optimizer):
+        import os
+
+        from deepspeed.ops.op_builder import OpBuildError, OpBuilder
+
+        # This rank is a forked process: what it changes here dies with it.
+        os.environ["CXX"] = "/nonexistent/c++"
+        OpBuilder._loaded_ops.pop("cpu_adam", None)
+        CPUAdamBuilder.is_installed = lambda self: False
+        with pytest.raises(OpBuildError, match=r"Unable to JIT load the cpu_adam op .* no C\+\+ compiler"):
+            initialize(make_model(HIDDEN), offload_config(2, "bf16", MUON if optimizer == "muon" else None))

@@ -1,0 +1,99 @@
+"""MuonWithAuxAdam stepping on the host (`run_on_host`, ZeRO-Offload's mode): the momentum fold and Nesterov direction
+in the native op give torch's bits, so the Muon matrices follow the torch path exactly, laid out as ZeRO lays them
+(one run) or not, before and after a checkpoint; the Adam half steps with the op within float rounding."""
+
+import copy
+
+import pytest
+import torch
+
+from deepspeed.ops.op_builder import CPUAdamBuilder
+from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+SHAPES = [(24, 16), (24, 16), (16, 8), (8, 3, 2, 2)]
+BIASES = [(24, ), (8, )]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def op():
+    return CPUAdamBuilder().load()
+
+
+def params_and_grads(flat: bool):
+    """Matrices (and their gradients) as views of one buffer each, as ZeRO's masters are, or separate tensors."""
+    generator = torch.Generator().manual_seed(0)
+    numels = [torch.Size(shape).numel() for shape in SHAPES]
+    values = torch.randn(sum(numels), generator=generator)
+    if flat:
+        matrices, start = [], 0
+        for shape, numel in zip(SHAPES, numels):
+            matrices.append(values[start:start + numel].view(shape))
+            start += numel
+    else:
+        matrices = [torch.randn(shape, generator=generator) for shape in SHAPES]
+    biases = [torch.randn(shape, generator=generator) for shape in BIASES]
+    return matrices, biases
+
+
+def set_grads(matrices, biases, step, flat):
+    generator = torch.Generator().manual_seed(100 + step)
+    grads = [torch.randn(m.shape, generator=generator) for m in matrices]
+    if flat:
+        buffer = torch.cat([g.reshape(-1) for g in grads])
+        start = 0
+        for m in matrices:
+            m.grad = buffer[start:start + m.numel()].view(m.shape)
+            start += m.numel()
+    else:
+        for m, g in zip(matrices, grads):
+            m.grad = g
+    for b in biases:
+        b.grad = torch.randn(b.shape, generator=generator)
+
+
+def make(matrices, biases, on_host):
+    optimizer = MuonWithAuxAdam([{"params": matrices, "use_muon": True, "lr": 0.02, "weight_decay": 0.01},
+                                 {"params": biases, "use_muon": False, "lr": 1e-2, "weight_decay": 0.01}])
+    if on_host:
+        optimizer.run_on_host("cpu")
+    return optimizer
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_host_steps_follow_the_torch_path(flat):
+    runs = {}
+    for on_host in (False, True):
+        matrices, biases = params_and_grads(flat)
+        optimizer = make(matrices, biases, on_host)
+        for step in range(4):
+            set_grads(matrices, biases, step, flat)
+            if step % 2:
+                optimizer.prepare_muon_updates()  # as ZeRO does before its verdict
+            optimizer.step()
+            if step == 1:
+                # A checkpoint round trip: the restored momenta are separate tensors (not one run) again.
+                state = copy.deepcopy(optimizer.state_dict())
+                optimizer = make(matrices, biases, on_host)
+                optimizer.load_state_dict(state)
+        runs[on_host] = (matrices, biases, optimizer)
+    (torch_matrices, torch_biases, torch_opt), (host_matrices, host_biases, host_opt) = runs[False], runs[True]
+    for a, b in zip(host_matrices, torch_matrices):
+        assert torch.equal(a, b)
+        assert torch.equal(host_opt.state[a]["momentum_buffer"], torch_opt.state[b]["momentum_buffer"])
+    for a, b in zip(host_biases, torch_biases):
+        assert ((a - b).norm() / b.norm()).item() < 1e-6
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert ((host_opt.state[a][key] - torch_opt.state[b][key]).norm() / torch_opt.state[b][key].norm()) < 1e-6
+
+
+def test_a_prepared_update_leaves_the_host_state_alone_until_the_step():
+    matrices, biases = params_and_grads(flat=True)
+    optimizer = make(matrices, biases, on_host=True)
+    set_grads(matrices, biases, 0, flat=True)
+    optimizer.step()
+    before = [m.clone() for m in matrices] + [optimizer.state[m]["momentum_buffer"].clone() for m in matrices]
+    set_grads(matrices, biases, 1, flat=True)
+    optimizer.prepare_muon_updates()
+    after = [m.clone() for m in matrices] + [optimizer.state[m]["momentum_buffer"].clone() for m in matrices]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    optimizer.discard_prepared_updates()
