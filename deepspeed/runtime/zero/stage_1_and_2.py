@@ -60,6 +60,10 @@ class ZeroOptions:
     offload_optimizer: Optional[DeepSpeedZeroOffloadOptimizerConfig] = None
 
 
+# Whether a tensor may be given a gradient of another dtype (torch's `grad_dtype`, recent releases).
+_GRAD_DTYPE_SETTABLE = hasattr(torch.Tensor, "grad_dtype")
+
+
 @dataclass(frozen=True)
 class _HpSlot:
     """Where one basic-optimizer parameter sits inside a group's fp32 partition."""
@@ -361,6 +365,9 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
 
     def _set_master_grads(self, grads: List[torch.Tensor]) -> None:
         """Give each master view the matching slice of its group's gradient as `.grad`."""
+        if not _GRAD_DTYPE_SETTABLE:
+            # This torch requires a gradient in the tensor's dtype: upcast (a pass the fused step would save).
+            grads = [grad.float() for grad in grads]
         for group in self.optimizer.param_groups:
             for param in group["params"]:
                 slot = self._hp_slots[id(param)]

@@ -1,0 +1,145 @@
+"""ZeRO-Offload on one GPU: GPT-2 small (124M), bf16, ZeRO-2, AdamW and Muon, with and without
+`offload_optimizer: {device: cpu}`: the model states' GPU memory per parameter, the peak, and the step time.
+
+Each mode runs in its own process (so its peak is its own), one after the other:
+
+    python benchmarks/offload_gpu_bench.py                      # the four modes, a markdown table
+    python benchmarks/offload_gpu_bench.py --modes adamw-offload --steps 5 --seq-len 256   # one mode, quick
+    python benchmarks/offload_gpu_bench.py --json results.json
+
+Per mode: `model states` is the memory allocated between two steps (lp weights, gradient buffers, and whatever
+optimizer state and masters stay on the GPU), divided by the parameter count; `peak` is max_memory_allocated over
+the timed steps (activations included); `step` is the median wall time of a whole step (forward, backward,
+optimizer step), synchronised at its end; `optimizer step` the median of engine.step() alone (synchronised before
+and after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+MODES = ("adamw", "adamw-offload", "muon", "muon-offload")
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def ds_config(mode: str, micro_batch: int) -> dict:
+    optimizer = ({"type": "muon", "params": {"lr": 0.02, "adam_lr": 6e-4, "weight_decay": 0.0}}
+                 if mode.startswith("muon") else {"type": "AdamW", "params": {"lr": 6e-4, "weight_decay": 0.1}})
+    zero = {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 50_000_000}
+    if mode.endswith("offload"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+            "gradient_clipping": 1.0, "bf16": {"enabled": True}, "optimizer": optimizer,
+            "zero_optimization": zero, "steps_per_print": 10**9}
+
+
+def run_mode(args) -> dict:
+    import torch
+
+    sys.path.insert(0, os.path.dirname(HERE))
+    sys.path.insert(0, HERE)
+    import deepspeed
+    from gpt_model import GPT, GPTConfig, count_parameters
+
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + MODES.index(args.modes[0])))
+    deepspeed.init_distributed()
+    torch.manual_seed(0)
+    cfg = GPTConfig(seq_len=args.seq_len)
+    model = GPT(cfg)
+    n_params = count_parameters(model)
+    torch.cuda.reset_peak_memory_stats()
+    engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config(args.modes[0], args.micro_batch))
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab_size, (args.micro_batch, cfg.seq_len + 1), device="cuda",
+                           generator=generator)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def step(time_optimizer: bool = False) -> float:
+        loss = engine(inputs, targets)
+        engine.backward(loss)
+        if time_optimizer:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    states_bytes = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step_times, optimizer_times = [], []
+    for _ in range(args.steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        step_times.append(time.perf_counter() - start)
+    for _ in range(args.steps):
+        optimizer_times.append(step(time_optimizer=True))
+    basic = engine.optimizer.optimizer
+    return {
+        "mode": args.modes[0], "params": n_params, "micro_batch": args.micro_batch, "seq_len": cfg.seq_len,
+        "basic_optimizer": type(basic).__name__, "cpu_offload": bool(engine.optimizer.cpu_offload),
+        "model_states_bytes": states_bytes, "model_states_bytes_per_param": states_bytes / n_params,
+        "peak_bytes": torch.cuda.max_memory_allocated(), "step_ms": statistics.median(step_times) * 1e3,
+        "optimizer_step_ms": statistics.median(optimizer_times) * 1e3,
+        "tokens_per_s": args.micro_batch * cfg.seq_len / statistics.median(step_times),
+        "host_threads": torch.get_num_threads(), "gpu": torch.cuda.get_device_name(),
+        "loss": float(engine(inputs, targets).float().item()),
+    }
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| mode | basic optimizer | model states on GPU (GiB, bytes/param) | peak (GiB) | step (ms) | "
+             "optimizer step (ms) | tokens/s |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['mode']} | {r['basic_optimizer']} | {r['model_states_bytes'] / 2**30:.2f}, "
+                     f"{r['model_states_bytes_per_param']:.2f} | {r['peak_bytes'] / 2**30:.2f} | {r['step_ms']:.1f} | "
+                     f"{r['optimizer_step_ms']:.1f} | {r['tokens_per_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child process: one mode
+    args = parser.parse_args(argv)
+    if args.one:
+        print("RESULT " + json.dumps(run_mode(args)), flush=True)
+        return
+    results = []
+    for mode in args.modes:
+        command = [sys.executable, os.path.abspath(__file__), "--one", "--modes", mode, "--micro-batch",
+                   str(args.micro_batch), "--seq-len", str(args.seq_len), "--warmup", str(args.warmup), "--steps",
+                   str(args.steps)]
+        output = subprocess.run(command, capture_output=True, text=True)
+        lines = [line for line in output.stdout.splitlines() if line.startswith("RESULT ")]
+        if output.returncode != 0 or not lines:
+            print(f"{mode} failed:\n{output.stdout[-3000:]}\n{output.stderr[-6000:]}", flush=True)
+            continue
+        results.append(json.loads(lines[-1][len("RESULT "):]))
+        print(json.dumps(results[-1]), flush=True)
+    print(table(results))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(results, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()
