@@ -113,7 +113,7 @@ def measure(methods: dict[str, Callable[[], None]], reps: int, warmup: int) -> d
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[10, 30, 100], help="millions of parameters")
+    parser.add_argument("--sizes", type=float, nargs="+", default=[10, 30, 100], help="millions of parameters")
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
     print("| params | step | method | ms/step | Melem/s | op speed-up vs torch's best |")
     print("|---|---|---|---|---|---|")
     for millions in args.sizes:
-        numel = millions * 1_000_000
+        numel = int(millions * 1_000_000)
         rows = {}
         adamw = {"op": op_adamw(numel), "torch single-tensor": torch_adamw(numel, "single"),
                  "torch foreach": torch_adamw(numel, "foreach")}
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
             best_torch = min(t for name, t in timings.items() if name != "op")
             for name, seconds in timings.items():
                 ratio = f"{best_torch / seconds:.2f} x" if name == "op" else ""
-                print(f"| {millions}M | {step} | {name} | {seconds * 1e3:.1f} | {numel / seconds / 1e6:.0f} | "
+                print(f"| {millions:g}M | {step} | {name} | {seconds * 1e3:.2f} | {numel / seconds / 1e6:.0f} | "
                       f"{ratio} |")
     if args.json:
         with open(args.json, "w") as handle:

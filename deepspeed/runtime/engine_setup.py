@@ -202,6 +202,10 @@ def _offload_section(config: DeepSpeedConfig):
                                    "implemented in this fork: NVMe offload needs upstream's asynchronous I/O op, "
                                    "which is not built here; use 'cpu' (masters and optimizer state in host memory) "
                                    "or 'none'")
+    if section.super_offload:
+        raise DeepSpeedConfigError("zero_optimization.offload_optimizer.super_offload is not implemented in this fork "
+                                   "(upstream's SuperOffload pipeline); set it to false: the offloaded step runs "
+                                   "in the cpu_adam op")
     return section
 
 

@@ -162,6 +162,10 @@ class TestOffloadConfig(DistributedTest):
         with pytest.raises(DeepSpeedConfigError, match="offload_optimizer.device 'nvme' is not implemented in this "
                            "fork: NVMe offload"):
             initialize(model, nvme)
+        super_offload = offload_config(2, "fp32")
+        super_offload["zero_optimization"]["offload_optimizer"]["super_offload"] = True
+        with pytest.raises(DeepSpeedConfigError, match="super_offload is not implemented in this fork"):
+            initialize(model, super_offload)
         client = torch.optim.AdamW(model.parameters())
         with pytest.raises(ZeRORuntimeException, match=r"client optimizer \(AdamW\) has no CPU step .* "
                            r"\"zero_force_ds_cpu_optimizer\": false"):
