@@ -26,6 +26,7 @@ from deepspeed.runtime.zero.muon.original_muon import (
     stacked_view,
 )
 from deepspeed.runtime.zero.muon.fused_momentum import fold_and_direction
+from deepspeed.runtime.zero.muon.host_step import HostStep
 from deepspeed.runtime.zero.muon.ns_graph import GraphedCalls
 from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
 
@@ -294,8 +295,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             if any(m is None for m in momenta):
                 momenta = [torch.zeros_like(p, dtype=torch.float32) if m is None else m
                            for p, m in zip(shape_params, momenta)]
-            if self._host_op is not None:
-                direction, scale = self._host_directions(group, grads, momenta)
+            if self._host is not None:
+                direction, scale = self._host.directions(grads, momenta, group)
             else:
                 direction, scale = momentum_directions(grads, momenta, beta=group["momentum"],
                                                        nesterov=group["nesterov"], fold=False)
@@ -307,37 +308,17 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         """Step on the host from now on (ZeRO-Offload): the params, their gradients and all state are CPU tensors.
 
         The element-wise work (the Adam groups' step, Muon's momentum fold and Nesterov direction) runs in the native
-        cpu_adam op, which computes torch's own bits for the fold; Newton-Schulz runs on ``ns_device`` (the
-        accelerator; the CPU on a CPU-only run), so only the directions travel there and the updates back.
+        cpu_adam op, with torch's bits for the fold; Newton-Schulz runs on ``ns_device`` (the accelerator; the CPU on
+        a CPU-only run), so only the directions travel there and the updates back (``host_step.py``).
 
         Raises:
             OpBuildError: the cpu_adam op cannot be built here.
         """
-        from deepspeed.ops.op_builder import CPUAdamBuilder
-
-        self.__dict__["_host_op"] = CPUAdamBuilder().load()
-        self.__dict__["_ns_device"] = torch.device(ns_device)
+        self.__dict__["_host_step"] = HostStep(ns_device)
 
     @property
-    def _host_op(self) -> Any:
-        return self.__dict__.get("_host_op")
-
-    def _ns_dtype(self, group: dict[str, Any], tensor: Tensor) -> torch.dtype:
-        """The Newton-Schulz dtype for ``group``, judged on the device Newton-Schulz runs on."""
-        ns_device = self.__dict__.get("_ns_device")
-        probe = tensor if ns_device is None else torch.empty(0, device=ns_device)
-        return resolve_ns_dtype(probe, group["ns_dtype"])
-
-    def _host_directions(self, group: dict[str, Any], grads: list[Tensor], momenta: list[Tensor]
-                         ) -> tuple[Tensor, float]:
-        """``momentum_directions(..., fold=False)`` by the native op, matrix by matrix, written straight in the
-        Newton-Schulz dtype (the same bits as the whole-group call in ``_flat_muon_updates``)."""
-        rows = grads[0].shape[0]
-        cols = grads[0].numel() // rows
-        direction = torch.empty((len(grads), rows, cols), dtype=self._ns_dtype(group, grads[0]))
-        for index, (grad, momentum) in enumerate(zip(grads, momenta)):
-            self._host_op.muon_momentum(grad, momentum, direction[index], group["momentum"], group["nesterov"], False)
-        return direction, max(1.0, rows / cols) ** 0.5
+    def _host(self) -> HostStep | None:
+        return self.__dict__.get("_host_step")
 
     def _workspace_operands(self, group: dict[str, Any]
                             ) -> tuple[dict[torch.Size, list[Tensor]], tuple[Tensor, Tensor]] | None:
@@ -426,9 +407,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         what the per-shape path computes, with one fp32 temporary instead of two."""
         grads, momenta = flat
         beta = group["momentum"]
-        if self._host_op is not None:
-            direction = torch.empty(grads.numel(), dtype=self._ns_dtype(group, grads))
-            self._host_op.muon_momentum(grads, momenta, direction, beta, group["nesterov"], False)
+        if self._host is not None:
+            direction = self._host.direction(grads, momenta, group)
         else:
             direction = torch.lerp(momenta, grads, 1 - beta)
             if group["nesterov"]:
@@ -440,14 +420,12 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
     def _orthogonalised(self, group: dict[str, Any], directions: list[Tensor]) -> list[Tensor]:
         if not directions:
             return []
-        ns_device = self.__dict__.get("_ns_device")
-        home = directions[0].device
-        if ns_device is not None and ns_device != home:
-            directions = [direction.to(ns_device) for direction in directions]
-        updates = NS_FUNCTIONS[group["ns_method"]](directions, steps=group["ns_steps"], dtype=group["ns_dtype"])
-        if ns_device is not None and ns_device != home:
-            updates = [update.to(home) for update in updates]
-        return updates
+
+        def orthogonalise(batches: list[Tensor]) -> list[Tensor]:
+            return NS_FUNCTIONS[group["ns_method"]](batches, steps=group["ns_steps"], dtype=group["ns_dtype"])
+
+        return orthogonalise(directions) if self._host is None else self._host.orthogonalised(orthogonalise,
+                                                                                              directions)
 
     def _commit_muon_updates(self, group: dict[str, Any], updates: _MuonUpdates) -> None:
         """Fold the gradients into the momenta and apply the orthogonalised updates (with weight decay)."""
@@ -471,20 +449,18 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 torch._foreach_add_(params, list(update.unbind(0)), alpha=-lr * scale)
 
     def _fold(self, updates: _MuonUpdates, beta: float) -> None:
-        op = self._host_op
         if updates.flat is not None:
             grads, momenta = updates.flat
-            if op is not None:
-                op.muon_momentum(grads, momenta, None, beta, False, True)
+            if self._host is not None:
+                self._host.fold([grads], [momenta], beta)
             else:
                 momenta.lerp_(grads, 1 - beta)
         else:
             packed = iter(self._packed_momenta([p for params, _, _ in updates.batches for p in params]))
             for params, grads, _ in updates.batches:
                 momenta = [next(packed) for _ in params]
-                if op is not None:
-                    for grad, momentum in zip(grads, momenta):
-                        op.muon_momentum(grad, momentum, None, beta, False, True)
+                if self._host is not None:
+                    self._host.fold(grads, momenta, beta)
                 else:
                     fold_momenta(grads, momenta, beta=beta)
 
@@ -528,11 +504,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
                 state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
             state["step"] += 1
-            if self._host_op is not None:
-                beta1, beta2 = group["betas"]
-                self._host_op.adam_step(p, p.grad, state["exp_avg"], state["exp_avg_sq"], None, None,
-                                        int(state["step"].item()), lr, beta1, beta2, group["eps"], weight_decay, True,
-                                        True, 1.0)
+            if self._host is not None:
+                self._host.adam(p, state, group)
                 continue
             if _fusable(p, state):
                 fused.append((p, state))
