@@ -32,6 +32,9 @@ class HostStep:
 
         self.op = CPUAdamBuilder().load()
         self.ns_device = torch.device(ns_device)
+        # Directions are written in page-locked memory when they travel to a GPU: the copy is then asynchronous and
+        # at full speed (torch's pinned allocator keeps the buffer until the copy is done).
+        self._pin = self.ns_device.type == "cuda"
 
     def ns_dtype(self, configured: torch.dtype | None) -> torch.dtype:
         """The Newton-Schulz dtype, judged on the device Newton-Schulz runs on (not the host's)."""
@@ -40,7 +43,7 @@ class HostStep:
     def direction(self, grads: Tensor, momenta: Tensor, group: dict[str, Any]) -> Tensor:
         """The Nesterov direction (or the new momentum) of a group laid out as one run, out of place: a new 1-D
         tensor in the Newton-Schulz dtype; the momenta are only read."""
-        direction = torch.empty(grads.numel(), dtype=self.ns_dtype(group["ns_dtype"]))
+        direction = torch.empty(grads.numel(), dtype=self.ns_dtype(group["ns_dtype"]), pin_memory=self._pin)
         self.op.muon_momentum(grads, momenta, direction, group["momentum"], group["nesterov"], False)
         return direction
 
@@ -49,7 +52,7 @@ class HostStep:
         cols) tensor in the Newton-Schulz dtype, and the RMS factor sqrt(max(1, rows / cols))."""
         rows = grads[0].shape[0]
         cols = grads[0].numel() // rows
-        direction = torch.empty((len(grads), rows, cols), dtype=self.ns_dtype(group["ns_dtype"]))
+        direction = torch.empty((len(grads), rows, cols), dtype=self.ns_dtype(group["ns_dtype"]), pin_memory=self._pin)
         for index, (grad, momentum) in enumerate(zip(grads, momenta)):
             self.op.muon_momentum(grad, momentum, direction[index], group["momentum"], group["nesterov"], False)
         return direction, max(1.0, rows / cols) ** 0.5
@@ -64,7 +67,7 @@ class HostStep:
         home = directions[0].device
         if home == self.ns_device:
             return orthogonalise(directions)
-        updates = orthogonalise([direction.to(self.ns_device) for direction in directions])
+        updates = orthogonalise([direction.to(self.ns_device, non_blocking=self._pin) for direction in directions])
         return [update.to(home) for update in updates]
 
     def adam(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
