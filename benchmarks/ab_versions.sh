@@ -18,7 +18,10 @@ case "${1:-}" in
     for spec in "$@"; do
       name=${spec%%=*}; commit=${spec#*=}
       rm -rf "ab/$name" && mkdir -p "ab/$name"
-      git archive "$commit" deepspeed benchmarks | tar -x -C "ab/$name"
+      # deepspeed/ops/op_builder and deepspeed/ops/csrc link to the top-level folders, where a commit has them.
+      paths="deepspeed benchmarks"
+      for extra in op_builder csrc; do git cat-file -e "$commit:$extra" 2>/dev/null && paths="$paths $extra"; done
+      git archive "$commit" $paths | tar -x -C "ab/$name"
       echo "ab/$name = $(git rev-parse --short "$commit")"
     done ;;
   run)

@@ -247,14 +247,16 @@ def source_files(root: Path) -> List[str]:
     """Tracked and untracked, non-ignored files of the working tree (what a fresh checkout plus local work has)."""
     out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=root,
                          check=True, capture_output=True).stdout
-    return [name for name in out.decode().split("\0") if name and (root / name).is_file()]
+    return [name for name in out.decode().split("\0")
+            if name and ((root / name).is_file() or (root / name).is_symlink())]
 
 
 def copy_tree(root: Path, files: Sequence[str], destination: Path) -> None:
     for name in files:
         target = destination / name
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(root / name, target)
+        # Links stay links: deepspeed/ops/op_builder and deepspeed/ops/csrc point into the copied tree.
+        shutil.copy2(root / name, target, follow_symlinks=False)
 
 
 def patched_text(mutation: Mutation, texts: Dict[str, str]) -> Dict[str, str]:
