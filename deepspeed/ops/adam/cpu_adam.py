@@ -124,10 +124,14 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, but every state tensor keeps its saved dtype (torch would cast fp32 moments to a bf16
-        parameter's dtype) and `step` stays a CPU tensor."""
+        parameter's dtype), `step` stays a CPU tensor, and a torch Adam/AdamW state (same keys) loads too."""
         saved = state_dict["state"]
         saved_ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
         super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            # A state saved by torch's Adam/AdamW (the same run without offload) lacks bias_correction.
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
         params = [p for group in self.param_groups for p in group["params"]]
         for pid, param in zip(saved_ids, params):
             for key, value in saved.get(pid, {}).items():

@@ -49,13 +49,14 @@ def host_state_tensors(engine):
 class TestOffloadParity(DistributedTest):
     world_size = 2
 
-    @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+    @pytest.mark.parametrize("optimizer, gas", [("adamw", 1), ("muon", 1), ("adamw", 2)])
     @pytest.mark.parametrize("stage", [1, 2])
-    def test_offload_follows_the_run_without_it(self, stage, optimizer):
+    def test_offload_follows_the_run_without_it(self, stage, optimizer, gas):
         optim = MUON if optimizer == "muon" else None
-        batches = global_batches(5, 8, HIDDEN)
-        offloaded, _ = initialize(make_model(HIDDEN), offload_config(stage, "fp32", optim, clip=1.0))
-        plain, _ = initialize(make_model(HIDDEN), offload_config(stage, "fp32", optim, offload=False, clip=1.0))
+        batches = global_batches(5, 8 * gas, HIDDEN)
+        offloaded, _ = initialize(make_model(HIDDEN), offload_config(stage, "fp32", optim, clip=1.0, gas=gas))
+        plain, _ = initialize(make_model(HIDDEN), offload_config(stage, "fp32", optim, offload=False, clip=1.0,
+                                                                 gas=gas))
         assert offloaded.optimizer.cpu_offload and not plain.optimizer.cpu_offload
         expected_type = MuonWithAuxAdam if optimizer == "muon" else DeepSpeedCPUAdam
         assert type(offloaded.basic_optimizer) is expected_type
@@ -123,6 +124,35 @@ class TestOffloadResume(DistributedTest):
             resumed.load_checkpoint(str(tmpdir), tag=dtype)
             assert train_steps(resumed, batches[3:], dtype) == expected_losses, dtype
             assert_identical(full_snapshot(resumed), full_snapshot(engine), dtype)
+
+
+class TestOffloadAcrossCheckpoints(DistributedTest):
+    """A checkpoint saved without offload resumes with it, and the other way round: the same masters, weights and
+    optimizer state after the load, then the two runs go on together."""
+
+    world_size = 2
+
+    @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+    @pytest.mark.parametrize("saved_with_offload", [False, True])
+    def test_turning_offload_on_or_off_at_a_resume(self, saved_with_offload, optimizer, tmpdir):
+        dtype = "bf16"
+        batches = global_batches(5, 4, HIDDEN)
+        saving_config = checkpoint_config(2, dtype, optimizer)
+        loading_config = checkpoint_config(2, dtype, optimizer)
+        (saving_config if saved_with_offload else loading_config)["zero_optimization"].update(OFFLOAD)
+        engine = deepspeed.initialize(model=make_model(HIDDEN, seed=0), config=saving_config)[0]
+        train_steps(engine, batches[:3], dtype)
+        engine.save_checkpoint(str(tmpdir), tag="switch")
+        resumed = deepspeed.initialize(model=make_model(HIDDEN, seed=1), config=loading_config)[0]
+        resumed.load_checkpoint(str(tmpdir), tag="switch")
+        assert resumed.optimizer.cpu_offload != saved_with_offload
+        before, after = full_snapshot(engine), full_snapshot(resumed)
+        for key in ("masters", "params", "states", "counters"):
+            assert_identical(after[key], before[key], key)
+        assert train_steps(resumed, batches[3:], dtype) == pytest.approx(train_steps(engine, batches[3:], dtype),
+                                                                          rel=1e-2)
+        for a, b in zip(fp32_masters(resumed), fp32_masters(engine)):
+            assert relative_error(a, b) < 1e-2
 
 
 class TestOffloadReporterTable(DistributedTest):
