@@ -80,6 +80,7 @@ def test_cpu_adam_builder_names_and_flags():
     assert builder.simd_width() in args and builder.cpu_arch() in args
     assert ALL_OPS == {"cpu_adam": ALL_OPS["cpu_adam"]} and isinstance(ALL_OPS["cpu_adam"], CPUAdamBuilder)
     assert deepspeed.ops.op_builder.CPUAdamBuilder is CPUAdamBuilder
+    assert deepspeed.ops.__compatible_ops__ == {"cpu_adam": builder.is_compatible()}
 
 
 @pytest.mark.parametrize("accelerator", [CPU_Accelerator, CUDA_Accelerator])
