@@ -233,12 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-m", dest="marker", default=None, help="pytest marker expression, e.g. upstream_pr")
     parser.add_argument("-k", dest="keyword", default=None, help="pytest -k expression (one test, a few)")
     parser.add_argument("-n", dest="workers", type=int, default=2, help="pytest-xdist workers (default 2)")
-    parser.add_argument("--suite", default=DEFAULT_SUITE, help=f"test path under tests/ (default {DEFAULT_SUITE})")
+    parser.add_argument("--suite", default=DEFAULT_SUITE,
+                        help=f"test path or node id under tests/ (default {DEFAULT_SUITE})")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directories")
     args = parser.parse_args(argv)
     try:
         trees = [parse_tree(t) for t in args.trees]
-        if not (REPO_ROOT / "tests" / args.suite).exists():
+        if not (REPO_ROOT / "tests" / args.suite.split("::")[0]).exists():
             raise ToolError(f"no test path tests/{args.suite} in {REPO_ROOT}")
         runs = {}
         for tree in trees:
