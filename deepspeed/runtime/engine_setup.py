@@ -68,8 +68,12 @@ def _optimizer_from_config(engine, params) -> torch.optim.Optimizer:
         return cls(params, **kwargs)
     if name == MUON_OPTIMIZER:
         from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam, muon_param_groups
+        from deepspeed.runtime.zero.muon.per_head import tag_attention_heads
         named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
-        return MuonWithAuxAdam(muon_param_groups(named, kwargs))
+        groups = muon_param_groups(named, kwargs)
+        # Before the optimizer: it orders (and ZeRO lays out) a group's matrices by shape and head count.
+        tag_attention_heads(engine.module, kwargs.get("per_head_muon", False))
+        return MuonWithAuxAdam(groups)
     torch_name = "SGD" if name == "sgd" else name
     return getattr(torch.optim, torch_name)(params, **kwargs)
 
