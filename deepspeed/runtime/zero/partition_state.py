@@ -41,14 +41,12 @@ def zero_state_dict(optimizer) -> dict:
 
 
 def muon_heads(optimizer) -> Dict[str, int]:
-    """The Muon matrices orthogonalised per head, by parameter name, with their head counts (plain data)."""
-    heads = {}
-    for params, group in zip(optimizer.bit16_groups, optimizer.optimizer.param_groups):
-        if group.get("use_muon", False):
-            for param in params:
-                if (count := head_count(param)) > 1:
-                    heads[optimizer.param_names.get(param, "<unnamed>")] = count
-    return heads
+    """The Muon matrices orthogonalised per head, by parameter name in model order, with their head counts (plain
+    data)."""
+    muon = {param for params, group in zip(optimizer.bit16_groups, optimizer.optimizer.param_groups)
+            if group.get("use_muon", False) for param in params}
+    return {name: count for param, name in optimizer.param_names.items()
+            if param in muon and (count := head_count(param)) > 1}
 
 
 def _describe_heads(heads: Dict[str, int]) -> str:
