@@ -213,3 +213,29 @@ class TestPerHeadCheckpoints(DistributedTest):
             assert message in str(caught.value)
             after = snapshot(engine, with_momenta=False)
             assert all(torch.equal(after[key], before[key]) for key in before), "a refused load changed the engine"
+
+
+class TestPerHeadConfigErrors(DistributedTest):
+    world_size = 1
+
+    def test_initialize_says_what_is_wrong(self):
+        untaggable = make_model()
+        del untaggable.config
+        cases = [
+            (untaggable, config(1, "fp32"), "optimizer.params.per_head_muon is true, but no Muon matrix can be "
+                                            "orthogonalised per head: the model has no `config` attribute"),
+            (make_model(), config(1, "fp32", per_head_muon="true"),
+             "optimizer.params.per_head_muon must be true or false, got 'true'"),
+            (make_model(), config(1, "fp32", adjust_lr_fn="adamw"),
+             "optimizer.params.adjust_lr_fn must be one of ['original', 'match_rms_adamw'] (or null for 'original'), "
+             "got 'adamw'"),
+        ]
+        for model, bad, message in cases:
+            with pytest.raises(ValueError) as caught:
+                deepspeed.initialize(model=model, config=bad)
+            assert message in str(caught.value)
+        model = make_model()
+        model.layers[0].q_proj.weight.muon_num_heads = 3
+        with pytest.raises(ValueError, match=r"parameter layers\.0\.q_proj\.weight of shape \(32, 32\): "
+                                             r"muon_num_heads = 3: a matrix of 32 rows cannot be split into 3 heads"):
+            deepspeed.initialize(model=model, config=config(1, "fp32"))
