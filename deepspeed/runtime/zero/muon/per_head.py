@@ -1,9 +1,9 @@
 """Which Muon matrices are orthogonalised per attention head, and in how many heads.
 
 A q, k or v projection's output rows are blocked by heads: head h reads only its own block of rows. Orthogonalised
-as one matrix, a head with large gradients takes the spectrum that the other heads' updates would get; per head,
-each block is orthogonalised on its own (and scaled like a whole matrix of that shape). Output projections mix the
-heads in their columns and fused QKV matrices interleave three projections, so both stay whole.
+as one matrix, the heads share one set of singular directions, so each head's update depends on the other heads'
+gradients; per head, each block is orthogonalised on its own (and scaled like a whole matrix of that shape). Output
+projections mix the heads in their columns and fused QKV matrices interleave three projections, so both stay whole.
 
 A Muon matrix's head count comes from, first match wins:
 
