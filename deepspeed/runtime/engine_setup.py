@@ -48,7 +48,7 @@ def build_basic_optimizer(engine, client_optimizer, model_parameters) -> Optiona
     elif config.optimizer_name is not None:
         named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
         params = model_parameters if model_parameters is not None else trainable
-        optimizer = optimizer_from_config(config, named, params)
+        optimizer = optimizer_from_config(config, named, params, engine.module)
     else:
         if config.zero_optimization_stage >= 1:
             raise DeepSpeedConfigAssertionError(f"zero stage {config.zero_optimization_stage} requires an optimizer")
@@ -61,13 +61,15 @@ def build_basic_optimizer(engine, client_optimizer, model_parameters) -> Optiona
     return optimizer
 
 
-def optimizer_from_config(config: DeepSpeedConfig, named_params, params) -> torch.optim.Optimizer:
+def optimizer_from_config(config: DeepSpeedConfig, named_params, params,
+                          module: torch.nn.Module | None = None) -> torch.optim.Optimizer:
     """The optimizer the config's `optimizer` section describes.
 
     Args:
         config: the parsed config (its `optimizer_params` are already checked, see runtime/optimizer_params.py).
         named_params: (name, param) pairs of the trainable parameters (Muon's groups are built from them).
         params: what a torch optimizer is given (the client's `model_parameters`, else the trainable params).
+        module: the model; Muon tags its attention projections for `per_head_muon` (and checks user head counts).
 
     Raises:
         DeepSpeedConfigError: the torch optimizer's constructor refuses a key or value of `optimizer.params`.
@@ -76,7 +78,19 @@ def optimizer_from_config(config: DeepSpeedConfig, named_params, params) -> torc
     kwargs = dict(config.optimizer_params or {})
     if name == MUON_OPTIMIZER:
         from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam, muon_param_groups
-        return MuonWithAuxAdam(muon_param_groups(named_params, kwargs))
+        from deepspeed.runtime.zero.muon.per_head import tag_attention_heads
+        groups = muon_param_groups(named_params, kwargs)
+        per_head_muon = kwargs.get("per_head_muon") or False
+        if module is not None:
+            # Before the optimizer: it orders (and ZeRO lays out) a group's matrices by shape and head count.
+            try:
+                tag_attention_heads(module, per_head_muon)
+            except ValueError as exc:
+                raise DeepSpeedConfigError(str(exc)) from exc
+        elif per_head_muon:
+            raise DeepSpeedConfigError("optimizer.params.per_head_muon needs the model (its config names the head "
+                                       "counts); build the optimizer through deepspeed.initialize")
+        return MuonWithAuxAdam(groups)
     if name in ADAM_OPTIMIZERS:
         kwargs.pop("torch_adam", None)
         adam_w_mode = kwargs.pop("adam_w_mode", True)

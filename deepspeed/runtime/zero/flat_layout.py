@@ -115,18 +115,19 @@ def even_layout(numels: Sequence[int], num_partitions: int) -> GroupLayout:
     return GroupLayout(tuple(numels), tuple(offsets), total // num_partitions, num_partitions)
 
 
-def newton_schulz_cost(shape: Sequence[int]) -> int:
+def newton_schulz_cost(shape: Sequence[int], num_heads: int = 1) -> int:
     """Relative cost of orthogonalising a matrix of `shape` (flops of one quintic iteration).
 
     With m = min(rows, cols) and n = max: X X^T and B X cost m*m*n each, A*A costs m^3.
-    Conv weights count as (out, in * kh * kw), as Muon views them.
+    Conv weights count as (out, in * kh * kw), as Muon views them. A matrix orthogonalised per head costs
+    `num_heads` times its (rows / num_heads) x cols block.
     """
-    rows = shape[0]
+    rows = shape[0] // num_heads
     cols = 1
     for dim in shape[1:]:
         cols *= dim
     m, n = min(rows, cols), max(rows, cols)
-    return 2 * m * m * n + m * m * m
+    return num_heads * (2 * m * m * n + m * m * m)
 
 
 def assign_owners(costs: Sequence[int], num_partitions: int) -> List[int]:

@@ -1,15 +1,18 @@
 """What a rank's ZeRO optimizer saves and restores: plain data and tensors only (no pickled classes).
 
 The dict holds this rank's fp32 master partitions, the basic optimizer's state (every tensor in the
-dtype it had), the loss scaler as numbers, and the layout, so that a load into another world size,
-stage or model is refused with a message instead of silently mis-slicing. Validation is separate from
+dtype it had), the loss scaler as numbers, the layout and the Muon matrices orthogonalised per head, so that
+a load into another world size, stage, model or Muon setting is refused with a message instead of silently
+mis-slicing (or continuing with momenta built for other updates). Validation is separate from
 loading so that a caller can check every rank's file before any rank changes anything.
 """
 
 import copy
-from typing import List
+from typing import Dict, List
 
 import torch
+
+from deepspeed.runtime.zero.muon.per_head import head_count
 
 ZERO_STATE_FORMAT = 1
 _REQUIRED_KEYS = ("format", "zero_stage", "dp_world_size", "dp_rank", "layouts", "single_partition_of_fp32_groups",
@@ -26,6 +29,7 @@ def zero_state_dict(optimizer) -> dict:
         "dp_rank": optimizer.dp_rank,
         "partition_count": optimizer.partition_count,
         "layouts": [layout.describe() for layout in optimizer.layouts],
+        "muon_heads": muon_heads(optimizer),
         "single_partition_of_fp32_groups": [t.detach() for t in optimizer.single_partition_of_fp32_groups],
         "base_optimizer_state": optimizer.optimizer.state_dict(),
         "loss_scaler": optimizer.loss_scaler.state_dict(),
@@ -36,12 +40,26 @@ def zero_state_dict(optimizer) -> dict:
     }
 
 
+def muon_heads(optimizer) -> Dict[str, int]:
+    """The Muon matrices orthogonalised per head, by parameter name in model order, with their head counts (plain
+    data)."""
+    muon = {param for params, group in zip(optimizer.bit16_groups, optimizer.optimizer.param_groups)
+            if group.get("use_muon", False) for param in params}
+    return {name: count for param, name in optimizer.param_names.items()
+            if param in muon and (count := head_count(param)) > 1}
+
+
+def _describe_heads(heads: Dict[str, int]) -> str:
+    return f"per head {heads}" if heads else "every Muon matrix whole"
+
+
 def _mismatch(path: str, what: str, saved, current) -> ValueError:
     return ValueError(f"checkpoint file {path}: {what} differs: saved {saved}, current {current}")
 
 
 def validate_zero_state(optimizer, state: dict, path: str) -> None:
-    """Refuse a state saved by another stage, world size, rank, model layout, optimizer or loss scaling.
+    """Refuse a state saved by another stage, world size, rank, model layout, optimizer, Muon setting (per-head
+    orthogonalisation, ``adjust_lr_fn``) or loss scaling.
 
     Changes nothing.
 
@@ -59,6 +77,11 @@ def validate_zero_state(optimizer, state: dict, path: str) -> None:
         raise _mismatch(path, "data-parallel world size", state["dp_world_size"], optimizer.dp_world_size)
     if state["dp_rank"] != optimizer.dp_rank:
         raise _mismatch(path, "data-parallel rank", state["dp_rank"], optimizer.dp_rank)
+    # Before the layouts: the head counts order a Muon group's matrices, so they change its layout too.
+    saved_heads, current_heads = state.get("muon_heads", {}), muon_heads(optimizer)
+    if saved_heads != current_heads:
+        raise _mismatch(path, "Muon per-head orthogonalisation (optimizer.params.per_head_muon, muon_num_heads)",
+                        _describe_heads(saved_heads), _describe_heads(current_heads))
     _validate_layouts(optimizer, state["layouts"], path)
     _validate_masters(optimizer, state["single_partition_of_fp32_groups"], path)
     _validate_base_optimizer_state(optimizer.optimizer, state["base_optimizer_state"], path)
@@ -101,6 +124,12 @@ def _validate_base_optimizer_state(basic: torch.optim.Optimizer, state: dict, pa
                             len(now["params"]))
         if saved.get("use_muon") != now.get("use_muon"):
             raise _mismatch(path, f"use_muon of optimizer group {index}", saved.get("use_muon"), now.get("use_muon"))
+        if now.get("use_muon"):
+            # torch's load would carry the saved value over silently; it rescales every Muon update.
+            saved_fn, current_fn = saved.get("adjust_lr_fn", "original"), now.get("adjust_lr_fn", "original")
+            if saved_fn != current_fn:
+                raise _mismatch(path, f"optimizer.params.adjust_lr_fn of optimizer group {index}", repr(saved_fn),
+                                repr(current_fn))
         for saved_id, param in zip(saved["params"], now["params"]):
             for key, value in state["state"].get(saved_id, {}).items():
                 if key != "step" and torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:

@@ -19,6 +19,7 @@ from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
 from deepspeed.runtime.optimizer_step import StepOutcome, transactional_step
 from deepspeed.runtime.zero.flat_layout import GroupLayout, even_layout, newton_schulz_cost, owner_layout
 from deepspeed.runtime.zero.grad_reducer import GradReducer, ReducerOptions
+from deepspeed.runtime.zero.muon.per_head import NUM_HEADS_ATTRIBUTE, head_count
 
 
 @dataclass
@@ -117,7 +118,7 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         for params, group in zip(self.bit16_groups, self.optimizer.param_groups):
             numels = [p.numel() for p in params]
             if is_muon_group(group):
-                costs = [newton_schulz_cost(p.shape) for p in params]
+                costs = [newton_schulz_cost(p.shape, head_count(p)) for p in params]
                 layouts.append(owner_layout(numels, costs, partitions))
             else:
                 layouts.append(even_layout(numels, partitions))
@@ -156,9 +157,12 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
                 params = []
                 for index in layout.owned_params(self._owner_rank(g)):
                     start, end = layout.param_range(index)
-                    shape = self.bit16_groups[g][index].shape
-                    view = hp[start - base:end - base].view(shape)
-                    self._hp_slots[id(view)] = _HpSlot(g, start - base, end - start, shape)
+                    lp = self.bit16_groups[g][index]
+                    view = hp[start - base:end - base].view(lp.shape)
+                    # The master stands for the model's matrix: it is orthogonalised in the same heads.
+                    if (num_heads := head_count(lp)) > 1:
+                        setattr(view, NUM_HEADS_ATTRIBUTE, num_heads)
+                    self._hp_slots[id(view)] = _HpSlot(g, start - base, end - start, lp.shape)
                     params.append(view)
             else:
                 params = [hp]
