@@ -192,8 +192,8 @@ def test_config_keys_adjust_lr_fn_and_per_head_muon():
     param.use_muon = True
     groups = muon_param_groups([("w", param)], {"adjust_lr_fn": "match_rms_adamw", "per_head_muon": True})
     assert groups[0]["adjust_lr_fn"] == "match_rms_adamw" and "per_head_muon" not in groups[0]
-    with pytest.raises(ValueError, match=r"optimizer.params.adjust_lr_fn must be one of \['original', "
-                                         r"'match_rms_adamw'\] \(or null for 'original'\), got 'Original'"):
+    with pytest.raises(ValueError, match=r"optimizer.params.adjust_lr_fn must be one of \['match_rms_adamw', "
+                                         r"'original'\] or null, got 'Original'"):
         muon_param_groups([("w", param)], {"adjust_lr_fn": "Original"})
 
 

@@ -227,8 +227,7 @@ class TestPerHeadConfigErrors(DistributedTest):
             (make_model(), config(1, "fp32", per_head_muon="true"),
              "optimizer.params.per_head_muon must be true or false, got 'true'"),
             (make_model(), config(1, "fp32", adjust_lr_fn="adamw"),
-             "optimizer.params.adjust_lr_fn must be one of ['original', 'match_rms_adamw'] (or null for 'original'), "
-             "got 'adamw'"),
+             "optimizer.params.adjust_lr_fn must be one of ['match_rms_adamw', 'original'] or null, got 'adamw'"),
         ]
         for model, bad, message in cases:
             with pytest.raises(ValueError) as caught:
