@@ -24,7 +24,12 @@ from unit.common import DistributedTest
 STEPS = 5
 BATCH = 32
 LR, MOMENTUM, WEIGHT_DECAY = 0.02, 0.95, 0.1
-TOLERANCE = 1e-2
+# Relative error of each parameter's change against torch.optim.Muon, which always orthogonalises in bf16. On CPU
+# the two agree bit for bit; on a GPU both run on the device, but with different bf16 product kernels (torch's
+# mm chain vs our batched baddbmm), which measured up to 2.5e-2 apart on an H200 after two steps.
+TOLERANCE = {"cpu": 1e-2, "cuda": 5e-2}
+# The two adjustments must stay further apart than this multiple of the tolerance, or the test cannot tell them apart.
+SEPARATION = 2
 # The factor each adjustment gives these shapes: original sqrt(max(1, rows / cols)), match_rms_adamw
 # 0.2 * sqrt(max(rows, cols)) = 1.6 for all three, so the two differ by 0.2 (w_in) and 0.6 (the others).
 SHAPES = {"w_in": (64, 16), "w_mid": (64, 64), "w_out": (16, 64)}
@@ -69,17 +74,17 @@ def relative_error(actual, expected):
     return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
 
 
-def torch_muon_run(adjust_lr_fn):
-    """torch.optim.Muon on the same model and batches: the parameters after every step."""
-    model = make_model()
+def torch_muon_run(adjust_lr_fn, device):
+    """torch.optim.Muon on the same model and batches, on `device`: the parameters after every step (on CPU)."""
+    model = make_model().to(device)
     optimizer = torch.optim.Muon(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, momentum=MOMENTUM,
                                  nesterov=True, ns_steps=5, adjust_lr_fn=adjust_lr_fn)
     history = []
     for x, y in batches():
         optimizer.zero_grad()
-        model(x, y).backward()
+        model(x.to(device), y.to(device)).backward()
         optimizer.step()
-        history.append({name: p.detach().clone() for name, p in model.named_parameters()})
+        history.append({name: p.detach().cpu().clone() for name, p in model.named_parameters()})
     return history
 
 
@@ -89,16 +94,17 @@ class TestAdjustLrFnMatchesTorchMuon(DistributedTest):
     @pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw"])
     @pytest.mark.parametrize("stage", [0, 2])
     def test_same_parameters_as_torch_muon(self, stage, adjust_lr_fn):
-        expected = torch_muon_run(adjust_lr_fn)
-        other = torch_muon_run("original" if adjust_lr_fn == "match_rms_adamw" else "match_rms_adamw")
         start = {name: p.detach().clone() for name, p in make_model().named_parameters()}
         engine, _, _, _ = deepspeed.initialize(model=make_model(), config=engine_config(stage, adjust_lr_fn))
+        expected = torch_muon_run(adjust_lr_fn, engine.device)
+        other = torch_muon_run("original" if adjust_lr_fn == "match_rms_adamw" else "match_rms_adamw", engine.device)
+        tolerance = TOLERANCE["cpu" if engine.device.type == "cpu" else "cuda"]
         for step, (x, y) in enumerate(batches()):
             engine.backward(engine(x.to(engine.device), y.to(engine.device)))
             engine.step()
             for name, param in engine.module.named_parameters():
                 change = safe_get_full_fp32_param(param).cpu() - start[name]
                 error = relative_error(change, expected[step][name] - start[name])
-                assert error <= TOLERANCE, f"step {step} {name}: {error:.2e} from torch.optim.Muon"
-                assert relative_error(change, other[step][name] - start[name]) > 10 * TOLERANCE, (
+                assert error <= tolerance, f"step {step} {name}: {error:.2e} from torch.optim.Muon"
+                assert relative_error(change, other[step][name] - start[name]) > SEPARATION * tolerance, (
                     f"step {step} {name}: the test cannot tell the two adjustments apart")
