@@ -180,6 +180,9 @@ def run_tree(tree: str, suite: str, marker: str | None, keyword: str | None, wor
             python, tests_dir = Path(sys.executable), REPO_ROOT / "tests"
         else:
             python = prepare_release(tree, workdir)
+            # The release JIT-builds its ops (DS_BUILD_OPS=0). Its own build directory: names like cpu_adam are
+            # shared with this tree's ops, and a lock left by an interrupted build would stall every later run.
+            env["TORCH_EXTENSIONS_DIR"] = str(workdir / "torch_extensions")
             # A copy outside the repository: tests/conftest.py puts its parent directory on sys.path.
             tests_dir = workdir / "tests"
             shutil.copytree(REPO_ROOT / "tests", tests_dir, ignore=shutil.ignore_patterns("__pycache__"))
