@@ -533,8 +533,8 @@ def summary_text(results: dict) -> str:
         lines.append(f"[{_verdict(t['passed'])}] {t['target']}: {_fmt(t['value'], '.3f')} {t['unit']} "
                      f"(<= {t['threshold']}){halves}")
     if not has_matplotlib():
-        lines.append(f"chart not drawn: matplotlib is not installed here ({PLOT_HINT}; then "
-                     "python benchmarks/report.py RESULTS.json draws it from the saved JSON)")
+        lines.append(f"chart not drawn: matplotlib is not installed here; {PLOT_HINT}, then "
+                     "python benchmarks/report.py RESULTS.json draws it from the saved JSON")
     return "\n".join(lines)
 
 

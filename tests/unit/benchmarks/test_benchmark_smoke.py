@@ -148,4 +148,4 @@ def test_report_without_matplotlib_writes_the_tables_and_says_how_to_get_the_cha
     report.render(results, tmp_path, "run")
     assert (tmp_path / "run.md").stat().st_size > 0
     assert not (tmp_path / "run.png").exists()
-    assert "chart not drawn: matplotlib is not installed here (pip install matplotlib" in report.summary_text(results)
+    assert "chart not drawn: matplotlib is not installed here; pip install matplotlib" in report.summary_text(results)
