@@ -82,7 +82,7 @@ def block_keys(blocks: list) -> dict:
 
 
 def summarize_mode(entry: dict, tokens_per_step: int) -> dict:
-    """Statistics of one mode pooled over its blocks (see docs/performance.md for the method)."""
+    """Statistics of one mode pooled over its blocks (the method: benchmarks/README.md)."""
     blocks = entry["blocks"]
     if not blocks:
         return {}

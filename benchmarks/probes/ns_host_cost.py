@@ -1,7 +1,7 @@
 """Host cost of one rank's Newton-Schulz call: how long the CPU takes to issue it, against how long the GPU runs it.
 
-Why: with Newton-Schulz issued eagerly, the GPT-2-small step was bound by the host (docs/performance.md, "What
-limits the step"), so what a Muon step cost was mostly the time to issue its launches. This script measures, for
+Why: with Newton-Schulz issued eagerly, the GPT-2-small step is bound by the host (docs/performance.md, "What
+limits the step"), so what a Muon step costs is mostly the time to issue its launches. This script measures, for
 the matrices one rank owns in GPT-2 small (by the engine's owner split), the issue time and the device time of the
 Newton-Schulz call and of its single launches, under each cuBLAS backend torch offers, and the replay of the same
 call captured in a CUDA graph.
