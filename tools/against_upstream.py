@@ -35,6 +35,8 @@ DEFAULT_SUITE = "unit/ops/muon"
 PR_MARKER = "upstream_pr"
 # The test extras the harness needs inside the release's environment (torch comes at the version in use here).
 HARNESS_REQUIREMENTS = ("pytest", "pytest-xdist", "pytest-forked", "packaging")
+# unit.common's failure text starts "Rank N failed:" (pytest shows it as "Failed: Rank N failed:").
+HARNESS_HEADER = re.compile(r"^(Failed: )?Rank \d+ failed( too)?:?$")
 ERROR_LINE = re.compile(r"^(?:E\s+)?((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failed)\b.*)$")
 
 
@@ -142,10 +144,11 @@ def run_suite(python: Path, tests_dir: Path, suite: str, marker: str | None, key
 
 
 def first_error_line(text: str) -> str:
+    """The first 'SomeError: message' line of a failure; the harness's "Rank N failed:" header is skipped."""
     lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
     for line in lines:
         match = ERROR_LINE.match(line)
-        if match:
+        if match and not HARNESS_HEADER.match(match.group(1)):
             return match.group(1)
     return lines[0] if lines else ""
 
