@@ -37,7 +37,7 @@ PR_MARKER = "upstream_pr"
 HARNESS_REQUIREMENTS = ("pytest", "pytest-xdist", "pytest-forked", "packaging")
 # unit.common's failure text starts "Rank N failed:" (pytest shows it as "Failed: Rank N failed:").
 HARNESS_HEADER = re.compile(r"^(Failed: )?Rank \d+ failed( too)?:?$")
-ERROR_LINE = re.compile(r"^(?:E\s+)?((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failed)\b.*)$")
+ERROR_LINE = re.compile(r"^(?:E\s+)?((?:[A-Za-z_]\w*\.)*\w*(?:Error|Exception|Exit|Interrupt|Failed)\b.*)$")
 
 
 class ToolError(Exception):
