@@ -71,9 +71,10 @@ GROUPS = ("this fork has one process group, the world, for data parallelism and 
           "model-parallel size / rank")
 HP_MAPPING = ("upstream's fragment-mapping internals are not provided; read full tensors with deepspeed.utils."
               "safe_get_full_fp32_param / safe_get_full_grad / safe_get_full_optimizer_state and write them with "
-              "safe_set_full_fp32_param / safe_set_full_grad")
+              "safe_set_full_fp32_param / safe_set_full_grad / safe_set_full_optimizer_state")
 LOCAL_FRAGMENTS = ("use the full-tensor helpers deepspeed.utils.safe_get_full_fp32_param / safe_get_full_grad / "
-                   "safe_get_full_optimizer_state / safe_set_full_fp32_param / safe_set_full_grad")
+                   "safe_get_full_optimizer_state / safe_set_full_fp32_param / safe_set_full_grad / "
+                   "safe_set_full_optimizer_state")
 COMMS_LOGGER = "the communication logger is not implemented (deepspeed.comm.log_summary logs nothing)"
 COLLECTIVE = ("this collective is not wrapped by deepspeed.comm; call torch.distributed's on the process group that "
               "deepspeed.init_distributed created (torch's default group)")
@@ -196,8 +197,7 @@ NOT_PROVIDED: dict[str, dict[str, Missing]] = {
         **_callables("NVTX ranges: use get_accelerator().range_push(name) / range_pop()", "instrument_w_nvtx"),
         **_callables(HP_MAPPING, "get_full_hp_param", "get_hp_fragment_mapping", "fragment_address",
                      "get_full_hp_grad", "map_to_flat_opt_states", "set_full_hp_param", "set_full_hp_grad",
-                     "link_hp_params", "lazy_init_hp_params_optimizer_state", "safe_update_full_grad_vectorized",
-                     "safe_set_full_optimizer_state"),
+                     "link_hp_params", "lazy_init_hp_params_optimizer_state", "safe_update_full_grad_vectorized"),
         **_callables(LOCAL_FRAGMENTS, "safe_get_local_fp32_param", "safe_get_local_grad",
                      "safe_get_local_optimizer_state", "safe_set_local_fp32_param", "safe_set_local_grad",
                      "safe_set_local_optimizer_state"),
