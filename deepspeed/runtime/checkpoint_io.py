@@ -15,7 +15,6 @@ no pickled code. docs/checkpoints.md describes the format and where it differs f
 import os
 import random
 import shutil
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
@@ -24,12 +23,13 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.git_version_info import version
+from deepspeed.runtime.checkpoint_files import (LATEST_FILE, MODEL_FILE, CheckpointError, atomic_write_text,
+                                                check_plain, discard, load_file, optim_file_name, temporary_name,
+                                                write_file)
 from deepspeed.runtime.zero.partition_state import validate_zero_state
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 from deepspeed.utils.logging import logger
 
-LATEST_FILE = "latest"
-MODEL_FILE = "mp_rank_00_model_states.pt"
 CHECKPOINT_FORMAT = 1
 # Keys of the model file that belong to DeepSpeed; client_state may not use them.
 RESERVED_KEYS = frozenset({
@@ -38,20 +38,9 @@ RESERVED_KEYS = frozenset({
     "mp_world_size", "zero_stage", "precision", "optimizer_files", "ds_config", "ds_version",
     "checkpoint_parallel_dimensions", "client_state_keys", "data_sampler", "random_ltd"
 })
-_PLAIN_SCALARS = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.Size)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file is missing, unreadable, or does not match this engine; the message names the file."""
-
 
 # Raised with the same type on every rank when one rank hits them.
 _SHARED_ERRORS = {"CheckpointError": CheckpointError, "ZeRORuntimeException": ZeRORuntimeException}
-
-
-def optim_file_name(dp_rank: int, bf16: bool) -> str:
-    """Upstream's name of data-parallel rank `dp_rank`'s optimizer-state file."""
-    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_00_optim_states.pt"
 
 
 def _precision(engine) -> str:
@@ -106,28 +95,6 @@ def _set_rng_state(state: dict) -> None:
     random.setstate((version_, tuple(internal), gauss))
     if "accelerator" in state and get_accelerator().device_name() != "cpu":
         get_accelerator().set_rng_state(state["accelerator"].cpu())
-
-
-def check_plain(value, where: str) -> None:
-    """Refuse anything that torch.load(weights_only=True) could not read back.
-
-    Raises:
-        ValueError: naming the entry `where` and its type.
-    """
-    if type(value) in _PLAIN_SCALARS or isinstance(value, torch.Tensor):
-        return
-    if type(value) in (list, tuple):
-        for index, item in enumerate(value):
-            check_plain(item, f"{where}[{index}]")
-        return
-    if type(value) in (dict, OrderedDict):
-        for key, item in value.items():
-            check_plain(key, f"{where} key {key!r}")
-            check_plain(item, f"{where}[{key!r}]")
-        return
-    raise ValueError(f"{where} has type {type(value).__name__}; checkpoints hold only tensors, numbers, strings, "
-                     "None, torch dtypes/devices/sizes and lists/tuples/dicts of them, because they are loaded "
-                     "with torch.load(weights_only=True)")
 
 
 def _check_client_state(client_state: dict) -> None:
@@ -195,26 +162,11 @@ def _optim_state(engine) -> dict:
     return state
 
 
-def _temporary_name(path: str) -> str:
-    return f"{path}.tmp{os.getpid()}"
-
-
 def _write_temporary(obj, path: str, pending: List[Tuple[str, str]], serialization: bool) -> None:
     """torch.save to a temporary name, flushed to disk so that the later rename commits whole files."""
-    tmp = _temporary_name(path)
+    tmp = temporary_name(path)
     pending.append((tmp, path))
-    with open(tmp, "wb") as f:
-        torch.save(obj, f, _use_new_zipfile_serialization=serialization)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _discard(pending: List[Tuple[str, str]]) -> None:
-    for tmp, _ in pending:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
+    write_file(obj, tmp, serialization)
 
 
 def _run_agreed(action: Callable[[], None], what: str) -> None:
@@ -254,7 +206,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
         _run_agreed(lambda: _write_files(engine, tag_dir, client_state, exclude_frozen_parameters, pending), what)
         _run_agreed(lambda: [os.replace(tmp, path) for tmp, path in pending], what)
     except BaseException:
-        _discard(pending)
+        discard([tmp for tmp, _ in pending])
         raise
     _run_agreed(lambda: _publish(save_dir, tag, save_latest), what)
     return True
@@ -281,20 +233,7 @@ def _publish(save_dir: str, tag: str, save_latest: bool) -> None:
     if _rank() == 0:
         _copy_zero_to_fp32(save_dir)
         if save_latest:
-            _atomic_write_text(os.path.join(save_dir, LATEST_FILE), tag)
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = _temporary_name(path)
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        _discard([(tmp, path)])
-        raise
+            atomic_write_text(os.path.join(save_dir, LATEST_FILE), tag)
 
 
 def _copy_zero_to_fp32(save_dir: str) -> None:
@@ -346,27 +285,6 @@ def _agreed_tag(engine, tag: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- load
-def load_file(path: str) -> dict:
-    """torch.load(weights_only=True) onto the CPU; every failure names the file.
-
-    Tensors are moved to their devices by whatever receives them (module, masters, optimizer state), so
-    each comes back where it lives now and CPU-resident state (Adam's `step`, RNG states) stays on the CPU.
-
-    Raises:
-        CheckpointError: the file is missing, truncated, corrupted or holds something other than plain data.
-    """
-    if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint file {path} does not exist")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 -- torch raises several types for corrupt files
-        raise CheckpointError(f"checkpoint file {path} cannot be loaded: it is truncated, corrupted or not a "
-                              f"checkpoint written by this DeepSpeed ({type(exc).__name__}: {exc})") from exc
-    if not isinstance(state, dict):
-        raise CheckpointError(f"checkpoint file {path} holds a {type(state).__name__}, not a checkpoint dict")
-    return state
-
-
 def _resolve_tag(load_dir: str, tag) -> Optional[str]:
     if tag is not None:
         return str(tag)
