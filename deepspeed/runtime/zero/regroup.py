@@ -5,8 +5,8 @@ optimizer's state for it: one flat tensor per key for an element-wise group (Ada
 plus the scalar `step`), or one tensor per whole matrix for a group laid out by owners (Muon's
 `momentum_buffer`, kept by the matrix's owner). `full_params` and `full_group_state` turn that into one tensor
 per parameter; `partition_of` and `group_state_for_rank` cut those for rank r of any other layout of the same
-parameters (M ranks, another ZeRO stage). The round trip moves bits, never computes with them, so every value
-comes back exactly.
+parameters (M ranks, another ZeRO stage), and `needed_params` says which parameters that cut reads. The round
+trip moves bits, never computes with them, so every value comes back exactly.
 
 The basic optimizer holds one flat partition per element-wise group and one view per owned matrix for a group
 with owners (`GroupLayout.owners` is set exactly for those: flat_layout.owner_layout). Nothing here reads files
@@ -14,7 +14,7 @@ or talks to other ranks: the same inputs give the same tensors on every rank.
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 
 import torch
 
@@ -70,22 +70,27 @@ def _check_partitions(layout: GroupLayout, partitions: Sequence[torch.Tensor]) -
                              f"({layout.partition_size},)")
 
 
-def full_params(layout: GroupLayout, partitions: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """Each parameter's flat tensor, assembled from its fragments in every rank's partition (new tensors).
+def full_params(layout: GroupLayout, partitions: Sequence[torch.Tensor],
+                indices: Optional[Iterable[int]] = None) -> Dict[int, torch.Tensor]:
+    """Each parameter's flat tensor (or only those in `indices`), assembled from its fragments in every rank's
+    partition; new tensors, by parameter index. Only the fragments read are touched, so memory-mapped partitions
+    are read only where needed.
 
     Raises:
         ValueError: the partitions do not fit the layout.
     """
     _check_partitions(layout, partitions)
-    pieces: List[List[torch.Tensor]] = [[] for _ in layout.numels]
+    wanted = set(range(len(layout.numels)) if indices is None else indices)
+    pieces: Dict[int, List[torch.Tensor]] = {index: [] for index in sorted(wanted)}
     for rank, partition in enumerate(partitions):
         base = layout.partition_range(rank)[0]
         # Fragments come in flat order, so each parameter's pieces arrive in element order.
         for fragment in layout.fragments(rank):
-            start = fragment.flat_start - base
-            pieces[fragment.param_index].append(partition[start:start + fragment.numel])
+            if fragment.param_index in wanted:
+                start = fragment.flat_start - base
+                pieces[fragment.param_index].append(partition[start:start + fragment.numel])
     dtype = partitions[0].dtype if partitions else torch.float32
-    return [torch.cat(p) if p else torch.zeros(0, dtype=dtype) for p in pieces]
+    return {index: torch.cat(p) if p else torch.zeros(0, dtype=dtype) for index, p in pieces.items()}
 
 
 def partition_of(layout: GroupLayout, rank: int, params: Mapping[int, torch.Tensor],
@@ -131,47 +136,52 @@ def _merge_scalars(target: Dict[str, Any], source: Mapping[str, Any], where: str
         target.setdefault(key, value)
 
 
-def full_group_state(layout: GroupLayout, rank_states: Sequence[Sequence[Mapping[str, Any]]]) -> List[ParamState]:
-    """Each parameter's whole optimizer state, from every rank's basic-optimizer states of this group.
+def full_group_state(layout: GroupLayout, rank_states: Sequence[Sequence[Mapping[str, Any]]],
+                     indices: Optional[Iterable[int]] = None) -> Dict[int, ParamState]:
+    """Each parameter's whole optimizer state (or only those in `indices`), from every rank's basic-optimizer
+    states of this group, by parameter index.
 
     Args:
         layout: the layout the states were saved with.
         rank_states: per rank, the state dict of each of its basic-optimizer params in order
             (`basic_param_indices`); an empty dict where a param has no state yet.
+        indices: the parameters wanted (default: all).
 
     Raises:
-        ValueError: a rank has the wrong number of states, or the ranks disagree about a parameter (a key
+        ValueError: a rank has the wrong number of states, or the ranks disagree about a wanted parameter (a key
             present in one fragment and not another, or a scalar such as `step` with different values).
     """
     if len(rank_states) != layout.num_partitions:
         raise ValueError(f"states of {len(rank_states)} ranks for a layout of {layout.num_partitions}")
-    pieces: List[Dict[str, List[torch.Tensor]]] = [{} for _ in layout.numels]
-    scalars: List[Dict[str, Any]] = [{} for _ in layout.numels]
-    holders: List[List[Mapping[str, Any]]] = [[] for _ in layout.numels]
+    wanted = sorted(set(range(len(layout.numels)) if indices is None else indices))
+    pieces: Dict[int, Dict[str, List[torch.Tensor]]] = {index: {} for index in wanted}
+    scalars: Dict[int, Dict[str, Any]] = {index: {} for index in wanted}
+    holders: Dict[int, List[Mapping[str, Any]]] = {index: [] for index in wanted}
     for rank, states in enumerate(rank_states):
-        indices = basic_param_indices(layout, rank)
-        if len(states) != len(indices):
+        owned = basic_param_indices(layout, rank)
+        if len(states) != len(owned):
             raise ValueError(f"rank {rank} holds {len(states)} optimizer params in this group, its layout "
-                             f"{len(indices)}")
+                             f"{len(owned)}")
         if has_matrix_params(layout):
-            for index, state in zip(indices, states):
-                _take(state, layout.numels[index], 0, layout.numels[index], pieces[index], scalars[index],
-                      f"parameter {index}")
-                holders[index].append(state)
+            for index, state in zip(owned, states):
+                if index in holders:
+                    _take(state, layout.numels[index], 0, layout.numels[index], pieces[index], scalars[index],
+                          f"parameter {index}")
+                    holders[index].append(state)
             continue
-        state = states[0]
         base = layout.partition_range(rank)[0]
         for fragment in layout.fragments(rank):
             index = fragment.param_index
-            _take(state, layout.partition_size, fragment.flat_start - base, fragment.numel, pieces[index],
-                  scalars[index], f"parameter {index}")
-            holders[index].append(state)
-    result = []
-    for index in range(len(layout.numels)):
+            if index in holders:
+                _take(states[0], layout.partition_size, fragment.flat_start - base, fragment.numel, pieces[index],
+                      scalars[index], f"parameter {index}")
+                holders[index].append(states[0])
+    result = {}
+    for index in wanted:
         keys = [sorted(state) for state in holders[index]]
         if any(k != keys[0] for k in keys):
             raise ValueError(f"parameter {index}: its fragments hold different optimizer state keys {keys}")
-        result.append(ParamState({key: torch.cat(parts) for key, parts in pieces[index].items()}, scalars[index]))
+        result[index] = ParamState({key: torch.cat(parts) for key, parts in pieces[index].items()}, scalars[index])
     return result
 
 

@@ -47,9 +47,9 @@ def test_masters_round_trip_between_world_sizes(kind, shapes, saved, loaded):
     before, after = _layout(kind, shapes, saved), _layout(kind, shapes, loaded)
     partitions = [partition_of(before, r, dict(enumerate(masters))) for r in range(saved)]
     whole = full_params(before, partitions)
-    for index, (got, expected) in enumerate(zip(whole, masters)):
-        _assert_equal(got, expected, f"parameter {index} from {saved} ranks")
-    regrouped = [partition_of(after, r, dict(enumerate(whole))) for r in range(loaded)]
+    for index, expected in enumerate(masters):
+        _assert_equal(whole[index], expected, f"parameter {index} from {saved} ranks")
+    regrouped = [partition_of(after, r, whole) for r in range(loaded)]
     for rank, partition in enumerate(regrouped):
         assert partition.shape == (after.partition_size, )
         # Padding is zero, as in a live partition built from the flat buffer.
@@ -58,8 +58,9 @@ def test_masters_round_trip_between_world_sizes(kind, shapes, saved, loaded):
         for fragment in after.fragments(rank):
             covered[fragment.flat_start - base:fragment.flat_start - base + fragment.numel] = True
         assert torch.all(partition[~covered] == 0)
-    for index, (got, expected) in enumerate(zip(full_params(after, regrouped), masters)):
-        _assert_equal(got, expected, f"parameter {index} after {saved} -> {loaded} ranks")
+    again = full_params(after, regrouped)
+    for index, expected in enumerate(masters):
+        _assert_equal(again[index], expected, f"parameter {index} after {saved} -> {loaded} ranks")
     if saved == loaded:
         for rank, (got, expected) in enumerate(zip(regrouped, partitions)):
             _assert_equal(got, expected, f"partition {rank} regrouped onto its own layout")
@@ -73,7 +74,7 @@ def test_optimizer_state_round_trip_equals_the_state_a_live_run_keeps(kind, shap
     before, after = _layout(kind, shapes, saved), _layout(kind, shapes, loaded)
     rank_states = [_live_states(before, r, masters, moments, step) for r in range(saved)]
     whole = full_group_state(before, rank_states)
-    for index, state in enumerate(whole):
+    for index, state in whole.items():
         if kind == "flat":
             _assert_equal(state.tensors["exp_avg"], moments[index], f"exp_avg of {index}")
             _assert_equal(state.tensors["exp_avg_sq"], masters[index], f"exp_avg_sq of {index}")
@@ -82,7 +83,7 @@ def test_optimizer_state_round_trip_equals_the_state_a_live_run_keeps(kind, shap
             _assert_equal(state.tensors["momentum_buffer"], moments[index], f"momentum of {index}")
             assert state.scalars == {}
     for rank in range(loaded):
-        got = group_state_for_rank(after, rank, dict(enumerate(whole)), [torch.Size(s) for s in shapes])
+        got = group_state_for_rank(after, rank, whole, [torch.Size(s) for s in shapes])
         expected = _live_states(after, rank, masters, moments, step)
         assert len(got) == len(expected) == len(basic_param_indices(after, rank))
         for entry, reference in zip(got, expected):
@@ -102,8 +103,7 @@ def test_state_tensors_keep_their_dtype_and_are_not_shared():
              [{"step": torch.tensor(3.0), "exp_avg": torch.arange(6, 12, dtype=torch.bfloat16)}]]
     whole = full_group_state(layout, saved)
     assert whole[0].tensors["exp_avg"].dtype == torch.bfloat16
-    entry = group_state_for_rank(even_layout([5, 4], 1), 0, dict(enumerate(whole)), [torch.Size([5]),
-                                                                                      torch.Size([4])])[0]
+    entry = group_state_for_rank(even_layout([5, 4], 1), 0, whole, [torch.Size([5]), torch.Size([4])])[0]
     assert entry["exp_avg"].dtype == torch.bfloat16 and entry["exp_avg"][:9].tolist() == list(range(9))
     entry["step"] += 1
     assert whole[0].scalars["step"].item() == 3.0
@@ -123,9 +123,26 @@ def test_a_partition_of_padding_only_gets_zeros_and_the_group_step():
 def test_no_state_yet_regroups_to_no_state():
     layout = even_layout([5, 4], 2)
     whole = full_group_state(layout, [[{}], [{}]])
-    assert not any(whole)
-    assert group_state_for_rank(even_layout([5, 4], 3), 1, dict(enumerate(whole)), [torch.Size([5]),
-                                                                                     torch.Size([4])]) == [{}]
+    assert not any(whole.values())
+    assert group_state_for_rank(even_layout([5, 4], 3), 1, whole, [torch.Size([5]), torch.Size([4])]) == [{}]
+
+
+def test_only_the_needed_parameters_are_assembled():
+    shapes = [(7, ), (3, 5), (11, )]
+    masters, moments = _random(shapes, seed=3), _random(shapes, seed=4)
+    saved, loaded = even_layout([7, 15, 11], 2), even_layout([7, 15, 11], 3)
+    partitions = [partition_of(saved, r, dict(enumerate(masters))) for r in range(2)]
+    states = [_live_states(saved, r, masters, moments, torch.tensor(1.0)) for r in range(2)]
+    for rank in range(3):
+        needed = needed_params(loaded, rank)
+        assert needed == sorted({f.param_index for f in loaded.fragments(rank)})
+        whole = full_params(saved, partitions, needed)
+        assert sorted(whole) == needed
+        assert torch.equal(partition_of(loaded, rank, whole), partition_of(loaded, rank, dict(enumerate(masters))))
+        state = full_group_state(saved, states, needed)
+        assert sorted(state) == needed
+        assert torch.equal(group_state_for_rank(loaded, rank, state, shapes)[0]["exp_avg"],
+                           partition_of(loaded, rank, dict(enumerate(moments))))
 
 
 def test_inconsistent_saved_state_is_refused():
