@@ -82,9 +82,10 @@ COMM_BACKEND = ("deepspeed.comm runs on torch.distributed's default process grou
                 "provided (get_accelerator().communication_backend_name() names the backend)")
 LAUNCHER_ENV = ("MPI, AzureML, AWS SageMaker and DLTS environment discovery are not implemented; launch with the "
                 "deepspeed launcher or torchrun, which set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT")
-UNIVERSAL_CHECKPOINT = ("universal checkpoints and upstream's checkpoint reshaping tools are not implemented; use "
-                        "engine.save_checkpoint / load_checkpoint (same world size) and deepspeed.utils.zero_to_fp32 "
-                        "(docs/checkpoints.md)")
+UNIVERSAL_CHECKPOINT = ("upstream's checkpoint classes, reshaping tools and key constants are not provided; "
+                        "engine.load_checkpoint regroups a checkpoint to any world size and ZeRO stage 0-2, "
+                        "python -m deepspeed.checkpoint.ds_to_universal writes the universal form, and "
+                        "deepspeed.utils.zero_to_fp32 consolidates the weights (docs/checkpoints.md)")
 QUANTIZATION = "DeepSpeed's quantization kernels are not implemented"
 TRITON_KERNELS = ("DeepSpeed's Triton kernels are not provided; import triton / triton.language yourself, and ask "
                   "get_accelerator().is_triton_supported() whether Triton can run here")

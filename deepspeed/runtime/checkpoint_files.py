@@ -1,7 +1,7 @@
 """Checkpoint files one by one: upstream's names, plain-data checks, durable writes and pickle-free reads.
 
 Every failure names the file. What goes into which file, and the transactions over the ranks, are
-runtime/checkpoint_io.py's.
+runtime/checkpoint_io.py's; the per-parameter (universal) form is deepspeed/checkpoint/full_state.py's.
 """
 
 import os
@@ -11,7 +11,10 @@ from typing import Iterable
 import torch
 
 LATEST_FILE = "latest"
+LATEST_UNIVERSAL_FILE = "latest_universal"
 MODEL_FILE = "mp_rank_00_model_states.pt"
+# Model-file key (upstream's name) that marks the universal form and describes where it came from.
+UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"
 _PLAIN_SCALARS = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.Size)
 
 
@@ -81,11 +84,16 @@ def atomic_write_text(path: str, text: str) -> None:
         raise
 
 
-def load_file(path: str) -> dict:
+def load_file(path: str, mmap: bool = False) -> dict:
     """torch.load(weights_only=True) onto the CPU; every failure names the file.
 
     Tensors are moved to their devices by whatever receives them (module, masters, optimizer state), so
     each comes back where it lives now and CPU-resident state (Adam's `step`, RNG states) stays on the CPU.
+
+    Args:
+        path: the file.
+        mmap: map the tensors' storage instead of reading it (files written with checkpoint_serialization false
+            cannot be mapped and are read whole): only what is then sliced or copied is read.
 
     Raises:
         CheckpointError: the file is missing, truncated, corrupted or holds something other than plain data.
@@ -93,7 +101,12 @@ def load_file(path: str) -> dict:
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} does not exist")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        except RuntimeError:
+            if not mmap:
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 -- torch raises several types for corrupt files
         raise CheckpointError(f"checkpoint file {path} cannot be loaded: it is truncated, corrupted or not a "
                               f"checkpoint written by this DeepSpeed ({type(exc).__name__}: {exc})") from exc
