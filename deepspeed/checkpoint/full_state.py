@@ -183,7 +183,9 @@ def read_universal(tag_dir: str, param_shapes: Sequence[dict],
             folder = os.path.join(zero_dir, names[index])
             masters[index] = _read_tensor(os.path.join(folder, f"{FP32_KEY}.pt"), sizes[index], torch.float32)
             states[index] = ParamState()
-            for key in meta["state_keys"][g].get(names[index], []):
+            if names[index] not in meta["state_keys"][g]:
+                raise CheckpointError(f"checkpoint file {meta_path}: no state keys recorded for {names[index]}")
+            for key in meta["state_keys"][g][names[index]]:
                 path = os.path.join(folder, f"{key}.pt")
                 value = _read_value(path)
                 if torch.is_tensor(value) and value.dim() > 0:

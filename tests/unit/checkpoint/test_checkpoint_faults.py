@@ -275,7 +275,9 @@ class TestRefusedLoads(DistributedTest):
 
     def test_other_stage_precision_model_or_optimizer(self, class_tmpdir):
         directory = os.path.join(str(class_tmpdir), "mismatch")
-        _trained(checkpoint_config(1, "bf16")).save_checkpoint(directory, tag="t")
+        trained = _trained(checkpoint_config(1, "bf16"))
+        trained.save_checkpoint(directory, tag="t")
+        saved = full_snapshot(trained)
         model_path = os.path.join(directory, "t", MODEL_FILE)
         optim_path = os.path.join(directory, "t", _optim_file(dist.get_rank(), True))
         cases = [
@@ -290,6 +292,13 @@ class TestRefusedLoads(DistributedTest):
             error = _raises_everywhere(lambda engine=engine: engine.load_checkpoint(directory), *fragments)
             assert isinstance(error, CheckpointError)
             assert_identical(full_snapshot(engine), before, f"engine after a refused load {fragments}")
+        # Another stage at the same world size is regrouped (test_resume_other_world_size.py covers the rest).
+        for stage in (2, 0):
+            engine = new_engine(checkpoint_config(stage, "bf16"), seed=1)
+            engine.load_checkpoint(directory)
+            got = full_snapshot(engine)
+            for key in ("params", "masters", "states", "counters"):
+                assert_identical(got[key], saved[key], f"stage 1 -> {stage}: {key}")
 
 
 class TestPartialLoads(DistributedTest):
