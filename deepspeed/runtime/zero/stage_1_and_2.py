@@ -444,16 +444,56 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         return state[key]
 
     def _muon_state(self, group: int, index: int, key: str) -> torch.Tensor:
-        layout = self.layouts[group]
-        base = self._partition_base(group)
-        start = layout.param_offsets[index] - base
+        hp = self._muon_master(group, index)
+        state = self.optimizer.state.get(hp, {}) if hp is not None else {}
+        if key not in state:
+            raise ValueError(f"{key} not found in optimizer state fragment")
+        return state[key]
+
+    def _muon_master(self, group: int, index: int) -> Optional[torch.Tensor]:
+        """The basic optimizer's view of Muon matrix `index` of `group` (None when another rank owns it)."""
+        start = self.layouts[group].param_offsets[index] - self._partition_base(group)
         for hp in self.optimizer.param_groups[group]["params"]:
             if self._hp_slots[id(hp)].start == start:
-                state = self.optimizer.state.get(hp, {})
-                if key not in state:
-                    raise ValueError(f"{key} not found in optimizer state fragment")
-                return state[key]
-        raise ValueError(f"{key} not found in optimizer state fragment")
+                return hp
+        return None
+
+    def set_full_optimizer_state(self, param: torch.Tensor, value: torch.Tensor, key: str) -> None:
+        """Write this rank's part of `param`'s optimizer state `key` from the full `value` (no collective).
+
+        A tensor with the parameter's number of elements is element-wise state: this rank's fragment of it is
+        written, into a new zero tensor in `value`'s dtype where the state does not exist yet. A 0-dim tensor
+        (Adam's `step`) is stored as given in the state that holds this parameter's fragment: for a Muon matrix
+        its own, for other groups this rank's flat partition, which other parameters share.
+
+        Raises:
+            ValueError: `value` has neither 0 dims nor the parameter's number of elements, or the existing state
+                `key` has another number of elements than the basic-optimizer param it belongs to.
+        """
+        group, index = self._check_param(param)
+        value = value.detach()
+        if value.dim() != 0 and value.numel() != param.numel():
+            raise ValueError(f"optimizer state '{key}' of {self.param_names.get(param, '<unnamed>')} needs a 0-dim "
+                             f"tensor or {param.numel()} elements, got shape {tuple(value.shape)}")
+        layout = self.layouts[group]
+        muon = is_muon_group(self.optimizer.param_groups[group])
+        base = self._partition_base(group)
+        for fragment in layout.fragments(self._owner_rank(group)):
+            if fragment.param_index != index:
+                continue
+            hp = self._muon_master(group, index) if muon else self.optimizer.param_groups[group]["params"][0]
+            state = self.optimizer.state[hp]
+            if value.dim() == 0:
+                state[key] = value.clone()
+                continue
+            if key not in state:
+                state[key] = torch.zeros(hp.shape, dtype=value.dtype, device=hp.device)
+            if state[key].numel() != hp.numel():
+                raise ValueError(f"optimizer state '{key}' holds {state[key].numel()} elements, its parameter "
+                                 f"{hp.numel()}")
+            start = 0 if muon else fragment.flat_start - base
+            source = value.reshape(-1)[fragment.param_start:fragment.param_start + fragment.numel]
+            state[key].view(-1)[start:start + fragment.numel].copy_(source)
 
     def _scatter_full(self, param: torch.Tensor, value: torch.Tensor, target: torch.Tensor) -> None:
         """Copy this rank's fragment of the full `value` into `target`, a partition-shaped buffer."""
