@@ -118,14 +118,13 @@ def _check_no_duplicate_params(engine, optimizer) -> None:
 
 
 def build_zero_optimizer(engine, basic_optimizer):
-    """Wrap the basic optimizer in DeepSpeedZeroOptimizer (all stages 0-2, all precisions)."""
+    """Wrap the basic optimizer in DeepSpeedZeroOptimizer (stages 0-2) or DeepSpeedZeroOptimizer_Stage3."""
     from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer, ZeroOptions
 
     config = engine._config
-    if config.zero_optimization_stage > 2:
-        raise DeepSpeedConfigError(f"zero_optimization.stage {config.zero_optimization_stage} is not supported by "
-                                   "this fork yet; expected 0, 1 or 2")
+    if config.zero_optimization_stage == 3:
+        _reject_unimplemented_stage3(config.zero_config)
     model_dtype = model_dtype_of(config)
     zero = config.zero_config
     _reject_unimplemented_offload(zero)
@@ -148,8 +147,47 @@ def build_zero_optimizer(engine, basic_optimizer):
     loss_scaler = CreateLossScaler(dtype=model_dtype, static_loss_scale=static_scale, dynamic_scaling=dynamic,
                                    dynamic_loss_args=engine.dynamic_loss_scale_args())
     param_names = {p: n for n, p in engine.module.named_parameters()}
+    if config.zero_optimization_stage == 3:
+        from deepspeed.runtime.zero.param_residency import ResidencyOptions
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+        residency = ResidencyOptions(persistence_threshold=int(zero.param_persistence_threshold),
+                                     model_persistence_threshold=int(zero.model_persistence_threshold),
+                                     prefetch_numel=int(zero.prefetch_bucket_size))
+        return DeepSpeedZeroOptimizer_Stage3(engine.module, basic_optimizer, param_names, options, loss_scaler,
+                                             engine.dp_process_group, engine.device, residency)
     return DeepSpeedZeroOptimizer(basic_optimizer, param_names, options, loss_scaler, engine.dp_process_group,
                                   engine.device)
+
+
+# Stage-3 keys whose non-default values this fork does not implement: key -> (default, what to do instead).
+_STAGE3_UNIMPLEMENTED = {
+    "zero_hpz_partition_size": (1, "ZeRO++ hierarchical partitioning is not implemented; use 1"),
+    "zero_quantized_weights": (False, "ZeRO++ quantized weights are not implemented; use false"),
+    "zero_quantized_nontrainable_weights": (False, "ZeRO++ quantized weights are not implemented; use false"),
+    "zero_quantized_gradients": (False, "ZeRO++ quantized gradients are not implemented; use false"),
+    "zeropp_loco_param": (None, "ZeRO++ LoCo is not implemented; remove the key"),
+    "mics_shard_size": (-1, "MiCS is not implemented; use -1"),
+    "mics_hierarchical_params_gather": (False, "MiCS is not implemented; use false"),
+    "use_all_reduce_for_fetch_params": (False, "parameters are fetched with all-gather; use false"),
+    "module_granularity_threshold": (0, "modules are fetched one by one; use 0"),
+    "pipeline_loading_checkpoint": (False, "checkpoints load in one pass; use false"),
+}
+
+
+def _reject_unimplemented_stage3(zero) -> None:
+    """Refuse stage-3 keys set to what this fork does not do (rather than silently ignoring them)."""
+    for key, (default, advice) in _STAGE3_UNIMPLEMENTED.items():
+        value = getattr(zero, key)
+        if value != default:
+            raise DeepSpeedConfigError(f"zero_optimization.{key} {value!r} is not supported with "
+                                       f"zero_optimization.stage 3 by this fork: {advice}")
+    if zero.has_param_offload:
+        device = getattr(zero.offload_param.device, "value", zero.offload_param.device)
+        raise DeepSpeedConfigError(f"zero_optimization.offload_param.device '{device}' is "
+                                   "not implemented in this fork; expected 'none' (or remove the section)")
+    if zero.leaf_module.classes or zero.leaf_module.names:
+        raise DeepSpeedConfigError("zero_optimization.leaf_module is not supported by this fork: every module with "
+                                   "parameters of its own is fetched on its own; remove the section")
 
 
 def _reject_unimplemented_offload(zero) -> None:

@@ -63,6 +63,11 @@ class _HpSlot:
     shape: torch.Size
 
 
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """A parameter's shape, also while stage 3 holds only a placeholder in `param.data` (upstream's `ds_shape`)."""
+    return getattr(param, "ds_shape", param.shape)
+
+
 def is_muon_group(group: dict) -> bool:
     """Muon groups are declared by the param-group key `use_muon`, never guessed from a class name."""
     return bool(group.get("use_muon", False))
@@ -397,7 +402,8 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         """
         group, index = self._check_param(param)
         layout = self.layouts[group]
-        buffer = torch.zeros(param.numel() + 1, dtype=torch.float32, device=self.device)
+        shape = full_shape(param)
+        buffer = torch.zeros(shape.numel() + 1, dtype=torch.float32, device=self.device)
         full = buffer[:-1]
         rank = self._owner_rank(group)
         base = layout.partition_range(rank)[0]
@@ -415,7 +421,7 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         if buffer[-1].item() > 0:
             raise error or ValueError(f"{failure} (on the rank that holds that part of "
                                       f"{self.param_names.get(param, '<unnamed>')})")
-        return full.view(param.shape)
+        return full.view(shape)
 
     def get_full_hp_param(self, param: torch.Tensor) -> torch.Tensor:
         masters = self.single_partition_of_fp32_groups
@@ -472,9 +478,10 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         """
         group, index = self._check_param(param)
         value = value.detach()
-        if value.dim() != 0 and value.numel() != param.numel():
+        numel = full_shape(param).numel()
+        if value.dim() != 0 and value.numel() != numel:
             raise ValueError(f"optimizer state '{key}' of {self.param_names.get(param, '<unnamed>')} needs a 0-dim "
-                             f"tensor or {param.numel()} elements, got shape {tuple(value.shape)}")
+                             f"tensor or {numel} elements, got shape {tuple(value.shape)}")
         layout = self.layouts[group]
         muon = is_muon_group(self.optimizer.param_groups[group])
         base = self._partition_base(group)
