@@ -15,7 +15,8 @@ import os
 from typing import List, Optional
 
 from deepspeed.checkpoint.full_state import is_universal, read_rank_files, write_universal
-from deepspeed.runtime.checkpoint_files import (LATEST_UNIVERSAL_FILE, MODEL_FILE, CheckpointError, atomic_write_text,
+from deepspeed.runtime.checkpoint_files import (LATEST_UNIVERSAL_FILE, CheckpointError, atomic_write_text,
+                                                find_model_file,
                                                 load_file)
 
 
@@ -29,7 +30,7 @@ def convert(input_folder: str, output_folder: str) -> str:
             or a checkpoint that is already universal.
     """
     input_folder, output_folder = os.path.normpath(str(input_folder)), os.path.normpath(str(output_folder))
-    model_path = os.path.join(input_folder, MODEL_FILE)
+    model_path = find_model_file(input_folder)
     model_state = load_file(model_path)
     required = ("param_shapes", "optimizer_files", "zero_stage", "dp_world_size")
     missing = [key for key in required if key not in model_state]

@@ -22,6 +22,19 @@ class CheckpointError(ValueError):
     """A checkpoint file is missing, unreadable, or does not match this engine; the message names the file."""
 
 
+def model_file_name(zero_stage: int, dp_rank: int) -> str:
+    """Upstream's name of the model-states file: one per data-parallel rank at stage 3, one in all otherwise."""
+    return f"zero_pp_rank_{dp_rank}_{MODEL_FILE}" if zero_stage == 3 else MODEL_FILE
+
+
+def find_model_file(tag_dir: str, dp_rank: int = 0) -> str:
+    """The model-states file of a checkpoint folder: the single one, else this rank's stage-3 one, else rank 0's."""
+    for name in (MODEL_FILE, model_file_name(3, dp_rank), model_file_name(3, 0)):
+        if os.path.isfile(os.path.join(tag_dir, name)):
+            return os.path.join(tag_dir, name)
+    return os.path.join(tag_dir, MODEL_FILE)
+
+
 def optim_file_name(dp_rank: int, bf16: bool) -> str:
     """Upstream's name of data-parallel rank `dp_rank`'s optimizer-state file."""
     return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_00_optim_states.pt"

@@ -27,11 +27,12 @@ import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.checkpoint.full_state import ZERO_DIR, is_universal, read_rank_files, read_universal
 from deepspeed.git_version_info import version
-from deepspeed.runtime.checkpoint_files import (LATEST_FILE, LATEST_UNIVERSAL_FILE, MODEL_FILE,
-                                                UNIVERSAL_CHECKPOINT_INFO, CheckpointError, atomic_write_text,
-                                                check_plain, discard, load_file, optim_file_name, temporary_name,
-                                                write_file)
+from deepspeed.runtime.checkpoint_files import (LATEST_FILE, LATEST_UNIVERSAL_FILE, UNIVERSAL_CHECKPOINT_INFO,
+                                                CheckpointError, atomic_write_text, check_plain, discard,
+                                                find_model_file, load_file, model_file_name, optim_file_name,
+                                                temporary_name, write_file)
 from deepspeed.runtime.zero.partition_state import needed_params_by_group, rank_state_from_full, validate_zero_state
+from deepspeed.runtime.zero.stage_1_and_2 import full_shape
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 from deepspeed.utils.logging import logger
 
@@ -114,7 +115,7 @@ def _check_client_state(client_state: dict) -> None:
 def _param_shapes(engine) -> list:
     """Per group, parameter name -> shape in flattening order (upstream's `param_shapes`)."""
     optimizer = engine.optimizer
-    return [{optimizer.param_names[p]: p.shape for p in params} for params in optimizer.bit16_groups]
+    return [{optimizer.param_names[p]: full_shape(p) for p in params} for params in optimizer.bit16_groups]
 
 
 def _shared_params(module: torch.nn.Module) -> dict:
@@ -231,9 +232,12 @@ def _write_files(engine, tag_dir: str, client_state: dict, exclude_frozen: bool,
     if engine.optimizer is not None:
         path = os.path.join(tag_dir, optim_file_name(engine.optimizer.dp_rank, engine.bfloat16_enabled()))
         _write_temporary(_optim_state(engine), path, pending, serialization)
-    if _rank() == 0:
+    stage = engine.zero_optimization_stage()
+    # Stage 3: every data-parallel rank writes a model file (upstream's names), each holding its placeholders.
+    if _rank() == 0 or stage == 3:
         model_state = _model_state(engine, client_state, exclude_frozen)
-        _write_temporary(model_state, os.path.join(tag_dir, MODEL_FILE), pending, serialization)
+        dp_rank = engine.optimizer.dp_rank if engine.optimizer is not None else 0
+        _write_temporary(model_state, os.path.join(tag_dir, model_file_name(stage, dp_rank)), pending, serialization)
 
 
 def _publish(save_dir: str, tag: str, save_latest: bool) -> None:
@@ -307,6 +311,34 @@ def _resolve_tag(load_dir: str, tag, universal: bool) -> Optional[str]:
         return f.read().strip()
 
 
+def _gathered_module_state(engine, exclude_frozen: bool) -> dict:
+    """The module's state dict with stage-3 parameters gathered one unit at a time (a collective), on the CPU."""
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+    state = {}
+    for name, value in engine.module_state_dict(exclude_frozen_parameters=exclude_frozen).items():
+        state[name] = value.detach().cpu().clone()
+    for name, param in engine.module.named_parameters():
+        if name in state and not getattr(param, "ds_persist", True):
+            with GatheredParameters([param]):
+                state[name] = param.detach().cpu().clone()
+    return state
+
+
+def save_16bit_model(engine, save_dir, save_filename: str, exclude_frozen_parameters: bool) -> bool:
+    """See DeepSpeedEngine.save_16bit_model."""
+    if engine.zero_optimization_stage() == 3 and not engine._config.zero_config.gather_16bit_weights_on_model_save:
+        logger.warning(f"Did not save the model {os.path.join(str(save_dir), save_filename)} because "
+                       "`stage3_gather_16bit_weights_on_model_save` is False")
+        return False
+    state = _gathered_module_state(engine, exclude_frozen_parameters)
+    if _rank() == 0:
+        os.makedirs(str(save_dir), exist_ok=True)
+        write_file(state, os.path.join(str(save_dir), save_filename))
+    if dist.is_initialized():
+        dist.barrier()
+    return True
+
+
 def _check_model_file(engine, state: dict, path: str, load_optimizer: bool) -> None:
     """Refuse a model file that is not ours, or whose optimizer state cannot be loaded into this engine.
 
@@ -359,11 +391,27 @@ def _check_files_present(tag_dir: str, state: dict) -> None:
         raise CheckpointError(f"checkpoint {tag_dir} is incomplete and is not loaded; missing files: {missing}")
 
 
-def _check_module(module: torch.nn.Module, saved: dict, path: str, strict: bool) -> None:
+def _partitioned_names(engine) -> frozenset:
+    """Stage 3: names of the parameters whose `data` is a placeholder; their values come from the optimizer state."""
+    return frozenset(name for name, param in engine.module.named_parameters(remove_duplicate=False)
+                     if not getattr(param, "ds_persist", True))
+
+
+def _loadable_module_state(engine, saved):
+    """The saved module state without the stage-3 partitioned parameters (placeholders, or another stage's whole
+    values, which the fp32 masters restore)."""
+    skip = _partitioned_names(engine)
+    if not skip or not isinstance(saved, dict):
+        return saved
+    return {name: value for name, value in saved.items() if name not in skip}
+
+
+def _check_module(module: torch.nn.Module, saved: dict, path: str, strict: bool,
+                  skip: frozenset = frozenset()) -> None:
     """Refuse a module state of another model before anything is copied (torch copies what fits, then raises)."""
     if not isinstance(saved, dict):
         raise CheckpointError(f"checkpoint file {path}: 'module' is a {type(saved).__name__}, not a state dict")
-    current = module.state_dict()
+    current = {name: value for name, value in module.state_dict().items() if name not in skip}
     shapes = [f"{name}: saved {tuple(value.shape)}, current {tuple(current[name].shape)}"
               for name, value in saved.items()
               if name in current and torch.is_tensor(value) and value.shape != current[name].shape]
@@ -389,12 +437,13 @@ class _LoadPlan:
 
 def _prepare_load(engine, tag_dir: str, load_module_strict: bool, load_optimizer: bool,
                   custom_load_fn) -> _LoadPlan:
-    model_path = os.path.join(tag_dir, MODEL_FILE)
+    model_path = find_model_file(tag_dir, engine.optimizer.dp_rank if engine.optimizer is not None else 0)
     model_state = load_file(model_path)
     _check_model_file(engine, model_state, model_path, load_optimizer)
     _check_files_present(tag_dir, model_state)
     if custom_load_fn is None:
-        _check_module(engine.module, model_state["module"], model_path, load_module_strict)
+        _check_module(engine.module, _loadable_module_state(engine, model_state["module"]), model_path,
+                      load_module_strict, skip=_partitioned_names(engine))
     plan = _LoadPlan(model_path, model_state)
     if not load_optimizer:
         return plan
@@ -459,6 +508,9 @@ def _apply_load(engine, plan: _LoadPlan, load_module_strict: bool, load_lr_sched
                                       f"{type(engine.lr_scheduler).__name__}: {exc}") from exc
         if custom_load_fn is not None:
             custom_load_fn(src=state["module"], dst=engine.module)
+        elif _partitioned_names(engine):
+            # _check_module applied the strictness to everything but the partitioned parameters.
+            engine.module.load_state_dict(_loadable_module_state(engine, state["module"]), strict=False)
         else:
             engine.module.load_state_dict(state["module"], strict=load_module_strict)
 

@@ -241,7 +241,7 @@ class TestRegroupFaults(DistributedTest):
         dist.barrier()
         restore(optim[0])
 
-        # A stage that does not regroup (stage 3, which this tree does not write) keeps upstream's refusal.
+        # A stage that does not regroup (stage 3 at another world size) keeps upstream's refusal.
         stage3 = os.path.join(directory, "stage3")
         model_file = os.path.join(stage3, "mp_rank_00_model_states.pt")
 
