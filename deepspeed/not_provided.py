@@ -38,8 +38,9 @@ def _values(advice: str, *names: str) -> dict[str, Missing]:
     return {name: Missing(advice, is_value=True) for name in names}
 
 
-ZERO3 = ("ZeRO stage 3 (partitioned parameters) is not implemented; at zero_optimization.stage 0, 1 or 2 every rank "
-         "holds whole parameters, so engine.module can be used directly")
+ZERO3 = ("this part of ZeRO stage 3 (leaf modules, external parameters, partitioning at construction) is not "
+         "implemented; stage 3 gathers each module's own parameters around its forward and backward, and "
+         "deepspeed.zero.GatheredParameters makes any of them whole")
 NATIVE_OPS = ("DeepSpeed's native ops are not built by this fork; the config's optimizer types (Adam, AdamW, Muon, or "
               "any torch.optim class name) build torch optimizers, nothing needs compiling")
 CPU_OPTIMIZERS = ("optimizer offload and DeepSpeed's CPU optimizers are not implemented; use torch.optim.AdamW, or "
@@ -208,7 +209,7 @@ NOT_PROVIDED: dict[str, dict[str, Missing]] = {
         **_callables(NUMA, "get_numactl_cmd"),
         **_callables(MODULE_UTILS, "recursive_getattr", "recursive_setattr"),
     },
-    "deepspeed.runtime.zero": _callables(ZERO3, "ZeroParamType", "ZeroParamStatus", "register_external_parameter",
+    "deepspeed.runtime.zero": _callables(ZERO3, "ZeroParamType", "register_external_parameter",
                                          "DeepSpeedZeRoOffload", "DeepSpeedTensorOverride", "TiledLinear",
                                          "TiledLinearReturnBias", "unwrap_model_for_generation"),
     "deepspeed.comm": {

@@ -284,7 +284,21 @@ class DeepSpeedEngine(torch.nn.Module):
         return state
 
     def empty_partition_cache(self) -> None:
-        """No-op: stages 0-2 keep no parameter partition cache."""
+        """Release every gathered stage-3 parameter that is not persistent (no-op at stages 0-2)."""
+        residency = getattr(self.optimizer, "residency", None)
+        if residency is not None:
+            residency.release_all()
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Save the model's 16-bit (model dtype) state dict on rank 0; every rank must call it at stage 3.
+
+        Returns:
+            True when saved; False at stage 3 without zero_optimization.gather_16bit_weights_on_model_save
+            (upstream's rule: gathering the whole model may not fit; use zero_to_fp32 instead).
+        """
+        from deepspeed.runtime.checkpoint_io import save_16bit_model
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def destroy(self) -> None:
         if self.optimizer is not None:

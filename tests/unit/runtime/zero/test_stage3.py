@@ -182,3 +182,80 @@ class TestStage3BadConfigs(DistributedTest):
         config["zero_optimization"][key] = value
         with pytest.raises(DeepSpeedConfigError, match=f"zero_optimization.{key}"):
             initialize(make_model(HIDDEN), config)
+
+
+class TestStage3Checkpoint(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("optimizer,dtype", [("adamw", "fp16"), ("adamw", "bf16"), ("muon", "fp16"),
+                                                 ("muon", "bf16")])
+    def test_resume_equals_uninterrupted(self, tmpdir, optimizer, dtype):
+        import os
+
+        import deepspeed.comm as dist
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        from unit.checkpoint.resume_harness import (assert_identical, batches_for, checkpoint_config, full_snapshot,
+                                                    new_engine, train)
+        k, n = 3, 3
+        directory = os.path.join(str(tmpdir), "ckpt")
+        directory = [directory]
+        dist.broadcast_object_list(directory, src=0)
+        directory = directory[0]
+        config = stage3(checkpoint_config(3, dtype, optimizer, gas=2))
+
+        def snapshot(engine):
+            return {**full_snapshot(engine), "lp": lp_partitions(engine)}
+
+        engine = new_engine(config, seed=0)
+        batches = batches_for(engine, k + n)
+        train(engine, batches[:k], dtype, poison_steps=(k - 1, ))
+        engine.save_checkpoint(directory)
+        at_save = snapshot(engine)
+        losses = train(engine, batches[k:], dtype, poison_steps=(1, ))
+        final = snapshot(engine)
+
+        tag_dir = os.path.join(directory, f"global_step{k}")
+        assert sorted(name for name in os.listdir(tag_dir) if "model_states" in name) == [
+            f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(2)]
+        resumed = new_engine(config, seed=1)
+        load_path, _ = resumed.load_checkpoint(directory)
+        assert load_path == os.path.join(tag_dir, f"zero_pp_rank_{dist.get_rank()}_mp_rank_00_model_states.pt")
+        assert_identical(snapshot(resumed), at_save, "after load")
+        assert train(resumed, batches[k:], dtype, poison_steps=(1, )) == losses
+        assert_identical(snapshot(resumed), final, "after more steps")
+
+        consolidated = get_fp32_state_dict_from_zero_checkpoint(directory)
+        for (name, value), master in zip(consolidated.items(), at_save["masters"], strict=True):
+            assert torch.equal(value, master), name
+
+
+class TestStage3GatherAndSave(DistributedTest):
+    world_size = 2
+
+    def test_gathered_parameters_and_save_16bit_model(self, tmpdir):
+        import os
+
+        import deepspeed.comm as dist
+        config = stage3(make_config(3, "bf16", micro=4), stage3_gather_16bit_weights_on_model_save=True)
+        engine, _ = initialize(make_model(HIDDEN, nlayers=2), config)
+        train_steps(engine, global_batches(2, 8, HIDDEN), "bf16")
+        weight = engine.module.linears[0].weight
+        with deepspeed.zero.GatheredParameters([weight]):
+            assert weight.shape == weight.ds_shape
+            assert torch.equal(weight.float(), fp32_masters_of(weight).to(torch.bfloat16).float())
+            before = fp32_masters_of(weight)
+            weight.data.fill_(1.0)  # no modifier_rank: discarded
+        assert weight.numel() == 0
+        assert torch.equal(fp32_masters_of(weight), before)
+        with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
+            if dist.get_rank() == 0:
+                weight.data.fill_(0.5)
+        assert torch.equal(fp32_masters_of(weight), torch.full(tuple(weight.ds_shape), 0.5))
+
+        directory = [os.path.join(str(tmpdir), "model")]
+        dist.broadcast_object_list(directory, src=0)
+        assert engine.save_16bit_model(directory[0]) is True
+        if dist.get_rank() == 0:
+            saved = torch.load(os.path.join(directory[0], "pytorch_model.bin"), weights_only=True)
+            assert saved["linears.0.weight"].dtype == torch.bfloat16
+            assert torch.equal(saved["linears.0.weight"], torch.full((HIDDEN, HIDDEN), 0.5, dtype=torch.bfloat16))
