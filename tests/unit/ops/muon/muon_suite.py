@@ -170,7 +170,8 @@ def optimizer_state(engine) -> Dict[Tuple[str, str], torch.Tensor]:
     states = {}
     for name, param in engine.module.named_parameters():
         # ZeRO-3 keeps a placeholder in `param`; `ds_shape` is the parameter's shape there.
-        keys = ("momentum_buffer", ) if len(getattr(param, "ds_shape", param.shape)) >= 2 else ("exp_avg", "exp_avg_sq")
+        is_matrix = len(getattr(param, "ds_shape", param.shape)) >= 2
+        keys = ("momentum_buffer", ) if is_matrix else ("exp_avg", "exp_avg_sq")
         for key in keys:
             states[(name, key)] = safe_get_full_optimizer_state(param, key).detach().cpu().clone()
     return states
