@@ -86,6 +86,10 @@ class DeepSpeedEngine(torch.nn.Module):
             raise DeepSpeedConfigError("Type fp16 is not supported on your device.")
         if dtype == torch.bfloat16 and not get_accelerator().is_bf16_supported():
             raise DeepSpeedConfigError("Type bf16 is not supported on your device.")
+        if self._config.zero_optimization_stage != 3 and any(
+                getattr(p, "ds_tensor", None) is not None for p in self.module.parameters()):
+            raise ValueError("the model was built under deepspeed.zero.Init, which partitions its parameters: it "
+                             f"needs zero_optimization.stage 3, got {self._config.zero_optimization_stage}")
         for param in self.module.parameters():
             if param.is_floating_point():
                 param.data = param.data.to(dtype)

@@ -92,6 +92,10 @@ def plan_unit(layouts: Sequence[GroupLayout], keys: Sequence[Tuple[int, int]], n
     return UnitPlan(tuple(keys), tuple(param_offsets), cursor, row_numel, tuple(per_rank))
 
 
+def _full_numel(param: torch.Tensor) -> int:
+    return getattr(param, "ds_shape", param.shape).numel()
+
+
 @dataclass
 class _Unit:
     plan: UnitPlan
@@ -162,9 +166,10 @@ class ParamResidency:
             seen.update(id(p) for p in params)
             partitioned = []
             for param in params:
-                if param.numel() < self.options.persistence_threshold and param.numel() <= budget:
+                numel = _full_numel(param)
+                if numel < self.options.persistence_threshold and numel <= budget:
                     persistent.append(param)
-                    budget -= param.numel()
+                    budget -= numel
                 else:
                     partitioned.append(param)
             params = partitioned
@@ -184,12 +189,14 @@ class ParamResidency:
     def _partition(self, unit: _Unit) -> None:
         """Give each parameter upstream's stage-3 attributes; everything but persistent parameters is released."""
         for param in unit.params:
-            param.ds_shape = param.shape
-            param.ds_numel = param.numel()
+            # A zero.Init parameter is a placeholder already; its construction shard is in the partitions now.
+            param.ds_shape = getattr(param, "ds_shape", param.shape)
+            param.ds_numel = param.ds_shape.numel()
             param.ds_id = self._ids[id(param)]
             param.ds_persist = unit.persistent
             param.ds_tensor = None
-            param.ds_status = ZeroParamStatus.AVAILABLE
+            whole = param.numel() == param.ds_numel
+            param.ds_status = ZeroParamStatus.AVAILABLE if whole else ZeroParamStatus.NOT_AVAILABLE
         unit.buffer = torch.empty(unit.plan.numel, dtype=unit.params[0].dtype, device=unit.params[0].device)
         if unit.persistent:
             self.gather(unit)

@@ -2,8 +2,11 @@
 
 GatheredParameters makes stage-3 parameters whole inside its block (zero/param_residency.py) and, with
 `modifier_rank`, publishes that rank's changes into every rank's partitions and fp32 masters on exit. Parameters
-that are not partitioned (stages 0-2, persistent ones) are left alone, as upstream does. `zero.Init` (partitioning
-at construction) is not implemented: it is accepted only when disabled.
+that are not partitioned (stages 0-2, persistent ones) are left alone, as upstream does.
+
+`zero.Init` partitions parameters as the modules that own them are built (see init_partition.py); before
+`deepspeed.initialize` such a parameter's value is its construction shards, which GatheredParameters also gathers and
+(with `modifier_rank`) rewrites.
 """
 
 from typing import Any
@@ -11,7 +14,9 @@ from typing import Any
 import torch
 
 import deepspeed.comm as dist
-from deepspeed.not_provided import NotProvidedError, ZERO3
+from deepspeed.runtime.zero.init_partition import Init, gather_init_shards, is_init_partitioned, write_init_shards
+
+__all__ = ["GatheredParameters", "Init"]
 
 
 class GatheredParameters:
@@ -36,12 +41,25 @@ class GatheredParameters:
         self._units: list = []
 
     def __enter__(self) -> None:
-        if self.enabled and self.params:
-            self._units = self.params[0]._zero_optimizer.residency.gather_params(self.params)
+        if not (self.enabled and self.params):
+            return None
+        if self._before_initialize():
+            for param in self.params:
+                param.data = gather_init_shards(param).view(param.ds_shape)
+            return None
+        self._units = self.params[0]._zero_optimizer.residency.gather_params(self.params)
         return None
+
+    def _before_initialize(self) -> bool:
+        """True when the parameters are zero.Init's shards, not yet adopted by a stage-3 optimizer."""
+        return all(is_init_partitioned(p) and getattr(p, "_zero_optimizer", None) is None for p in self.params)
 
     def __exit__(self, *exc_info: Any) -> None:
         if not (self.enabled and self.params):
+            return None
+        if self._before_initialize():
+            for param in self.params:
+                write_init_shards(param, self.modifier_rank)
             return None
         optimizer = self.params[0]._zero_optimizer
         if self.modifier_rank is not None:
@@ -54,21 +72,3 @@ class GatheredParameters:
         return None
 
 
-class Init:
-    """`with deepspeed.zero.Init(enabled=False):` is accepted and does nothing; enabled, it is refused.
-
-    Raises:
-        NotProvidedError: when enabled (the default), since partitioning parameters at construction is ZeRO-3.
-    """
-
-    def __init__(self, *args: Any, enabled: bool = True, **kwargs: Any) -> None:
-        if enabled:
-            raise NotProvidedError(f"deepspeed.zero.Init (enabled) is not provided by this fork (upstream DeepSpeed "
-                                   f"has it): {ZERO3}; pass enabled=False or build the model without it")
-        self.enabled = False
-
-    def __enter__(self) -> "Init":
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        return None

@@ -11,7 +11,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-from deepspeed.runtime.zero.param_residency import ParamResidency, ResidencyOptions
+import deepspeed.comm as dist
+from deepspeed.runtime.zero.init_partition import gather_init_shards, is_init_partitioned
+from deepspeed.runtime.zero.param_residency import ParamResidency, ResidencyOptions, ZeroParamStatus
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer, ZeroOptions
 
 
@@ -29,23 +31,57 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (upst
                  dp_group=None, device: Optional[torch.device] = None,
                  residency_options: Optional[ResidencyOptions] = None):
         super().__init__(init_optimizer, param_names, options, loss_scaler, dp_group, device)
+        self._materialise_frozen(module)
         keys = {param: param._zero_index for params in self.bit16_groups for param in params}
         self.residency = ParamResidency(module, keys, self.layouts, self.fp16_partitioned_groups_flat, dp_group,
                                         residency_options or ResidencyOptions())
 
     def _flatten_lp_params(self) -> None:
-        """Copy this rank's fragments of every parameter into its lp partition (the only lp storage kept)."""
+        """Copy this rank's fragments of every parameter into its lp partition (the only lp storage kept).
+
+        A parameter built under zero.Init holds only its construction shard: its value is gathered (every rank, one
+        parameter at a time, so no rank holds more than one whole parameter) and the shard is then dropped.
+        """
         self.fp16_partitioned_groups_flat = []
         for params, layout in zip(self.bit16_groups, self.layouts):
             partition = torch.zeros(layout.partition_size, dtype=self.options.model_dtype, device=self.device)
             base = layout.partition_range(self.dp_rank)[0]
+            fragments: Dict[int, list] = {}
             for fragment in layout.fragments(self.dp_rank):
-                source = params[fragment.param_index].data.reshape(-1)
-                start = fragment.flat_start - base
-                partition[start:start + fragment.numel].copy_(
-                    source[fragment.param_start:fragment.param_start + fragment.numel])
+                fragments.setdefault(fragment.param_index, []).append(fragment)
+            for index, param in enumerate(params):
+                if is_init_partitioned(param):
+                    self._check_init_group(param)
+                    source = gather_init_shards(param)
+                    param.ds_tensor = None
+                elif index in fragments:
+                    source = param.data.reshape(-1)
+                else:
+                    continue
+                for fragment in fragments.get(index, ()):
+                    start = fragment.flat_start - base
+                    partition[start:start + fragment.numel].copy_(
+                        source[fragment.param_start:fragment.param_start + fragment.numel])
             self.fp16_partitioned_groups_flat.append(partition)
         self.bit16_groups_flat = self.fp16_partitioned_groups_flat
+
+    def _check_init_group(self, param: torch.Tensor) -> None:
+        if dist.get_world_size(param._ds_init_group) != self.dp_world_size:
+            raise ValueError(f"a parameter was partitioned by deepspeed.zero.Init over "
+                             f"{dist.get_world_size(param._ds_init_group)} ranks, but the data-parallel group has "
+                             f"{self.dp_world_size}; build the model under Init with the same data_parallel_group")
+
+    def _materialise_frozen(self, module: torch.nn.Module) -> None:
+        """zero.Init parameters the optimizer does not train stay whole on every rank (as at stage 3 without Init)."""
+        for param in module.parameters():
+            if is_init_partitioned(param):
+                self._check_init_group(param)
+                value = gather_init_shards(param).view(param.ds_shape)
+                param.data = value.to(device=self.device, dtype=self.options.model_dtype
+                                      if value.is_floating_point() else value.dtype)
+                param.ds_tensor = None
+                param.ds_status = ZeroParamStatus.AVAILABLE
+                param.ds_persist = True
 
     def _lp_partition(self, group: int) -> torch.Tensor:
         return self.fp16_partitioned_groups_flat[group]

@@ -121,9 +121,9 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         partitions = self.dp_world_size if self.options.stage >= 1 else 1
         layouts = []
         for params, group in zip(self.bit16_groups, self.optimizer.param_groups):
-            numels = [p.numel() for p in params]
+            numels = [full_shape(p).numel() for p in params]
             if is_muon_group(group):
-                costs = [newton_schulz_cost(p.shape, head_count(p)) for p in params]
+                costs = [newton_schulz_cost(full_shape(p), head_count(p)) for p in params]
                 layouts.append(owner_layout(numels, costs, partitions))
             else:
                 layouts.append(even_layout(numels, partitions))
@@ -163,11 +163,11 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
                 for index in layout.owned_params(self._owner_rank(g)):
                     start, end = layout.param_range(index)
                     lp = self.bit16_groups[g][index]
-                    view = hp[start - base:end - base].view(lp.shape)
+                    view = hp[start - base:end - base].view(full_shape(lp))
                     # The master stands for the model's matrix: it is orthogonalised in the same heads.
                     if (num_heads := head_count(lp)) > 1:
                         setattr(view, NUM_HEADS_ATTRIBUTE, num_heads)
-                    self._hp_slots[id(view)] = _HpSlot(g, start - base, end - start, lp.shape)
+                    self._hp_slots[id(view)] = _HpSlot(g, start - base, end - start, full_shape(lp))
                     params.append(view)
             else:
                 params = [hp]

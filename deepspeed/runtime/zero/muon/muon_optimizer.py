@@ -193,10 +193,10 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         keys = {}
         for entry in params:
             name, tensor = entry if isinstance(entry, tuple) else (None, entry)
-            if tensor.ndim < 2:
+            if len(_logical_shape(tensor)) < 2:
                 raise ValueError(
                     f"MuonWithAuxAdam param group {index}: Muon needs matrices (ndim >= 2), got a parameter of "
-                    f"shape {tuple(tensor.shape)}; put it in a group with use_muon=False"
+                    f"shape {tuple(_logical_shape(tensor))}; put it in a group with use_muon=False"
                 )
             try:
                 keys[id(entry)] = _batch_key(tensor, name)
@@ -536,8 +536,13 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 BatchKey = tuple[torch.Size, int]
 
 
+def _logical_shape(param: Tensor) -> torch.Size:
+    """The parameter's shape, also while ZeRO stage 3 holds a placeholder in its data (upstream's ``ds_shape``)."""
+    return getattr(param, "ds_shape", param.shape)
+
+
 def _batch_key(param: Tensor, name: str | None = None) -> BatchKey:
-    return param.shape, head_count(param, name)
+    return _logical_shape(param), head_count(param, name)
 
 
 def _with_grads_by_key(group: dict[str, Any]) -> tuple[list[Tensor], dict[BatchKey, list[Tensor]]]:

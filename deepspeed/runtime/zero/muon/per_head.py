@@ -60,9 +60,10 @@ def head_count(param: torch.Tensor, name: str | None = None) -> int:
     head_dim = getattr(param, HEAD_DIM_ATTRIBUTE, None)
     if num_heads is None and head_dim is None:
         return 1
-    rows = param.shape[0]
+    shape = getattr(param, "ds_shape", param.shape)  # a ZeRO stage-3 placeholder's shape is ds_shape
+    rows = shape[0]
     what = f"parameter {name}" if name else "a parameter"
-    what += f" of shape {tuple(param.shape)}"
+    what += f" of shape {tuple(shape)}"
     if head_dim is not None:
         if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
             raise ValueError(f"{what}: {HEAD_DIM_ATTRIBUTE} must be a positive int, got {head_dim!r}")
