@@ -2,7 +2,7 @@
 # A/B of code versions: the Muon/AdamW ratio of several commits, measured alternately on the same machine.
 #
 # Why: one run's whole-step ratio moves by +-5% with the machine's noise (see docs/performance.md), so a
-# change is judged by alternating the versions in one session, several repetitions each.
+# change is judged by alternating the versions on one machine, several repetitions each.
 #
 #   bash benchmarks/ab_versions.sh prepare base=9a9f29f new=HEAD   # here (needs git): ab/<name>/ per version
 #   VARIANTS="base new" REPS=2 bash benchmarks/ab_versions.sh run  # on the GPUs (no git needed); carry "ab"

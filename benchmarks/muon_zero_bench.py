@@ -15,8 +15,8 @@ modes changes from block to block, so a slow period of a shared machine hits all
 even and odd blocks are two reruns interleaved in time (the report compares them). After the blocks,
 mode by mode: the optimizer step's phases, every Newton-Schulz call (synchronised, per rank) and, for
 --profile-modes, torch.profiler tables. Results go to $OUT when set, else benchmarks/results/: JSON, a
-markdown table and a PNG chart (report.py), rewritten after every block. Method and figures:
-docs/performance.md.
+markdown table and, with matplotlib, a PNG chart (report.py), rewritten after every block. Method:
+benchmarks/README.md; figures: docs/performance.md.
 """
 
 import argparse
@@ -503,7 +503,7 @@ def profile_runner(runner, accelerator, steps: int, name: str = "mode") -> dict:
                 runner.optimizer_step()
         accelerator.synchronize()
     trace_dir = os.environ.get("BENCH_TRACE_DIR")
-    if trace_dir:  # a chrome trace of the whole steps, per rank, for timeline analysis (benchmarks/trace_gaps.py)
+    if trace_dir:  # a chrome trace of the whole steps per rank, for benchmarks/probes/trace_gaps.py
         os.makedirs(trace_dir, exist_ok=True)
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         whole.export_chrome_trace(os.path.join(trace_dir, f"{name}-rank{rank}.json"))

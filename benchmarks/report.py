@@ -1,9 +1,16 @@
-"""Turn the benchmark's JSON into statistics, the issue's target checks, a markdown report and a PNG chart.
+"""Turn the benchmark's JSON into statistics, the target checks, a markdown report and a PNG chart.
 
 The benchmark calls `write_all` after every block and every mode's extras (so a run cut short still leaves
 its numbers).
 Re-render from a saved JSON, e.g. on a machine without GPUs:
     python benchmarks/report.py benchmarks/results/muon_zero_bench.json [--out-dir DIR]
+
+The chart needs matplotlib (`pip install matplotlib`, or the checkout's dev extra); without it the JSON,
+markdown and profile tables are written and the chart is left out, to be drawn later from the JSON.
+
+Trees: a mode entry may name the code it ran in "tree" (an upstream release, e.g. "0.19.8"; its mode name is
+then "<mode>@<release>", e.g. "ds-z2-bf16-muon@0.19.8"). Without it, our engine's modes are "ours" and the DDP
+reference is "torch DDP". The chart puts the trees of one mode side by side.
 """
 
 import argparse
@@ -14,18 +21,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from png_chart import bar_chart  # noqa: E402
+from chart import OURS, TORCH, Bar, step_and_memory_chart  # noqa: E402
 
 H200_BF16_DENSE_TFLOPS = 989.0  # datasheet, SXM, dense (no sparsity)
 TARGET_CONFIG = ("ds-z2-bf16-muon", "ds-z2-bf16-adamw", "ddp-bf16-muon")
 RERUN_TOLERANCE_PCT = 5.0  # the method's rerun-stability requirement: two reruns' medians within 5%
 HALVES = ("A", "B")  # A: blocks 1, 3, 5, ...; B: blocks 2, 4, 6, ... (1-based), two reruns interleaved in time
-COLORS = {
-    ("deepspeed", "muon"): (230, 120, 30),
-    ("deepspeed", "adamw"): (50, 110, 200),
-    ("ddp", "muon"): (170, 50, 50),
-    ("ddp", "adamw"): (120, 120, 150),
-}
+PLOT_HINT = "pip install matplotlib (or pip install -e \".[dev]\")"
 
 
 # ---------------------------------------------------------------------------------------- statistics
@@ -80,7 +82,7 @@ def block_keys(blocks: list) -> dict:
 
 
 def summarize_mode(entry: dict, tokens_per_step: int) -> dict:
-    """Statistics of one mode pooled over its blocks (see docs/performance.md for the method)."""
+    """Statistics of one mode pooled over its blocks (the method: benchmarks/README.md)."""
     blocks = entry["blocks"]
     if not blocks:
         return {}
@@ -483,37 +485,45 @@ def profile_text(results: dict) -> str:
     return "\n".join(parts) + "\n"
 
 
+def tree_of(entry: dict) -> str:
+    """The code a mode ran: its "tree" (an upstream release), else ours or, for the DDP reference, torch."""
+    return entry.get("tree") or (TORCH if entry["backend"] == "ddp" else OURS)
+
+
+def group_of(name: str) -> str:
+    """The mode without its tree: "ds-z2-bf16-muon@0.19.8" -> "ds-z2-bf16-muon"."""
+    return name.split("@", 1)[0]
+
+
+def has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def chart(results: dict, path) -> None:
+    """Whole step and peak memory per mode, one bar per tree (needs matplotlib)."""
     summaries = results["summary"]
-    names = [n for n, s in summaries.items() if s]
-    colors = {n: COLORS[(results["modes"][n]["backend"], results["modes"][n]["optimizer"])] for n in names}
-
-    def rows(key: str) -> list:
-        return [{"label": n, "value": summaries[n][key]["median"], "lo": summaries[n][key]["p10"],
-                 "hi": summaries[n][key]["p90"], "color": colors[n]} for n in names]
-
-    panels = [
-        {"title": "Whole training step, back to back, ms (median, whisker p10-p90)", "rows": rows("step_ms")},
-        {"title": "Optimizer step alone, ms (median, whisker p10-p90)", "rows": rows("opt_ms")},
-        {"title": "Peak memory per GPU, GiB", "rows": [{"label": n, "value": summaries[n]["peak_mem_gib"],
-                                                        "color": colors[n]} for n in names]},
-    ]
+    bars = [Bar(group_of(name), tree_of(results["modes"][name]), s["step_ms"]["median"], s.get("peak_mem_gib"),
+                s["step_ms"]["p10"], s["step_ms"]["p90"]) for name, s in summaries.items() if s]
     meta = results["meta"]
-    title = (f"Muon vs AdamW under ZeRO, {meta['world_size']} x {meta.get('gpu', meta['device_type'])}, "
+    title = (f"Muon and AdamW under ZeRO, {meta['world_size']} x {meta.get('gpu', meta['device_type'])}, "
              f"{results['model']['parameters'] / 1e6:.3g}M params, {results['tokens_per_step']} tokens/step")
-    legend = [(f"ours {o}", COLORS[("deepspeed", o)]) for o in ("muon", "adamw")]
-    legend += [(f"DDP {o}", COLORS[("ddp", o)]) for o in ("muon", "adamw")]
-    bar_chart(panels, legend, title, path)
+    step_and_memory_chart(bars, title, path)
 
 
 def summary_text(results: dict) -> str:
     """Short plain-text table for the end of the log."""
-    lines = [f"{'mode':18s} {'step ms':>9s} {'p10':>8s} {'p90':>8s} {'opt ms':>8s} {'tok/s':>10s} {'GiB':>6s} "
+    width = max([18] + [len(name) for name in results["summary"]])
+    lines = [f"{'mode':{width}s} {'step ms':>9s} {'p10':>8s} {'p90':>8s} {'opt ms':>8s} {'tok/s':>10s} {'GiB':>6s} "
              f"{'NS ms/rank':>14s} {'Δrerun step/opt':>16s} {'ends ms':>9s}"]
     for name, s in results["summary"].items():
         if not s:
             continue
-        lines.append(f"{name:18s} {s['step_ms']['median']:9.2f} {s['step_ms']['p10']:8.2f} {s['step_ms']['p90']:8.2f} "
+        step = s["step_ms"]
+        lines.append(f"{name:{width}s} {step['median']:9.2f} {step['p10']:8.2f} {step['p90']:8.2f} "
                      f"{s['opt_ms']['median']:8.2f} {s['tokens_per_s']:10.0f} {s['peak_mem_gib']:6.2f} "
                      f"{_fmt_list(s.get('ns_ms_per_rank')):>14s} "
                      f"{_pct(s['step_halves']['delta_pct']) + ' / ' + _pct(s['opt_halves']['delta_pct']):>16s} "
@@ -522,11 +532,17 @@ def summary_text(results: dict) -> str:
         halves = f"; halves A / B: {' / '.join(_fmt(v, '.3f') for v in t['halves'])}" if "halves" in t else ""
         lines.append(f"[{_verdict(t['passed'])}] {t['target']}: {_fmt(t['value'], '.3f')} {t['unit']} "
                      f"(<= {t['threshold']}){halves}")
+    if not has_matplotlib():
+        lines.append(f"chart not drawn: matplotlib is not installed here; {PLOT_HINT}, then "
+                     "python benchmarks/report.py RESULTS.json draws it from the saved JSON")
     return "\n".join(lines)
 
 
 def write_all(results: dict, out_dir, stem: str) -> None:
-    """Write <stem>.json, <stem>.md, <stem>.png and <stem>_profile.txt under `out_dir` (atomically each)."""
+    """Write <stem>.json, <stem>.md, <stem>_profile.txt and, with matplotlib, <stem>.png under `out_dir`.
+
+    Each file is written atomically (a temporary file, then `os.replace`).
+    """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     finalize(results)
@@ -539,7 +555,7 @@ def render(results: dict, out_dir: Path, stem: str) -> None:
     profiles = profile_text(results)
     if profiles.strip():
         _atomic_write(out_dir / f"{stem}_profile.txt", profiles)
-    if any(results["summary"].values()):
+    if any(results["summary"].values()) and has_matplotlib():
         temporary = out_dir / f"{stem}.png.tmp"
         chart(results, temporary)
         os.replace(temporary, out_dir / f"{stem}.png")
@@ -552,7 +568,7 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="Render the benchmark's markdown and PNG from its JSON.")
+    parser = argparse.ArgumentParser(description="Render the benchmark's markdown and chart from its JSON.")
     parser.add_argument("json_path")
     parser.add_argument("--out-dir", default=None, help="default: the JSON's folder")
     args = parser.parse_args(argv)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole table on one host: every mode, interleaved in blocks; JSON, markdown, PNG and profile tables go to
-# $OUT when set, else benchmarks/results/. Extra arguments pass through to muon_zero_bench.py, e.g.
+# The benchmark, one command: every mode on one host, interleaved in blocks; JSON, markdown, profile tables and
+# (with matplotlib) the chart go to $OUT when set, else benchmarks/results/. Extra arguments pass through to
+# muon_zero_bench.py, e.g.
 #   bash benchmarks/run_all.sh                      # 2 GPUs, GPT-2 small, micro-batch 8 x 1024
 #   NPROC=4 bash benchmarks/run_all.sh --blocks 24
 #   DS_ACCELERATOR=cpu bash benchmarks/run_all.sh --smoke   # CPU check, two gloo processes

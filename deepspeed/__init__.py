@@ -119,7 +119,9 @@ def tag_muon_params(model: torch.nn.Module) -> None:
         if hasattr(param, "use_muon"):
             continue
         lowered = name.lower()
-        param.use_muon = param.ndim >= 2 and "embed" not in lowered and "lm_head" not in lowered
+        # A zero.Init parameter's data is a 1-D placeholder: its shape is `ds_shape`.
+        ndim = len(getattr(param, "ds_shape", param.shape))
+        param.use_muon = ndim >= 2 and "embed" not in lowered and "lm_head" not in lowered
 
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "comm", "ops", "zero", "get_accelerator",

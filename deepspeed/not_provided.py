@@ -38,8 +38,9 @@ def _values(advice: str, *names: str) -> dict[str, Missing]:
     return {name: Missing(advice, is_value=True) for name in names}
 
 
-ZERO3 = ("ZeRO stage 3 (partitioned parameters) is not implemented; at zero_optimization.stage 0, 1 or 2 every rank "
-         "holds whole parameters, so engine.module can be used directly")
+ZERO3 = ("this part of ZeRO stage 3 (leaf modules, external parameters, partitioning at construction) is not "
+         "implemented; stage 3 gathers each module's own parameters around its forward and backward, and "
+         "deepspeed.zero.GatheredParameters makes any of them whole")
 NATIVE_OPS = ("this fork builds one native op, cpu_adam (CPUAdamBuilder: DeepSpeedCPUAdam and ZeRO-Offload's step); "
               "the config's other optimizer types (Adam, AdamW, Muon, or any torch.optim class name) build torch "
               "optimizers, nothing needs compiling")
@@ -70,9 +71,10 @@ GROUPS = ("this fork has one process group, the world, for data parallelism and 
           "model-parallel size / rank")
 HP_MAPPING = ("upstream's fragment-mapping internals are not provided; read full tensors with deepspeed.utils."
               "safe_get_full_fp32_param / safe_get_full_grad / safe_get_full_optimizer_state and write them with "
-              "safe_set_full_fp32_param / safe_set_full_grad")
+              "safe_set_full_fp32_param / safe_set_full_grad / safe_set_full_optimizer_state")
 LOCAL_FRAGMENTS = ("use the full-tensor helpers deepspeed.utils.safe_get_full_fp32_param / safe_get_full_grad / "
-                   "safe_get_full_optimizer_state / safe_set_full_fp32_param / safe_set_full_grad")
+                   "safe_get_full_optimizer_state / safe_set_full_fp32_param / safe_set_full_grad / "
+                   "safe_set_full_optimizer_state")
 COMMS_LOGGER = "the communication logger is not implemented (deepspeed.comm.log_summary logs nothing)"
 COLLECTIVE = ("this collective is not wrapped by deepspeed.comm; call torch.distributed's on the process group that "
               "deepspeed.init_distributed created (torch's default group)")
@@ -80,9 +82,10 @@ COMM_BACKEND = ("deepspeed.comm runs on torch.distributed's default process grou
                 "provided (get_accelerator().communication_backend_name() names the backend)")
 LAUNCHER_ENV = ("MPI, AzureML, AWS SageMaker and DLTS environment discovery are not implemented; launch with the "
                 "deepspeed launcher or torchrun, which set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT")
-UNIVERSAL_CHECKPOINT = ("universal checkpoints and upstream's checkpoint reshaping tools are not implemented; use "
-                        "engine.save_checkpoint / load_checkpoint (same world size) and deepspeed.utils.zero_to_fp32 "
-                        "(docs/checkpoints.md)")
+UNIVERSAL_CHECKPOINT = ("upstream's checkpoint classes, reshaping tools and key constants are not provided; "
+                        "engine.load_checkpoint regroups a checkpoint to any world size and ZeRO stage 0-2, "
+                        "python -m deepspeed.checkpoint.ds_to_universal writes the universal form, and "
+                        "deepspeed.utils.zero_to_fp32 consolidates the weights (docs/checkpoints.md)")
 QUANTIZATION = "DeepSpeed's quantization kernels are not implemented"
 TRITON_KERNELS = ("DeepSpeed's Triton kernels are not provided; import triton / triton.language yourself, and ask "
                   "get_accelerator().is_triton_supported() whether Triton can run here")
@@ -194,8 +197,7 @@ NOT_PROVIDED: dict[str, dict[str, Missing]] = {
         **_callables("NVTX ranges: use get_accelerator().range_push(name) / range_pop()", "instrument_w_nvtx"),
         **_callables(HP_MAPPING, "get_full_hp_param", "get_hp_fragment_mapping", "fragment_address",
                      "get_full_hp_grad", "map_to_flat_opt_states", "set_full_hp_param", "set_full_hp_grad",
-                     "link_hp_params", "lazy_init_hp_params_optimizer_state", "safe_update_full_grad_vectorized",
-                     "safe_set_full_optimizer_state"),
+                     "link_hp_params", "lazy_init_hp_params_optimizer_state", "safe_update_full_grad_vectorized"),
         **_callables(LOCAL_FRAGMENTS, "safe_get_local_fp32_param", "safe_get_local_grad",
                      "safe_get_local_optimizer_state", "safe_set_local_fp32_param", "safe_set_local_grad",
                      "safe_set_local_optimizer_state"),
@@ -205,7 +207,7 @@ NOT_PROVIDED: dict[str, dict[str, Missing]] = {
         **_callables(NUMA, "get_numactl_cmd"),
         **_callables(MODULE_UTILS, "recursive_getattr", "recursive_setattr"),
     },
-    "deepspeed.runtime.zero": _callables(ZERO3, "ZeroParamType", "ZeroParamStatus", "register_external_parameter",
+    "deepspeed.runtime.zero": _callables(ZERO3, "ZeroParamType", "register_external_parameter",
                                          "DeepSpeedZeRoOffload", "DeepSpeedTensorOverride", "TiledLinear",
                                          "TiledLinearReturnBias", "unwrap_model_for_generation"),
     "deepspeed.comm": {

@@ -18,6 +18,10 @@ follows the same loss trajectory.
 Rank 0 prints a progress line every --log_interval steps and, at the end, writes to --out_dir:
 `log.json` and `log.csv` (per step: loss, the loss scale its backward used, whether the step was skipped,
 tokens/s) and `loss.png` (loss and loss scale per step).
+
+`loss.png` needs matplotlib: `pip install matplotlib` (the checkout's dev extra, `pip install -e ".[dev]"`,
+includes it). Without it the example trains and writes the logs all the same, and says that the plot was
+left out.
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ import glob
 import json
 import math
 import os
-import sys
 import time
 
 import torch
@@ -39,13 +42,12 @@ import deepspeed
 import deepspeed.comm as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from plot_png import Panel, Series, plot_panels  # noqa: E402
-
 VOCAB_SIZE = 256
 MIN_CORPUS_BYTES = 100_000
-LOSS_COLOR = (31, 119, 180)
-SCALE_COLOR = (255, 127, 14)
+LOSS_COLOR = "#1f77b4"
+SCALE_COLOR = "#ff7f0e"
+SKIPPED_COLOR = "#d62728"
+PLOT_HINT = "pip install matplotlib, or pip install -e \".[dev]\" in this checkout"
 # Settings that decide the model or the data order; a resumed run must use the same ones.
 RUN_KEYS = ("seq_len", "n_layer", "n_head", "d_model", "data_mb", "seed")
 
@@ -185,23 +187,51 @@ def batch_for_step(data: torch.Tensor, step: int, micro_step: int, seed: int, mi
 
 
 # ---------------------------------------------------------------------------------------------- output
+def has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def plot_history(path: str, history: dict, title: str) -> None:
+    """Loss (top) and loss scale (bottom, log2 axis) per step; skipped steps marked in red. Needs matplotlib."""
+    from matplotlib.figure import Figure
+
+    steps = history["step"]
+    skipped_at = [step for step, skipped in zip(steps, history["skipped"]) if skipped]
+    figure = Figure(figsize=(9.6, 6.4), dpi=100, layout="constrained")
+    loss_axes, scale_axes = figure.subplots(2, 1, sharex=True)
+    loss_axes.plot(steps, history["loss"], color=LOSS_COLOR, linewidth=2)
+    loss_axes.set_ylabel("training loss")
+    scale_axes.step(steps, history["loss_scale"], where="post", color=SCALE_COLOR, linewidth=2)
+    scale_axes.set_yscale("log", base=2)
+    scale_axes.set_ylabel("loss scale")
+    scale_axes.set_xlabel("step")
+    for step in skipped_at:
+        scale_axes.axvline(step, color=SKIPPED_COLOR, linewidth=0.8, alpha=0.6)
+    if skipped_at:
+        scale_axes.set_title(f"red: skipped steps ({len(skipped_at)})", fontsize=9, loc="right")
+    for axes in (loss_axes, scale_axes):
+        axes.grid(color="#e1e1e1")
+    figure.suptitle(title)
+    figure.savefig(path, format="png")
+
+
 def write_outputs(out_dir: str, history: dict, summary: dict) -> dict:
-    """Write log.json, log.csv and loss.png; return their paths."""
+    """Write log.json, log.csv and, when matplotlib is installed, loss.png; return the paths written."""
     os.makedirs(out_dir, exist_ok=True)
-    paths = {name: os.path.join(out_dir, name) for name in ("log.json", "log.csv", "loss.png")}
+    paths = {name: os.path.join(out_dir, name) for name in ("log.json", "log.csv")}
     with open(paths["log.json"], "w") as f:
         json.dump({"summary": summary, "steps": history}, f, indent=1)
     with open(paths["log.csv"], "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(list(history))
         writer.writerows(zip(*history.values()))
-    steps = history["step"]
-    skipped_at = [s for s, skipped in zip(steps, history["skipped"]) if skipped]
-    plot_panels(paths["loss.png"], [
-        Panel("training loss (blue)", [Series(steps, history["loss"], LOSS_COLOR)]),
-        Panel("loss scale (orange, log2 axis); red ticks: skipped steps",
-              [Series(steps, history["loss_scale"], SCALE_COLOR, steps=True)], log2_y=True, markers=skipped_at),
-    ], x_label="step", title=summary.get("title", ""))
+    if has_matplotlib():
+        paths["loss.png"] = os.path.join(out_dir, "loss.png")
+        plot_history(paths["loss.png"], history, summary.get("title", ""))
     return paths
 
 
@@ -245,6 +275,9 @@ class Run:
                     f"{len(corpus) / 1e6:.2f} MB of stdlib source, {self.world} rank(s) on {engine.device.type}, "
                     f"{engine.optimizer_name()}, {self.precision}, ZeRO stage {engine.zero_optimization_stage()}, "
                     f"global batch {engine.train_batch_size()} x {args.seq_len} chars")
+        if not has_matplotlib():
+            self.report(f"note: matplotlib is not installed, so no loss.png at the end ({PLOT_HINT}); "
+                        "training and the logs are unaffected")
 
     def report(self, message: str) -> None:
         if self.rank == 0:
@@ -342,7 +375,10 @@ class Run:
                   f"(mean of the last {len(tail)} steps), validation loss {val_loss:.3f}; "
                   f"{engine.skipped_steps} skipped step(s); final loss scale {summary['final_loss_scale']:g}",
                   flush=True)
-            print(f"wrote {paths['loss.png']}, {paths['log.json']}, {paths['log.csv']}", flush=True)
+            written = [paths[name] for name in ("loss.png", "log.json", "log.csv") if name in paths]
+            print(f"wrote {', '.join(written)}", flush=True)
+            if "loss.png" not in paths:
+                print(f"loss.png not written: matplotlib is not installed ({PLOT_HINT})", flush=True)
         dist.barrier()
 
 

@@ -35,7 +35,9 @@ DEFAULT_SUITE = "unit/ops/muon"
 PR_MARKER = "upstream_pr"
 # The test extras the harness needs inside the release's environment (torch comes at the version in use here).
 HARNESS_REQUIREMENTS = ("pytest", "pytest-xdist", "pytest-forked", "packaging")
-ERROR_LINE = re.compile(r"^(?:E\s+)?((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failed)\b.*)$")
+# unit.common's failure text starts "Rank N failed:" (pytest shows it as "Failed: Rank N failed:").
+HARNESS_HEADER = re.compile(r"^(Failed: )?Rank \d+ failed( too)?:?$")
+ERROR_LINE = re.compile(r"^(?:E\s+)?((?:[A-Za-z_]\w*\.)*\w*(?:Error|Exception|Exit|Interrupt|Failed)\b.*)$")
 
 
 class ToolError(Exception):
@@ -142,10 +144,11 @@ def run_suite(python: Path, tests_dir: Path, suite: str, marker: str | None, key
 
 
 def first_error_line(text: str) -> str:
+    """The first 'SomeError: message' line of a failure; the harness's "Rank N failed:" header is skipped."""
     lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
     for line in lines:
         match = ERROR_LINE.match(line)
-        if match:
+        if match and not HARNESS_HEADER.match(match.group(1)):
             return match.group(1)
     return lines[0] if lines else ""
 
@@ -180,6 +183,9 @@ def run_tree(tree: str, suite: str, marker: str | None, keyword: str | None, wor
             python, tests_dir = Path(sys.executable), REPO_ROOT / "tests"
         else:
             python = prepare_release(tree, workdir)
+            # The release JIT-builds its ops (DS_BUILD_OPS=0). Its own build directory: names like cpu_adam are
+            # shared with this tree's ops, and a lock left by an interrupted build would stall every later run.
+            env["TORCH_EXTENSIONS_DIR"] = str(workdir / "torch_extensions")
             # A copy outside the repository: tests/conftest.py puts its parent directory on sys.path.
             tests_dir = workdir / "tests"
             shutil.copytree(REPO_ROOT / "tests", tests_dir, ignore=shutil.ignore_patterns("__pycache__"))
@@ -233,12 +239,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-m", dest="marker", default=None, help="pytest marker expression, e.g. upstream_pr")
     parser.add_argument("-k", dest="keyword", default=None, help="pytest -k expression (one test, a few)")
     parser.add_argument("-n", dest="workers", type=int, default=2, help="pytest-xdist workers (default 2)")
-    parser.add_argument("--suite", default=DEFAULT_SUITE, help=f"test path under tests/ (default {DEFAULT_SUITE})")
+    parser.add_argument("--suite", default=DEFAULT_SUITE,
+                        help=f"test path or node id under tests/ (default {DEFAULT_SUITE})")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directories")
     args = parser.parse_args(argv)
     try:
         trees = [parse_tree(t) for t in args.trees]
-        if not (REPO_ROOT / "tests" / args.suite).exists():
+        if not (REPO_ROOT / "tests" / args.suite.split("::")[0]).exists():
             raise ToolError(f"no test path tests/{args.suite} in {REPO_ROOT}")
         runs = {}
         for tree in trees:

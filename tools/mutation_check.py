@@ -202,7 +202,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
         patches=(
             Patch(STAGE,
                   "            if is_muon_group(group):\n"
-                  "                costs = [newton_schulz_cost(p.shape) for p in params]\n"
+                  "                costs = [newton_schulz_cost(full_shape(p), head_count(p)) for p in params]\n"
                   "                layouts.append(owner_layout(numels, costs, partitions))\n"
                   "            else:\n"
                   "                layouts.append(even_layout(numels, partitions))\n",
@@ -210,12 +210,17 @@ MUTATIONS: Tuple[Mutation, ...] = (
             Patch(STAGE,
                   "                for index in layout.owned_params(self._owner_rank(g)):\n"
                   "                    start, end = layout.param_range(index)\n"
-                  "                    shape = self.bit16_groups[g][index].shape\n"
-                  "                    view = hp[start - base:end - base].view(shape)\n"
-                  "                    self._hp_slots[id(view)] = _HpSlot(g, start - base, end - start, shape)\n"
+                  "                    lp = self.bit16_groups[g][index]\n"
+                  "                    view = hp[start - base:end - base].view(full_shape(lp))\n"
+                  "                    # The master stands for the model's matrix: it is orthogonalised in the same "
+                  "heads.\n"
+                  "                    if (num_heads := head_count(lp)) > 1:\n"
+                  "                        setattr(view, NUM_HEADS_ATTRIBUTE, num_heads)\n"
+                  "                    self._hp_slots[id(view)] = _HpSlot(g, start - base, end - start, "
+                  "full_shape(lp))\n"
                   "                    params.append(view)\n",
                   "                for fragment in layout.fragments(self._owner_rank(g)):\n"
-                  "                    cols = self.bit16_groups[g][fragment.param_index].shape[-1]\n"
+                  "                    cols = full_shape(self.bit16_groups[g][fragment.param_index])[-1]\n"
                   "                    rows = fragment.numel // cols if fragment.numel % cols == 0 else 1\n"
                   "                    shape = torch.Size([rows, fragment.numel // rows])\n"
                   "                    start = fragment.flat_start - base\n"

@@ -9,13 +9,15 @@ agreement rank 0 replaces `latest`. A save that fails while writing leaves no fi
 `latest` as it was. A load is one too: every rank reads and validates what it needs, the ranks agree, and
 only then is the engine changed. A failure on one rank is raised on every rank, never left as a hang.
 Files hold plain data and tensors only and are read with torch.load(weights_only=True), so loading runs
-no pickled code. docs/checkpoints.md describes the format and where it differs from upstream.
+no pickled code. A checkpoint of another data-parallel world size or ZeRO stage (0-2), or in the universal
+form (deepspeed/checkpoint/full_state.py), is regrouped into the dict this rank would have saved
+(zero/partition_state.py) and then loads like one of its own. docs/checkpoints.md describes the format and
+where it differs from upstream.
 """
 
 import os
 import random
 import shutil
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
@@ -23,35 +25,30 @@ import torch
 
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
+from deepspeed.checkpoint.full_state import ZERO_DIR, is_universal, read_rank_files, read_universal
 from deepspeed.git_version_info import version
-from deepspeed.runtime.zero.partition_state import validate_zero_state
+from deepspeed.runtime.checkpoint_files import (LATEST_FILE, LATEST_UNIVERSAL_FILE, UNIVERSAL_CHECKPOINT_INFO,
+                                                CheckpointError, atomic_write_text, check_plain, discard,
+                                                find_model_file, load_file, model_file_name, optim_file_name,
+                                                temporary_name, write_file)
+from deepspeed.runtime.zero.partition_state import needed_params_by_group, rank_state_from_full, validate_zero_state
+from deepspeed.runtime.zero.stage_1_and_2 import full_shape
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 from deepspeed.utils.logging import logger
 
-LATEST_FILE = "latest"
-MODEL_FILE = "mp_rank_00_model_states.pt"
 CHECKPOINT_FORMAT = 1
+# Stages whose optimizer state regroups to another world size or into each other.
+REGROUPABLE_STAGES = (0, 1, 2)
 # Keys of the model file that belong to DeepSpeed; client_state may not use them.
 RESERVED_KEYS = frozenset({
     "format", "module", "buffer_names", "optimizer", "param_shapes", "shared_params", "lr_scheduler",
     "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples", "micro_steps", "dp_world_size",
     "mp_world_size", "zero_stage", "precision", "optimizer_files", "ds_config", "ds_version",
-    "checkpoint_parallel_dimensions", "client_state_keys", "data_sampler", "random_ltd"
+    "checkpoint_parallel_dimensions", "client_state_keys", "data_sampler", "random_ltd", UNIVERSAL_CHECKPOINT_INFO
 })
-_PLAIN_SCALARS = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.Size)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint file is missing, unreadable, or does not match this engine; the message names the file."""
-
 
 # Raised with the same type on every rank when one rank hits them.
 _SHARED_ERRORS = {"CheckpointError": CheckpointError, "ZeRORuntimeException": ZeRORuntimeException}
-
-
-def optim_file_name(dp_rank: int, bf16: bool) -> str:
-    """Upstream's name of data-parallel rank `dp_rank`'s optimizer-state file."""
-    return f"{'bf16_' if bf16 else ''}zero_pp_rank_{dp_rank}_mp_rank_00_optim_states.pt"
 
 
 def _precision(engine) -> str:
@@ -108,28 +105,6 @@ def _set_rng_state(state: dict) -> None:
         get_accelerator().set_rng_state(state["accelerator"].cpu())
 
 
-def check_plain(value, where: str) -> None:
-    """Refuse anything that torch.load(weights_only=True) could not read back.
-
-    Raises:
-        ValueError: naming the entry `where` and its type.
-    """
-    if type(value) in _PLAIN_SCALARS or isinstance(value, torch.Tensor):
-        return
-    if type(value) in (list, tuple):
-        for index, item in enumerate(value):
-            check_plain(item, f"{where}[{index}]")
-        return
-    if type(value) in (dict, OrderedDict):
-        for key, item in value.items():
-            check_plain(key, f"{where} key {key!r}")
-            check_plain(item, f"{where}[{key!r}]")
-        return
-    raise ValueError(f"{where} has type {type(value).__name__}; checkpoints hold only tensors, numbers, strings, "
-                     "None, torch dtypes/devices/sizes and lists/tuples/dicts of them, because they are loaded "
-                     "with torch.load(weights_only=True)")
-
-
 def _check_client_state(client_state: dict) -> None:
     reserved = sorted(key for key in client_state if key in RESERVED_KEYS)
     if reserved:
@@ -140,7 +115,7 @@ def _check_client_state(client_state: dict) -> None:
 def _param_shapes(engine) -> list:
     """Per group, parameter name -> shape in flattening order (upstream's `param_shapes`)."""
     optimizer = engine.optimizer
-    return [{optimizer.param_names[p]: p.shape for p in params} for params in optimizer.bit16_groups]
+    return [{optimizer.param_names[p]: full_shape(p) for p in params} for params in optimizer.bit16_groups]
 
 
 def _shared_params(module: torch.nn.Module) -> dict:
@@ -195,26 +170,11 @@ def _optim_state(engine) -> dict:
     return state
 
 
-def _temporary_name(path: str) -> str:
-    return f"{path}.tmp{os.getpid()}"
-
-
 def _write_temporary(obj, path: str, pending: List[Tuple[str, str]], serialization: bool) -> None:
     """torch.save to a temporary name, flushed to disk so that the later rename commits whole files."""
-    tmp = _temporary_name(path)
+    tmp = temporary_name(path)
     pending.append((tmp, path))
-    with open(tmp, "wb") as f:
-        torch.save(obj, f, _use_new_zipfile_serialization=serialization)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _discard(pending: List[Tuple[str, str]]) -> None:
-    for tmp, _ in pending:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
+    write_file(obj, tmp, serialization)
 
 
 def _run_agreed(action: Callable[[], None], what: str) -> None:
@@ -254,7 +214,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
         _run_agreed(lambda: _write_files(engine, tag_dir, client_state, exclude_frozen_parameters, pending), what)
         _run_agreed(lambda: [os.replace(tmp, path) for tmp, path in pending], what)
     except BaseException:
-        _discard(pending)
+        discard([tmp for tmp, _ in pending])
         raise
     _run_agreed(lambda: _publish(save_dir, tag, save_latest), what)
     return True
@@ -272,29 +232,19 @@ def _write_files(engine, tag_dir: str, client_state: dict, exclude_frozen: bool,
     if engine.optimizer is not None:
         path = os.path.join(tag_dir, optim_file_name(engine.optimizer.dp_rank, engine.bfloat16_enabled()))
         _write_temporary(_optim_state(engine), path, pending, serialization)
-    if _rank() == 0:
+    stage = engine.zero_optimization_stage()
+    # Stage 3: every data-parallel rank writes a model file (upstream's names), each holding its placeholders.
+    if _rank() == 0 or stage == 3:
         model_state = _model_state(engine, client_state, exclude_frozen)
-        _write_temporary(model_state, os.path.join(tag_dir, MODEL_FILE), pending, serialization)
+        dp_rank = engine.optimizer.dp_rank if engine.optimizer is not None else 0
+        _write_temporary(model_state, os.path.join(tag_dir, model_file_name(stage, dp_rank)), pending, serialization)
 
 
 def _publish(save_dir: str, tag: str, save_latest: bool) -> None:
     if _rank() == 0:
         _copy_zero_to_fp32(save_dir)
         if save_latest:
-            _atomic_write_text(os.path.join(save_dir, LATEST_FILE), tag)
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = _temporary_name(path)
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        _discard([(tmp, path)])
-        raise
+            atomic_write_text(os.path.join(save_dir, LATEST_FILE), tag)
 
 
 def _copy_zero_to_fp32(save_dir: str) -> None:
@@ -346,32 +296,14 @@ def _agreed_tag(engine, tag: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- load
-def load_file(path: str) -> dict:
-    """torch.load(weights_only=True) onto the CPU; every failure names the file.
-
-    Tensors are moved to their devices by whatever receives them (module, masters, optimizer state), so
-    each comes back where it lives now and CPU-resident state (Adam's `step`, RNG states) stays on the CPU.
-
-    Raises:
-        CheckpointError: the file is missing, truncated, corrupted or holds something other than plain data.
-    """
-    if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint file {path} does not exist")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 -- torch raises several types for corrupt files
-        raise CheckpointError(f"checkpoint file {path} cannot be loaded: it is truncated, corrupted or not a "
-                              f"checkpoint written by this DeepSpeed ({type(exc).__name__}: {exc})") from exc
-    if not isinstance(state, dict):
-        raise CheckpointError(f"checkpoint file {path} holds a {type(state).__name__}, not a checkpoint dict")
-    return state
-
-
-def _resolve_tag(load_dir: str, tag) -> Optional[str]:
+def _resolve_tag(load_dir: str, tag, universal: bool) -> Optional[str]:
     if tag is not None:
         return str(tag)
-    latest = os.path.join(load_dir, LATEST_FILE)
+    latest = os.path.join(load_dir, LATEST_UNIVERSAL_FILE if universal else LATEST_FILE)
     if not os.path.isfile(latest):
+        if universal:
+            raise CheckpointError(f"Invalid for universal checkpoint: {latest} does not exist (python -m "
+                                  "deepspeed.checkpoint.ds_to_universal writes it; or pass the tag)")
         logger.warning(f"Unable to find latest file at {latest}, if trying to load latest checkpoint please ensure "
                        "this file exists or pass an explicit checkpoint tag when loading a checkpoint.")
         return None
@@ -379,7 +311,40 @@ def _resolve_tag(load_dir: str, tag) -> Optional[str]:
         return f.read().strip()
 
 
+def _gathered_module_state(engine, exclude_frozen: bool) -> dict:
+    """The module's state dict with stage-3 parameters gathered one unit at a time (a collective), on the CPU."""
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+    state = {}
+    for name, value in engine.module_state_dict(exclude_frozen_parameters=exclude_frozen).items():
+        state[name] = value.detach().cpu().clone()
+    for name, param in engine.module.named_parameters():
+        if name in state and not getattr(param, "ds_persist", True):
+            with GatheredParameters([param]):
+                state[name] = param.detach().cpu().clone()
+    return state
+
+
+def save_16bit_model(engine, save_dir, save_filename: str, exclude_frozen_parameters: bool) -> bool:
+    """See DeepSpeedEngine.save_16bit_model."""
+    if engine.zero_optimization_stage() == 3 and not engine._config.zero_config.gather_16bit_weights_on_model_save:
+        logger.warning(f"Did not save the model {os.path.join(str(save_dir), save_filename)} because "
+                       "`stage3_gather_16bit_weights_on_model_save` is False")
+        return False
+    state = _gathered_module_state(engine, exclude_frozen_parameters)
+    if _rank() == 0:
+        os.makedirs(str(save_dir), exist_ok=True)
+        write_file(state, os.path.join(str(save_dir), save_filename))
+    if dist.is_initialized():
+        dist.barrier()
+    return True
+
+
 def _check_model_file(engine, state: dict, path: str, load_optimizer: bool) -> None:
+    """Refuse a model file that is not ours, or whose optimizer state cannot be loaded into this engine.
+
+    Another data-parallel world size or ZeRO stage (0, 1, 2) is regrouped; another precision is refused (the
+    loss scaler's state and the lp weights belong to it).
+    """
     required = ("format", "module", "dp_world_size", "zero_stage", "precision", "param_shapes", "optimizer_files",
                 "global_steps", "skipped_steps")
     missing = [key for key in required if key not in state]
@@ -390,20 +355,33 @@ def _check_model_file(engine, state: dict, path: str, load_optimizer: bool) -> N
                               f"{CHECKPOINT_FORMAT}")
     if not load_optimizer:
         return
-    if state["dp_world_size"] != engine.dp_world_size:
-        raise ZeRORuntimeException(f"The checkpoint being loaded used a DP world size of {state['dp_world_size']} "
-                                   f"but the current world size is {engine.dp_world_size}. Automatic adjustment of "
-                                   "ZeRO's optimizer state partitioning with a new world size is not currently "
-                                   f"supported. (checkpoint file {path}; load with load_optimizer_states=False or "
-                                   "load_module_only=True to take only the weights)")
-    if state["zero_stage"] != engine.zero_optimization_stage():
-        raise CheckpointError(f"checkpoint file {path}: saved with zero_optimization.stage {state['zero_stage']}, "
-                              f"this engine uses stage {engine.zero_optimization_stage()}; load with "
-                              "load_optimizer_states=False or load_module_only=True to take only the weights")
+    if state["zero_stage"] not in REGROUPABLE_STAGES:
+        if state["dp_world_size"] != engine.dp_world_size:
+            raise ZeRORuntimeException(f"The checkpoint being loaded used a DP world size of {state['dp_world_size']} "
+                                       f"but the current world size is {engine.dp_world_size}. Automatic adjustment "
+                                       "of ZeRO's optimizer state partitioning with a new world size is not currently "
+                                       f"supported. (checkpoint file {path}: zero_optimization.stage "
+                                       f"{state['zero_stage']}; stages 0, 1 and 2 regroup to any world size; load "
+                                       "with load_optimizer_states=False or load_module_only=True to take only the "
+                                       "weights)")
+        if state["zero_stage"] != engine.zero_optimization_stage():
+            raise CheckpointError(f"checkpoint file {path}: saved with zero_optimization.stage {state['zero_stage']}, "
+                                  f"this engine uses stage {engine.zero_optimization_stage()}; only stages 0, 1 and "
+                                  "2 regroup into each other; load with load_optimizer_states=False or "
+                                  "load_module_only=True to take only the weights")
     if state["precision"] != _precision(engine):
         raise CheckpointError(f"checkpoint file {path}: saved in {state['precision']}, this engine trains in "
                               f"{_precision(engine)}; load with load_optimizer_states=False or "
                               "load_module_only=True to change precision")
+
+
+def _check_param_names(engine, state: dict, path: str) -> None:
+    """Regrouping matches parameters by name and order: the groups must hold the same parameters."""
+    saved = [[(name, tuple(shape)) for name, shape in group.items()] for group in state["param_shapes"]]
+    current = [[(name, tuple(shape)) for name, shape in group.items()] for group in _param_shapes(engine)]
+    if saved != current:
+        raise CheckpointError(f"checkpoint file {path}: the optimizer's parameter groups differ (name, shape in "
+                              f"flattening order): saved {saved}, current {current}")
 
 
 def _check_files_present(tag_dir: str, state: dict) -> None:
@@ -413,11 +391,27 @@ def _check_files_present(tag_dir: str, state: dict) -> None:
         raise CheckpointError(f"checkpoint {tag_dir} is incomplete and is not loaded; missing files: {missing}")
 
 
-def _check_module(module: torch.nn.Module, saved: dict, path: str, strict: bool) -> None:
+def _partitioned_names(engine) -> frozenset:
+    """Stage 3: names of the parameters whose `data` is a placeholder; their values come from the optimizer state."""
+    return frozenset(name for name, param in engine.module.named_parameters(remove_duplicate=False)
+                     if not getattr(param, "ds_persist", True))
+
+
+def _loadable_module_state(engine, saved):
+    """The saved module state without the stage-3 partitioned parameters (placeholders, or another stage's whole
+    values, which the fp32 masters restore)."""
+    skip = _partitioned_names(engine)
+    if not skip or not isinstance(saved, dict):
+        return saved
+    return {name: value for name, value in saved.items() if name not in skip}
+
+
+def _check_module(module: torch.nn.Module, saved: dict, path: str, strict: bool,
+                  skip: frozenset = frozenset()) -> None:
     """Refuse a module state of another model before anything is copied (torch copies what fits, then raises)."""
     if not isinstance(saved, dict):
         raise CheckpointError(f"checkpoint file {path}: 'module' is a {type(saved).__name__}, not a state dict")
-    current = module.state_dict()
+    current = {name: value for name, value in module.state_dict().items() if name not in skip}
     shapes = [f"{name}: saved {tuple(value.shape)}, current {tuple(current[name].shape)}"
               for name, value in saved.items()
               if name in current and torch.is_tensor(value) and value.shape != current[name].shape]
@@ -443,24 +437,56 @@ class _LoadPlan:
 
 def _prepare_load(engine, tag_dir: str, load_module_strict: bool, load_optimizer: bool,
                   custom_load_fn) -> _LoadPlan:
-    model_path = os.path.join(tag_dir, MODEL_FILE)
+    model_path = find_model_file(tag_dir, engine.optimizer.dp_rank if engine.optimizer is not None else 0)
     model_state = load_file(model_path)
     _check_model_file(engine, model_state, model_path, load_optimizer)
     _check_files_present(tag_dir, model_state)
     if custom_load_fn is None:
-        _check_module(engine.module, model_state["module"], model_path, load_module_strict)
+        _check_module(engine.module, _loadable_module_state(engine, model_state["module"]), model_path,
+                      load_module_strict, skip=_partitioned_names(engine))
     plan = _LoadPlan(model_path, model_state)
-    if load_optimizer:
+    if not load_optimizer:
+        return plan
+    if is_universal(model_state) or model_state["dp_world_size"] != engine.dp_world_size \
+            or model_state["zero_stage"] != engine.zero_optimization_stage():
+        plan.optim_path, plan.optim_state = _regrouped_optim_state(engine, tag_dir, model_state, model_path)
+    else:
         plan.optim_path = os.path.join(tag_dir, optim_file_name(engine.optimizer.dp_rank, engine.bfloat16_enabled()))
         plan.optim_state = load_file(plan.optim_path)
         for key in ("optimizer_state_dict", "rng_state"):
             if key not in plan.optim_state:
                 raise CheckpointError(f"checkpoint file {plan.optim_path}: missing key '{key}'")
-        try:
-            validate_zero_state(engine.optimizer, plan.optim_state["optimizer_state_dict"], plan.optim_path)
-        except ValueError as exc:
-            raise CheckpointError(str(exc)) from exc
+    try:
+        validate_zero_state(engine.optimizer, plan.optim_state["optimizer_state_dict"], plan.optim_path)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from exc
     return plan
+
+
+def _regrouped_optim_state(engine, tag_dir: str, model_state: dict, model_path: str) -> Tuple[str, dict]:
+    """This rank's optimizer state cut from a checkpoint of another world size or stage, or a universal one.
+
+    Every rank checks every saved rank's optimizer file and assembles only the parameters its new partitions
+    hold (the files are memory-mapped; the universal form: only those parameters' files are read). A rank that
+    the saving run had gets that rank's RNG state back; a new rank keeps its own.
+
+    Returns:
+        (what to name in messages, {"optimizer_state_dict": ..., "rng_state": ... or None})
+    """
+    _check_param_names(engine, model_state, model_path)
+    optimizer = engine.optimizer
+    if is_universal(model_state):
+        where = os.path.join(tag_dir, ZERO_DIR)
+        full, rng_states = read_universal(tag_dir, model_state["param_shapes"], needed_params_by_group(optimizer))
+    else:
+        where = os.path.join(tag_dir, optim_file_name("*", engine.bfloat16_enabled()))
+        full, rng_states = read_rank_files(tag_dir, model_state, needed_params_by_group(optimizer))
+    try:
+        state = rank_state_from_full(optimizer, full)
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint {where}: {exc}") from exc
+    rng_state = rng_states[optimizer.dp_rank] if optimizer.dp_rank < len(rng_states) else None
+    return where, {"optimizer_state_dict": state, "rng_state": rng_state}
 
 
 def _apply_load(engine, plan: _LoadPlan, load_module_strict: bool, load_lr_scheduler_states: bool,
@@ -482,6 +508,9 @@ def _apply_load(engine, plan: _LoadPlan, load_module_strict: bool, load_lr_sched
                                       f"{type(engine.lr_scheduler).__name__}: {exc}") from exc
         if custom_load_fn is not None:
             custom_load_fn(src=state["module"], dst=engine.module)
+        elif _partitioned_names(engine):
+            # _check_module applied the strictness to everything but the partitioned parameters.
+            engine.module.load_state_dict(_loadable_module_state(engine, state["module"]), strict=False)
         else:
             engine.module.load_state_dict(state["module"], strict=load_module_strict)
 
@@ -498,7 +527,7 @@ def _apply_load(engine, plan: _LoadPlan, load_module_strict: bool, load_lr_sched
         engine.micro_steps = state.get("micro_steps", engine.global_steps * engine.gradient_accumulation_steps())
     engine.loaded_checkpoint_dp_world_size = state["dp_world_size"]
     engine.loaded_checkpoint_mp_world_size = state.get("mp_world_size", 1)
-    if plan.optim_state is not None:
+    if plan.optim_state is not None and plan.optim_state["rng_state"] is not None:
         # Last, so that nothing above draws from the restored generators.
         _set_rng_state(plan.optim_state["rng_state"])
 
@@ -512,18 +541,18 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
         (load_path, client_state): the model-states file read and the `client_state` given to
         save_checkpoint; (None, None) when `tag` is None and there is no `latest` file.
 
+    A checkpoint saved at another data-parallel world size or ZeRO stage (0, 1, 2), or converted to the universal
+    form (deepspeed.checkpoint.ds_to_universal), is regrouped for this engine's layout: masters and optimizer state
+    come back exactly. With checkpoint.load_universal, `tag=None` reads `latest_universal` instead of `latest`.
+
     Raises (on every rank, whichever rank failed; a file that fails validation leaves the engine unchanged):
-        ValueError: checkpoint.load_universal is set (universal checkpoints are not supported).
-        CheckpointError: a missing, unreadable or mismatched file (the message names it and the mismatch).
-        ZeRORuntimeException: optimizer states saved at another data-parallel world size.
+        CheckpointError: a missing, unreadable or mismatched file (the message names it and the mismatch), or
+            checkpoint.load_universal without a `latest_universal` file (a ValueError, as upstream's).
+        ZeRORuntimeException: optimizer states of a stage that does not regroup, saved at another world size.
         RuntimeError: another rank failed.
     """
-    if engine._config.load_universal_checkpoint:
-        raise ValueError("checkpoint.load_universal is not supported by this DeepSpeed: its checkpoints load only at "
-                         "the data-parallel world size they were saved with; remove the key, or load with "
-                         "load_module_only=True to change the world size")
     load_dir = str(load_dir)
-    tag = _resolve_tag(load_dir, tag)
+    tag = _resolve_tag(load_dir, tag, engine._config.load_universal_checkpoint)
     if tag is None:
         return None, None
     tag_dir = os.path.join(load_dir, tag)

@@ -112,7 +112,8 @@ class CheckpointConfig(DeepSpeedConfigModel):
     tag_validation: str = Field(
         "WARN", description="Check that all ranks save under the same tag: Warn, Ignore or Fail (any case)."
     )
-    load_universal: bool = Field(False, description="Load a universal (world-size independent) checkpoint.")
+    load_universal: bool = Field(False, description="load_checkpoint(tag=None) reads the tag from latest_universal "
+                                 "(written by deepspeed.checkpoint.ds_to_universal) instead of latest.")
     use_node_local_storage: bool = Field(False, description="Every node writes to its own local storage.")
     parallel_write: CheckpointParallelWriteConfig = Field(
         default_factory=CheckpointParallelWriteConfig, description="Parallel checkpoint writing."

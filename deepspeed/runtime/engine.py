@@ -86,6 +86,10 @@ class DeepSpeedEngine(torch.nn.Module):
             raise DeepSpeedConfigError("Type fp16 is not supported on your device.")
         if dtype == torch.bfloat16 and not get_accelerator().is_bf16_supported():
             raise DeepSpeedConfigError("Type bf16 is not supported on your device.")
+        if self._config.zero_optimization_stage != 3 and any(
+                getattr(p, "ds_tensor", None) is not None for p in self.module.parameters()):
+            raise ValueError("the model was built under deepspeed.zero.Init, which partitions its parameters: it "
+                             f"needs zero_optimization.stage 3, got {self._config.zero_optimization_stage}")
         for param in self.module.parameters():
             if param.is_floating_point():
                 param.data = param.data.to(dtype)
@@ -284,7 +288,21 @@ class DeepSpeedEngine(torch.nn.Module):
         return state
 
     def empty_partition_cache(self) -> None:
-        """No-op: stages 0-2 keep no parameter partition cache."""
+        """Release every gathered stage-3 parameter that is not persistent (no-op at stages 0-2)."""
+        residency = getattr(self.optimizer, "residency", None)
+        if residency is not None:
+            residency.release_all()
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Save the model's 16-bit (model dtype) state dict on rank 0; every rank must call it at stage 3.
+
+        Returns:
+            True when saved; False at stage 3 without zero_optimization.gather_16bit_weights_on_model_save
+            (upstream's rule: gathering the whole model may not fit; use zero_to_fp32 instead).
+        """
+        from deepspeed.runtime.checkpoint_io import save_16bit_model
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def destroy(self) -> None:
         if self.optimizer is not None:

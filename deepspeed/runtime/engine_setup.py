@@ -69,7 +69,7 @@ def build_basic_optimizer(engine, client_optimizer, model_parameters) -> Optiona
     elif config.optimizer_name is not None:
         named = [(n, p) for n, p in engine.module.named_parameters() if p.requires_grad]
         params = model_parameters if model_parameters is not None else trainable
-        optimizer = optimizer_from_config(config, named, params)
+        optimizer = optimizer_from_config(config, named, params, engine.module)
     if optimizer is None:
         if config.zero_optimization_stage >= 1:
             raise DeepSpeedConfigAssertionError(f"zero stage {config.zero_optimization_stage} requires an optimizer")
@@ -84,13 +84,15 @@ def build_basic_optimizer(engine, client_optimizer, model_parameters) -> Optiona
     return optimizer
 
 
-def optimizer_from_config(config: DeepSpeedConfig, named_params, params) -> torch.optim.Optimizer:
+def optimizer_from_config(config: DeepSpeedConfig, named_params, params,
+                          module: torch.nn.Module | None = None) -> torch.optim.Optimizer:
     """The optimizer the config's `optimizer` section describes.
 
     Args:
         config: the parsed config (its `optimizer_params` are already checked, see runtime/optimizer_params.py).
         named_params: (name, param) pairs of the trainable parameters (Muon's groups are built from them).
         params: what a torch optimizer is given (the client's `model_parameters`, else the trainable params).
+        module: the model; Muon tags its attention projections for `per_head_muon` (and checks user head counts).
 
     Raises:
         DeepSpeedConfigError: the torch optimizer's constructor refuses a key or value of `optimizer.params`.
@@ -99,7 +101,19 @@ def optimizer_from_config(config: DeepSpeedConfig, named_params, params) -> torc
     kwargs = dict(config.optimizer_params or {})
     if name == MUON_OPTIMIZER:
         from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam, muon_param_groups
-        return MuonWithAuxAdam(muon_param_groups(named_params, kwargs))
+        from deepspeed.runtime.zero.muon.per_head import tag_attention_heads
+        groups = muon_param_groups(named_params, kwargs)
+        per_head_muon = kwargs.get("per_head_muon") or False
+        if module is not None:
+            # Before the optimizer: it orders (and ZeRO lays out) a group's matrices by shape and head count.
+            try:
+                tag_attention_heads(module, per_head_muon)
+            except ValueError as exc:
+                raise DeepSpeedConfigError(str(exc)) from exc
+        elif per_head_muon:
+            raise DeepSpeedConfigError("optimizer.params.per_head_muon needs the model (its config names the head "
+                                       "counts); build the optimizer through deepspeed.initialize")
+        return MuonWithAuxAdam(groups)
     if name in ADAM_OPTIMIZERS:
         kwargs.pop("torch_adam", None)
         adam_w_mode = kwargs.pop("adam_w_mode", True)
@@ -153,14 +167,13 @@ def _check_no_duplicate_params(engine, optimizer) -> None:
 
 
 def build_zero_optimizer(engine, basic_optimizer):
-    """Wrap the basic optimizer in DeepSpeedZeroOptimizer (all stages 0-2, all precisions)."""
+    """Wrap the basic optimizer in DeepSpeedZeroOptimizer (stages 0-2) or DeepSpeedZeroOptimizer_Stage3."""
     from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer, ZeroOptions
 
     config = engine._config
-    if config.zero_optimization_stage > 2:
-        raise DeepSpeedConfigError(f"zero_optimization.stage {config.zero_optimization_stage} is not supported by "
-                                   "this fork yet; expected 0, 1 or 2")
+    if config.zero_optimization_stage == 3:
+        _reject_unimplemented_stage3(config.zero_config)
     model_dtype = model_dtype_of(config)
     zero = config.zero_config
     offload = _offload_section(config)
@@ -184,6 +197,14 @@ def build_zero_optimizer(engine, basic_optimizer):
     loss_scaler = CreateLossScaler(dtype=model_dtype, static_loss_scale=static_scale, dynamic_scaling=dynamic,
                                    dynamic_loss_args=engine.dynamic_loss_scale_args())
     param_names = {p: n for n, p in engine.module.named_parameters()}
+    if config.zero_optimization_stage == 3:
+        from deepspeed.runtime.zero.param_residency import ResidencyOptions
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+        residency = ResidencyOptions(persistence_threshold=int(zero.param_persistence_threshold),
+                                     model_persistence_threshold=int(zero.model_persistence_threshold),
+                                     prefetch_numel=int(zero.prefetch_bucket_size))
+        return DeepSpeedZeroOptimizer_Stage3(engine.module, basic_optimizer, param_names, options, loss_scaler,
+                                             engine.dp_process_group, engine.device, residency)
     return DeepSpeedZeroOptimizer(basic_optimizer, param_names, options, loss_scaler, engine.dp_process_group,
                                   engine.device)
 
@@ -207,6 +228,41 @@ def _offload_section(config: DeepSpeedConfig):
                                    "(upstream's SuperOffload pipeline); set it to false: the offloaded step runs "
                                    "in the cpu_adam op")
     return section
+
+
+# Stage-3 keys whose non-default values this fork does not implement: key -> (default, what to do instead).
+_STAGE3_UNIMPLEMENTED = {
+    "zero_hpz_partition_size": (1, "ZeRO++ hierarchical partitioning is not implemented; use 1"),
+    "zero_quantized_weights": (False, "ZeRO++ quantized weights are not implemented; use false"),
+    "zero_quantized_nontrainable_weights": (False, "ZeRO++ quantized weights are not implemented; use false"),
+    "zero_quantized_gradients": (False, "ZeRO++ quantized gradients are not implemented; use false"),
+    "zeropp_loco_param": (None, "ZeRO++ LoCo is not implemented; remove the key"),
+    "mics_shard_size": (-1, "MiCS is not implemented; use -1"),
+    "mics_hierarchical_params_gather": (False, "MiCS is not implemented; use false"),
+    "use_all_reduce_for_fetch_params": (False, "parameters are fetched with all-gather; use false"),
+    "module_granularity_threshold": (0, "modules are fetched one by one; use 0"),
+    "pipeline_loading_checkpoint": (False, "checkpoints load in one pass; use false"),
+}
+
+
+def _reject_unimplemented_stage3(zero) -> None:
+    """Refuse stage-3 keys set to what this fork does not do (rather than silently ignoring them)."""
+    for key, (default, advice) in _STAGE3_UNIMPLEMENTED.items():
+        value = getattr(zero, key)
+        if value != default:
+            raise DeepSpeedConfigError(f"zero_optimization.{key} {value!r} is not supported with "
+                                       f"zero_optimization.stage 3 by this fork: {advice}")
+    if zero.has_optimizer_offload:
+        raise DeepSpeedConfigError("zero_optimization.offload_optimizer is not supported with "
+                                   "zero_optimization.stage 3 by this fork (it runs at stages 1 and 2): "
+                                   "use stage 1 or 2 with it, or stage 3 without it")
+    if zero.has_param_offload:
+        device = getattr(zero.offload_param.device, "value", zero.offload_param.device)
+        raise DeepSpeedConfigError(f"zero_optimization.offload_param.device '{device}' is "
+                                   "not implemented in this fork; expected 'none' (or remove the section)")
+    if zero.leaf_module.classes or zero.leaf_module.names:
+        raise DeepSpeedConfigError("zero_optimization.leaf_module is not supported by this fork: every module with "
+                                   "parameters of its own is fetched on its own; remove the section")
 
 
 def _checks_overflow(config: DeepSpeedConfig) -> bool:

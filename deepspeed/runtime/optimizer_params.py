@@ -134,13 +134,13 @@ class MuonParams(_ParamRules):
                                        description="Adam group's moment decay rates, each in [0, 1) ([0.9, 0.95]).")
     eps: float = Field(None, gt=0, json_schema_extra=_rule((ADAM_GROUP, )),
                        description="Adam group's epsilon, > 0 (1e-10).")
-    # Validated so that configs written for the scaling and per-head options fail clearly until they exist here.
-    adjust_lr_fn: str = Field(None, json_schema_extra=_rule(choices=MUON_ADJUST_LR_FNS),
-                              description="How the Muon update is scaled by the matrix shape: original (the only "
-                              "one implemented) or match_rms_adamw.")
+    adjust_lr_fn: str | None = Field(None, json_schema_extra=_rule((MUON_GROUP, ), choices=MUON_ADJUST_LR_FNS),
+                                     description="How the orthogonalised update is scaled by the matrix shape: "
+                                     "original (sqrt(max(1, rows/cols))) or match_rms_adamw (0.2 * sqrt(max(rows, "
+                                     "cols)), so an AdamW learning rate carries over); null is original.")
     per_head_muon: bool = Field(None, json_schema_extra=_rule(),
-                                description="Orthogonalise attention projections per head (false; true is not "
-                                "implemented).")
+                                description="Orthogonalise each head's rows of the attention q/k/v projections on "
+                                "their own (false); the engine tags the model with it (docs/muon.md).")
 
     @classmethod
     def _check_keys(cls, data: dict[str, Any]) -> None:
@@ -148,23 +148,6 @@ class MuonParams(_ParamRules):
         if unknown:
             raise ValueError(f"optimizer.params key '{unknown[0]}' is not supported by the Muon optimizer; "
                              f"allowed keys: {sorted(cls.model_fields)}")
-
-    @field_validator("adjust_lr_fn")
-    @classmethod
-    def _adjust_lr_fn_implemented(cls, value: str) -> str:
-        if value != "original":
-            raise ValueError(f"{cls.key_path('adjust_lr_fn')} must be 'original', the scaling Muon uses here "
-                             f"({value!r} is not implemented by this fork), got {value!r}")
-        return value
-
-    @field_validator("per_head_muon")
-    @classmethod
-    def _per_head_implemented(cls, value: bool) -> bool:
-        if value:
-            raise ValueError(f"{cls.key_path('per_head_muon')} must be false: Muon orthogonalises each weight "
-                             "matrix whole (per-head orthogonalisation is not implemented by this fork), "
-                             f"got {value!r}")
-        return value
 
     @classmethod
     def group_options(cls, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -8,10 +8,10 @@ from deepspeed.runtime.dataloader import RepeatingLoader
 from deepspeed.utils.logging import log_dist, log_dist_once, logger, set_log_level_from_string
 from deepspeed.utils.tensor_fragment import (safe_get_full_fp32_param, safe_get_full_grad,
                                              safe_get_full_optimizer_state, safe_set_full_fp32_param,
-                                             safe_set_full_grad)
+                                             safe_set_full_grad, safe_set_full_optimizer_state)
 
 __all__ = ["logger", "log_dist", "log_dist_once", "set_log_level_from_string", "RepeatingLoader",
            "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
-           "safe_set_full_fp32_param", "safe_set_full_grad"]
+           "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state"]
 
 __getattr__ = module_getattr(__name__)

@@ -52,3 +52,19 @@ def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> 
     """
     optimizer = _optimizer_of(param)
     return None if optimizer is None else optimizer.get_full_optimizer_state(param, optim_state_key)
+
+
+def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
+    """Set the optimizer state `optim_state_key` of `param` to the full `value`; call on every rank.
+
+    `value` shaped like the parameter sets element-wise state (created where it does not exist yet, in `value`'s
+    dtype); a 0-dim tensor sets a per-parameter value such as Adam's `step`, shared by the parameters of one flat
+    partition. A fresh optimizer needs every key it keeps (e.g. `step`, `exp_avg`, `exp_avg_sq`) set before it
+    steps.
+
+    Raises:
+        ValueError: `value` has neither 0 dims nor the parameter's number of elements.
+    """
+    optimizer = _optimizer_of(param)
+    if optimizer is not None:
+        optimizer.set_full_optimizer_state(param, value, optim_state_key)

@@ -20,6 +20,8 @@ from typing import Optional
 import torch
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
+# Stage 3 writes one model file per data-parallel rank; rank 0's names the parameters like MODEL_FILE does.
+STAGE3_MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"
 OUTPUT_FILE = "pytorch_model.bin"
 
 
@@ -71,6 +73,8 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Optional[
     """
     tag_dir = _tag_dir(checkpoint_dir, tag)
     model_path = os.path.join(tag_dir, MODEL_FILE)
+    if not os.path.isfile(model_path) and os.path.isfile(os.path.join(tag_dir, STAGE3_MODEL_FILE)):
+        model_path = os.path.join(tag_dir, STAGE3_MODEL_FILE)
     model_state = _load(model_path)
     partitions = [_load(path)["optimizer_state_dict"] for path in _optim_files(tag_dir, model_state)]
     trainable: "OrderedDict[str, torch.Tensor]" = OrderedDict()

@@ -1,4 +1,4 @@
-"""The README's test command is the one CI runs."""
+"""The README's test command is the one CI runs, and CI installs what the tests need."""
 
 import os
 import re
@@ -12,3 +12,11 @@ def test_ci_runs_the_readme_test_command():
     commands = re.findall(r"^cd tests && python -m pytest unit[^\n]*$", readme, flags=re.MULTILINE)
     assert commands, "README.md lost its test command"
     assert commands[0] in ci, f"CI does not run the README's test command {commands[0]!r}"
+
+
+def test_ci_installs_matplotlib_for_the_plot_tests():
+    # The example's and the benchmark's plot tests skip without matplotlib; CI must install it so they run.
+    ci = open(os.path.join(ROOT, ".ci", "run")).read()
+    assert re.search(r'pip install [^\n]*-e "\.\[dev\]"', ci), "CI no longer installs the dev extra"
+    dev = open(os.path.join(ROOT, "requirements", "requirements-dev.txt")).read().splitlines()
+    assert any(re.match(r"matplotlib\b", line) for line in dev), "the dev extra lost matplotlib"

@@ -86,7 +86,7 @@ class GroupLayout:
         return self.partition_size - sum(f.numel for f in self.fragments(rank))
 
     def describe(self) -> dict:
-        """Plain-data description, stored in checkpoints to detect a changed layout."""
+        """Plain-data description, stored in checkpoints to detect a changed layout and to regroup state."""
         return {
             "numels": list(self.numels),
             "param_offsets": list(self.param_offsets),
@@ -94,6 +94,41 @@ class GroupLayout:
             "num_partitions": self.num_partitions,
             "owners": None if self.owners is None else list(self.owners),
         }
+
+    @classmethod
+    def from_description(cls, description: dict) -> "GroupLayout":
+        """The layout `describe()` wrote, checked so that parameters do not overlap and lie inside the flat buffer.
+
+        Raises:
+            ValueError: a missing field, a field of the wrong type, or offsets that overlap or put a parameter
+                outside the buffer or (with owners) outside its owner's partition.
+        """
+        try:
+            numels = tuple(_as_int(n) for n in description["numels"])
+            offsets = tuple(_as_int(o) for o in description["param_offsets"])
+            partition_size = _as_int(description["partition_size"])
+            num_partitions = _as_int(description["num_partitions"])
+            owners = description["owners"]
+            owners = None if owners is None else tuple(_as_int(o) for o in owners)
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"layout description {description!r} is malformed ({type(exc).__name__}: {exc})") from exc
+        _check(numels, num_partitions)
+        if len(offsets) != len(numels) or (owners is not None and len(owners) != len(numels)):
+            raise ValueError(f"layout description {description!r} needs one offset (and owner) per parameter")
+        if partition_size < 0 or (owners is not None and not all(0 <= o < num_partitions for o in owners)):
+            raise ValueError(f"layout description {description!r}: partition_size must be >= 0 and owners ranks "
+                             f"below num_partitions")
+        layout = cls(numels, offsets, partition_size, num_partitions, owners)
+        cursor = 0
+        for index in sorted(range(len(numels)), key=lambda i: (offsets[i], numels[i])):
+            start, end = layout.param_range(index)
+            lo, hi = (0, layout.total_numel) if owners is None else layout.partition_range(owners[index])
+            if start < max(lo, cursor) or end > hi:
+                where = "the flat buffer" if owners is None else f"the partition of its owner {owners[index]}"
+                raise ValueError(f"layout description {description!r}: parameter {index} overlaps another or lies "
+                                 f"outside {where}")
+            cursor = end
+        return layout
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -115,18 +150,19 @@ def even_layout(numels: Sequence[int], num_partitions: int) -> GroupLayout:
     return GroupLayout(tuple(numels), tuple(offsets), total // num_partitions, num_partitions)
 
 
-def newton_schulz_cost(shape: Sequence[int]) -> int:
+def newton_schulz_cost(shape: Sequence[int], num_heads: int = 1) -> int:
     """Relative cost of orthogonalising a matrix of `shape` (flops of one quintic iteration).
 
     With m = min(rows, cols) and n = max: X X^T and B X cost m*m*n each, A*A costs m^3.
-    Conv weights count as (out, in * kh * kw), as Muon views them.
+    Conv weights count as (out, in * kh * kw), as Muon views them. A matrix orthogonalised per head costs
+    `num_heads` times its (rows / num_heads) x cols block.
     """
-    rows = shape[0]
+    rows = shape[0] // num_heads
     cols = 1
     for dim in shape[1:]:
         cols *= dim
     m, n = min(rows, cols), max(rows, cols)
-    return 2 * m * m * n + m * m * m
+    return num_heads * (2 * m * m * n + m * m * m)
 
 
 def assign_owners(costs: Sequence[int], num_partitions: int) -> List[int]:
@@ -163,6 +199,12 @@ def owner_layout(numels: Sequence[int], costs: Sequence[int], num_partitions: in
         offsets.append(cursors[owners[index]])
         cursors[owners[index]] += n
     return GroupLayout(tuple(numels), tuple(offsets), partition_size, num_partitions, tuple(owners))
+
+
+def _as_int(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"expected an integer, got {value!r}")
+    return value
 
 
 def _check(numels: Sequence[int], num_partitions: int) -> None:

@@ -24,6 +24,7 @@ from deepspeed.runtime.optimizer_step import StepOutcome, transactional_step
 from deepspeed.runtime.zero.config import DeepSpeedZeroOffloadOptimizerConfig
 from deepspeed.runtime.zero.flat_layout import GroupLayout, even_layout, newton_schulz_cost, owner_layout
 from deepspeed.runtime.zero.grad_reducer import GradReducer, ReducerOptions
+from deepspeed.runtime.zero.muon.per_head import NUM_HEADS_ATTRIBUTE, head_count
 from deepspeed.runtime.zero.offload import HostOffload
 
 
@@ -72,6 +73,11 @@ class _HpSlot:
     start: int
     numel: int
     shape: torch.Size
+
+
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """A parameter's shape, also while stage 3 holds only a placeholder in `param.data` (upstream's `ds_shape`)."""
+    return getattr(param, "ds_shape", param.shape)
 
 
 def is_muon_group(group: dict) -> bool:
@@ -126,9 +132,9 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         partitions = self.dp_world_size if self.options.stage >= 1 else 1
         layouts = []
         for params, group in zip(self.bit16_groups, self.optimizer.param_groups):
-            numels = [p.numel() for p in params]
+            numels = [full_shape(p).numel() for p in params]
             if is_muon_group(group):
-                costs = [newton_schulz_cost(p.shape) for p in params]
+                costs = [newton_schulz_cost(full_shape(p), head_count(p)) for p in params]
                 layouts.append(owner_layout(numels, costs, partitions))
             else:
                 layouts.append(even_layout(numels, partitions))
@@ -177,9 +183,12 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
                 params = []
                 for index in layout.owned_params(self._owner_rank(g)):
                     start, end = layout.param_range(index)
-                    shape = self.bit16_groups[g][index].shape
-                    view = hp[start - base:end - base].view(shape)
-                    self._hp_slots[id(view)] = _HpSlot(g, start - base, end - start, shape)
+                    lp = self.bit16_groups[g][index]
+                    view = hp[start - base:end - base].view(full_shape(lp))
+                    # The master stands for the model's matrix: it is orthogonalised in the same heads.
+                    if (num_heads := head_count(lp)) > 1:
+                        setattr(view, NUM_HEADS_ATTRIBUTE, num_heads)
+                    self._hp_slots[id(view)] = _HpSlot(g, start - base, end - start, full_shape(lp))
                     params.append(view)
             else:
                 params = [hp]
@@ -475,7 +484,8 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         """
         group, index = self._check_param(param)
         layout = self.layouts[group]
-        buffer = torch.zeros(param.numel() + 1, dtype=torch.float32, device=self.device)
+        shape = full_shape(param)
+        buffer = torch.zeros(shape.numel() + 1, dtype=torch.float32, device=self.device)
         full = buffer[:-1]
         rank = self._owner_rank(group)
         base = layout.partition_range(rank)[0]
@@ -493,7 +503,7 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         if buffer[-1].item() > 0:
             raise error or ValueError(f"{failure} (on the rank that holds that part of "
                                       f"{self.param_names.get(param, '<unnamed>')})")
-        return full.view(param.shape)
+        return full.view(shape)
 
     def get_full_hp_param(self, param: torch.Tensor) -> torch.Tensor:
         masters = self.single_partition_of_fp32_groups
@@ -522,16 +532,57 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         return state[key]
 
     def _muon_state(self, group: int, index: int, key: str) -> torch.Tensor:
-        layout = self.layouts[group]
-        base = self._partition_base(group)
-        start = layout.param_offsets[index] - base
+        hp = self._muon_master(group, index)
+        state = self.optimizer.state.get(hp, {}) if hp is not None else {}
+        if key not in state:
+            raise ValueError(f"{key} not found in optimizer state fragment")
+        return state[key]
+
+    def _muon_master(self, group: int, index: int) -> Optional[torch.Tensor]:
+        """The basic optimizer's view of Muon matrix `index` of `group` (None when another rank owns it)."""
+        start = self.layouts[group].param_offsets[index] - self._partition_base(group)
         for hp in self.optimizer.param_groups[group]["params"]:
             if self._hp_slots[id(hp)].start == start:
-                state = self.optimizer.state.get(hp, {})
-                if key not in state:
-                    raise ValueError(f"{key} not found in optimizer state fragment")
-                return state[key]
-        raise ValueError(f"{key} not found in optimizer state fragment")
+                return hp
+        return None
+
+    def set_full_optimizer_state(self, param: torch.Tensor, value: torch.Tensor, key: str) -> None:
+        """Write this rank's part of `param`'s optimizer state `key` from the full `value` (no collective).
+
+        A tensor with the parameter's number of elements is element-wise state: this rank's fragment of it is
+        written, into a new zero tensor in `value`'s dtype where the state does not exist yet. A 0-dim tensor
+        (Adam's `step`) is stored as given in the state that holds this parameter's fragment: for a Muon matrix
+        its own, for other groups this rank's flat partition, which other parameters share.
+
+        Raises:
+            ValueError: `value` has neither 0 dims nor the parameter's number of elements, or the existing state
+                `key` has another number of elements than the basic-optimizer param it belongs to.
+        """
+        group, index = self._check_param(param)
+        value = value.detach()
+        numel = full_shape(param).numel()
+        if value.dim() != 0 and value.numel() != numel:
+            raise ValueError(f"optimizer state '{key}' of {self.param_names.get(param, '<unnamed>')} needs a 0-dim "
+                             f"tensor or {numel} elements, got shape {tuple(value.shape)}")
+        layout = self.layouts[group]
+        muon = is_muon_group(self.optimizer.param_groups[group])
+        base = self._partition_base(group)
+        for fragment in layout.fragments(self._owner_rank(group)):
+            if fragment.param_index != index:
+                continue
+            hp = self._muon_master(group, index) if muon else self.optimizer.param_groups[group]["params"][0]
+            state = self.optimizer.state[hp]
+            if value.dim() == 0:
+                state[key] = value.clone()
+                continue
+            if key not in state:
+                state[key] = torch.zeros(hp.shape, dtype=value.dtype, device=hp.device)
+            if state[key].numel() != hp.numel():
+                raise ValueError(f"optimizer state '{key}' holds {state[key].numel()} elements, its parameter "
+                                 f"{hp.numel()}")
+            start = 0 if muon else fragment.flat_start - base
+            source = value.reshape(-1)[fragment.param_start:fragment.param_start + fragment.numel]
+            state[key].view(-1)[start:start + fragment.numel].copy_(source)
 
     def _scatter_full(self, param: torch.Tensor, value: torch.Tensor, target: torch.Tensor) -> None:
         """Copy this rank's fragment of the full `value` into `target`, a partition-shaped buffer."""

@@ -79,3 +79,5 @@ def test_pytest_assertion_lines_are_first_error_lines():
     tool = load_tool()
     assert tool.first_error_line("E   AssertionError: loss 2.08 -> 1.51\nmore") == "AssertionError: loss 2.08 -> 1.51"
     assert tool.first_error_line("no exception line here\nsecond") == "no exception line here"
+    harness = "Failed: Rank 0 failed:\nTraceback (most recent call last):\n  File x\nException: Current loss scale"
+    assert tool.first_error_line(harness) == "Exception: Current loss scale"

@@ -4,7 +4,7 @@ Why: under ZeRO the Muon step's element-wise work before Newton-Schulz is two pa
 rank's matrices (``momenta.lerp_(grads)``, then ``lerp(grads, momenta)`` into the Newton-Schulz input), which
 on a GPU is bound by memory bandwidth: 22 bytes moved per element. One Triton kernel reads the gradient and
 the momentum once and writes the new momentum and the direction: 14 bytes per element
-(``benchmarks/muon_elementwise_probe.py`` measures both). The kernel evaluates torch's own ``lerp`` formula
+(``benchmarks/probes/muon_elementwise_probe.py`` measures both). The kernel evaluates torch's own ``lerp`` formula
 in fp32, so the results are the same bits as the two torch passes (checked on the GPU by the tests).
 
 Everywhere else (CPU, no Triton, non-contiguous or non-fp32 operands) the two torch passes run.

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from deepspeed.runtime.zero.muon.original_muon import resolve_ns_dtype
+from deepspeed.runtime.zero.muon.original_muon import resolve_ns_dtype, update_scale
 
 
 class HostStep:
@@ -47,15 +47,19 @@ class HostStep:
         self.op.muon_momentum(grads, momenta, direction, group["momentum"], group["nesterov"], False)
         return direction
 
-    def directions(self, grads: list[Tensor], momenta: list[Tensor], group: dict[str, Any]) -> tuple[Tensor, float]:
-        """`momentum_directions(..., fold=False)` for same-shape matrices, matrix by matrix: a new (count, rows,
-        cols) tensor in the Newton-Schulz dtype, and the RMS factor sqrt(max(1, rows / cols))."""
+    def directions(self, grads: list[Tensor], momenta: list[Tensor], group: dict[str, Any],
+                   num_heads: int = 1) -> tuple[Tensor, float]:
+        """`momentum_directions(..., fold=False)` for same-shape matrices, matrix by matrix: a new (count * heads,
+        rows / heads, cols) tensor in the Newton-Schulz dtype, and the factor its update is multiplied by
+        (`update_scale` of one head's block, by the group's adjust_lr_fn)."""
         rows = grads[0].shape[0]
         cols = grads[0].numel() // rows
         direction = torch.empty((len(grads), rows, cols), dtype=self.ns_dtype(group["ns_dtype"]), pin_memory=self._pin)
         for index, (grad, momentum) in enumerate(zip(grads, momenta)):
             self.op.muon_momentum(grad, momentum, direction[index], group["momentum"], group["nesterov"], False)
-        return direction, max(1.0, rows / cols) ** 0.5
+        head_rows = rows // num_heads
+        return (direction.view(len(grads) * num_heads, head_rows, cols),
+                update_scale(head_rows, cols, group.get("adjust_lr_fn") or "original"))
 
     def fold(self, grads: list[Tensor], momenta: list[Tensor], beta: float) -> None:
         """momentum <- lerp(momentum, grad, 1 - beta), in place, for each pair."""

@@ -17,6 +17,7 @@ from torch import Tensor
 from deepspeed.runtime.constants import MUON_OPTIMIZER
 from deepspeed.runtime.optimizer_params import MuonParams, validate_optimizer_params
 from deepspeed.runtime.zero.muon.original_muon import (
+    ADJUST_LR_FNS,
     NS_FUNCTIONS,
     adam_update,
     flat_view,
@@ -24,9 +25,11 @@ from deepspeed.runtime.zero.muon.original_muon import (
     momentum_directions,
     resolve_ns_dtype,
     stacked_view,
+    update_scale,
 )
 from deepspeed.runtime.zero.muon.fused_momentum import fold_and_direction
 from deepspeed.runtime.zero.muon.host_step import HostStep
+from deepspeed.runtime.zero.muon.per_head import head_count
 from deepspeed.runtime.zero.muon.ns_graph import GraphedCalls
 from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
 
@@ -39,6 +42,7 @@ MUON_DEFAULTS: dict[str, Any] = {
     "nesterov": True,
     "ns_dtype": None,
     "ns_cuda_graph": True,
+    "adjust_lr_fn": "original",
 }
 ADAM_DEFAULTS: dict[str, Any] = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-10, "weight_decay": 0.0}
 
@@ -98,10 +102,14 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
     Muon groups accept ``lr`` (0.02), ``momentum`` (0.95), ``weight_decay`` (0), ``ns_method``
     ("gram"), ``ns_steps`` (5), ``nesterov`` (True), ``ns_dtype`` (None: see
-    :func:`~deepspeed.runtime.zero.muon.original_muon.resolve_ns_dtype`) and ``ns_cuda_graph`` (True: replay
-    Newton-Schulz from a CUDA graph when it runs in a lent workspace, see :meth:`lend_step_workspace`); their
-    params are reordered
-    by size, largest first (stable), as upstream does, since ZeRO flattens them in that order. Adam
+    :func:`~deepspeed.runtime.zero.muon.original_muon.resolve_ns_dtype`), ``ns_cuda_graph`` (True: replay
+    Newton-Schulz from a CUDA graph when it runs in a lent workspace, see :meth:`lend_step_workspace`) and
+    ``adjust_lr_fn`` ("original" or "match_rms_adamw", torch.optim.Muon's: how an orthogonalised update is scaled
+    by its shape, see :func:`~deepspeed.runtime.zero.muon.original_muon.update_scale`; None means "original").
+    A Muon param whose ``muon_num_heads`` or ``muon_head_dim`` attribute asks for it is orthogonalised per head:
+    its rows split into that many equal blocks, each orthogonalised and scaled on its own (see ``per_head.py``).
+    Their params are reordered by size, largest first (stable), as upstream does, since ZeRO flattens them in that
+    order, and, among equal sizes, by head count, so that the matrices of one batch lie together. Adam
     groups accept ``lr`` (3e-4), ``betas`` ((0.9, 0.95)), ``eps`` (1e-10) and ``weight_decay`` (0).
     Weight decay is decoupled in both. Every group may also carry ``name``. Empty groups are allowed
     (under ZeRO a rank may own no Muon matrix).
@@ -115,9 +123,10 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
     Raises:
         ValueError: a group without ``use_muon``, an unknown group key, a Muon param with fewer than
-            two dims, an unknown ``ns_method``, ``ns_steps`` that is not an integer >= 1, ``momentum``
-            outside [0, 1), or an ``ns_dtype`` that is not a torch.dtype. (Config values are checked
-            earlier, with the config key in the message: deepspeed/runtime/optimizer_params.py.)
+            two dims or a head count its rows are not divisible by, an unknown ``ns_method`` or
+            ``adjust_lr_fn``, ``ns_steps`` that is not an integer >= 1, ``momentum`` outside [0, 1), or an
+            ``ns_dtype`` that is not a torch.dtype. (Config values are checked earlier, with the config key in the
+            message: deepspeed/runtime/optimizer_params.py.)
     """
 
     def __init__(self, param_groups: Iterable[dict[str, Any]]) -> None:
@@ -166,6 +175,11 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                     f"MuonWithAuxAdam param group {index}: ns_dtype must be a torch.dtype or None, "
                     f"got {group['ns_dtype']!r}"
                 )
+            if group["adjust_lr_fn"] is None:
+                group["adjust_lr_fn"] = "original"  # torch.optim.Muon's meaning of None
+            if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+                raise ValueError(f"MuonWithAuxAdam param group {index}: adjust_lr_fn must be one of "
+                                 f"{list(ADJUST_LR_FNS)} or None, got {group['adjust_lr_fn']!r}")
         super().add_param_group(group)
 
     @staticmethod
@@ -177,14 +191,19 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             # Leave the error (sets have no reproducible order) to torch's add_param_group.
             return params
         params = list(params)
+        keys = {}
         for entry in params:
-            tensor = entry[1] if isinstance(entry, tuple) else entry
-            if tensor.ndim < 2:
+            name, tensor = entry if isinstance(entry, tuple) else (None, entry)
+            if len(_logical_shape(tensor)) < 2:
                 raise ValueError(
                     f"MuonWithAuxAdam param group {index}: Muon needs matrices (ndim >= 2), got a parameter of "
-                    f"shape {tuple(tensor.shape)}; put it in a group with use_muon=False"
+                    f"shape {tuple(_logical_shape(tensor))}; put it in a group with use_muon=False"
                 )
-        return sorted(params, key=lambda e: (e[1] if isinstance(e, tuple) else e).size(), reverse=True)
+            try:
+                keys[id(entry)] = _batch_key(tensor, name)
+            except ValueError as error:
+                raise ValueError(f"MuonWithAuxAdam param group {index}: {error}") from None
+        return sorted(params, key=lambda entry: keys[id(entry)], reverse=True)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -279,28 +298,30 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
     def _muon_updates(self, group: dict[str, Any]) -> _MuonUpdates:
         """The orthogonalised updates of every param with a gradient, with one Newton-Schulz call for the group.
 
-        Matrices of one shape are stacked into one batch; the call gets every shape's batch, so the Gram
-        iteration can also share its small-matrix work across shapes (see ``zeropower_via_gram_newtonschulz``).
+        Matrices of one shape (and head count) are stacked into one batch, a matrix split by heads as one
+        (heads, rows / heads, cols) block of it; the call gets every batch, so the Gram iteration can also share its
+        small-matrix work across shapes (see ``zeropower_via_gram_newtonschulz``).
         Nothing is written: a missing momentum counts as zeros.
         """
-        params, by_shape = _with_grads_by_shape(group)
-        flat = self._flat_operands(params, by_shape)
+        params, by_key = _with_grads_by_key(group)
+        flat = self._flat_operands(params, by_key)
         if flat is not None:
-            return self._flat_muon_updates(group, by_shape, flat)
+            return self._flat_muon_updates(group, by_key, flat)
         batches, directions = [], []
-        for shape_params in by_shape.values():
-            grads = [p.grad for p in shape_params]
+        for (_, num_heads), key_params in by_key.items():
+            grads = [p.grad for p in key_params]
             # state.get, not state[p]: the defaultdict would record an empty state for a param never stepped.
-            momenta = [self.state.get(p, {}).get("momentum_buffer") for p in shape_params]
+            momenta = [self.state.get(p, {}).get("momentum_buffer") for p in key_params]
             if any(m is None for m in momenta):
                 momenta = [torch.zeros_like(p, dtype=torch.float32) if m is None else m
-                           for p, m in zip(shape_params, momenta)]
+                           for p, m in zip(key_params, momenta)]
             if self._host is not None:
-                direction, scale = self._host.directions(grads, momenta, group)
+                direction, scale = self._host.directions(grads, momenta, group, num_heads=num_heads)
             else:
                 direction, scale = momentum_directions(grads, momenta, beta=group["momentum"],
-                                                       nesterov=group["nesterov"], fold=False)
-            batches.append((shape_params, grads, scale))
+                                                       nesterov=group["nesterov"], fold=False, num_heads=num_heads,
+                                                       adjust_lr_fn=group["adjust_lr_fn"])
+            batches.append((key_params, grads, scale))
             directions.append(direction)
         return _MuonUpdates(batches, self._orthogonalised(group, directions))
 
@@ -321,8 +342,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         return self.__dict__.get("_host_step")
 
     def _workspace_operands(self, group: dict[str, Any]
-                            ) -> tuple[dict[torch.Size, list[Tensor]], tuple[Tensor, Tensor]] | None:
-        """(params by shape, flat gradients and momenta) when a workspace is lent and the group is one run.
+                            ) -> tuple[dict[BatchKey, list[Tensor]], tuple[Tensor, Tensor]] | None:
+        """(params by batch key, flat gradients and momenta) when a workspace is lent and the group is one run.
 
         Remembered per group until the next call finds the params carrying other gradient tensors: the prepare
         and the step of one optimizer step ask with the same gradients, and the answer is a few hundred Python
@@ -335,9 +356,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         entry = remembered.get(id(group))
         if entry is not None and len(entry[0]) == len(grads) and all(a is b for a, b in zip(entry[0], grads)):
             return entry[1]
-        params, by_shape = _with_grads_by_shape(group)
-        flat = self._flat_operands(params, by_shape)
-        operands = None if flat is None else (by_shape, flat)
+        params, by_key = _with_grads_by_key(group)
+        flat = self._flat_operands(params, by_key)
+        operands = None if flat is None else (by_key, flat)
         # The entry holds the gradients (to compare identities, and in the flat views): step() and
         # discard_prepared_updates() drop it, so they are freed when the caller drops them.
         remembered[id(group)] = (grads, operands)
@@ -354,7 +375,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         operands = self._workspace_operands(group)
         if operands is None:
             return None
-        by_shape, (grads, momenta) = operands
+        by_key, (grads, momenta) = operands
         workspace: NSWorkspace = self.__dict__["_step_workspace"]
         method, steps = group["ns_method"], group["ns_steps"]
         dtype = resolve_ns_dtype(grads, group["ns_dtype"])
@@ -363,7 +384,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             # First carve after a reset: the same address every time, which a graph replay relies on.
             workspace.reset()
             flat = workspace.empty((grads.numel(),), dtype)
-            return flat, _batch_views(flat, by_shape)
+            return flat, _batch_views(flat, by_key)
 
         def orthogonalise() -> list[Tensor]:
             return NS_FUNCTIONS[method](carved_input()[1], steps=steps, dtype=dtype, workspace=workspace)
@@ -378,16 +399,17 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         # The new momenta, then the direction straight into the Newton-Schulz input: one pass on a GPU with Triton.
         fold_and_direction(grads, momenta, direction, group["momentum"], group["nesterov"])
         updates = captured.replay() if captured is not None else orthogonalise()
-        return _MuonUpdates(_recorded_batches(by_shape, batches), updates, (grads, momenta), folded=True)
+        return _MuonUpdates(_recorded_batches(by_key, batches, group["adjust_lr_fn"]), updates, (grads, momenta),
+                            folded=True)
 
-    def _flat_operands(self, params: list[Tensor], by_shape: dict[torch.Size, list[Tensor]]
+    def _flat_operands(self, params: list[Tensor], by_key: dict[BatchKey, list[Tensor]]
                        ) -> tuple[Tensor, Tensor] | None:
         """(gradients, momenta) as 1-D views when the whole group can be stepped as one run, else None.
 
-        That needs the params of each shape to follow one another, the fp32 gradients to lie back to back in that
+        That needs the params of each batch to follow one another, the fp32 gradients to lie back to back in that
         order, and the momenta too (they do once :meth:`_packed_momenta` has packed them, from the second step on).
         """
-        if not params or len(by_shape) != 1 + sum(a.shape != b.shape for a, b in zip(params, params[1:])):
+        if not params or any(a is not b for a, b in zip(params, (p for batch in by_key.values() for p in batch))):
             return None
         grads = [p.grad for p in params]
         if grads[0].dtype != torch.float32:
@@ -400,7 +422,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             return None
         return flat_grads, flat_momenta
 
-    def _flat_muon_updates(self, group: dict[str, Any], by_shape: dict[torch.Size, list[Tensor]],
+    def _flat_muon_updates(self, group: dict[str, Any], by_key: dict[BatchKey, list[Tensor]],
                            flat: tuple[Tensor, Tensor]) -> _MuonUpdates:
         """:meth:`_muon_updates` for a group laid out as one run: the element-wise work in three launches for all
         matrices (new momentum, Nesterov direction written over it, cast to the Newton-Schulz dtype), bit for bit
@@ -414,8 +436,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             if group["nesterov"]:
                 torch.lerp(grads, direction, beta, out=direction)
             direction = direction.to(resolve_ns_dtype(direction, group["ns_dtype"]))
-        directions = _batch_views(direction, by_shape)
-        return _MuonUpdates(_recorded_batches(by_shape, directions), self._orthogonalised(group, directions), flat)
+        directions = _batch_views(direction, by_key)
+        return _MuonUpdates(_recorded_batches(by_key, directions, group["adjust_lr_fn"]),
+                            self._orthogonalised(group, directions), flat)
 
     def _orthogonalised(self, group: dict[str, Any], directions: list[Tensor]) -> list[Tensor]:
         if not directions:
@@ -536,38 +559,57 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         saved_state = state_dict["state"]
         saved_ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
         super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            # torch takes the saved groups as they are: one saved before an option existed lacks its key.
+            for key, value in (MUON_DEFAULTS if group["use_muon"] else ADAM_DEFAULTS).items():
+                group.setdefault(key, value)
         params = [p for group in self.param_groups for p in group["params"]]
         for pid, p in zip(saved_ids, params, strict=True):
             if pid in saved_state:
                 self.state[p] = {key: _restored(key, value, p) for key, value in saved_state[pid].items()}
 
 
-def _with_grads_by_shape(group: dict[str, Any]) -> tuple[list[Tensor], dict[torch.Size, list[Tensor]]]:
-    """The group's params that have a gradient, and the same params by shape (in order)."""
+# A Muon batch: matrices of one shape orthogonalised in the same number of row blocks (heads; 1 for whole).
+BatchKey = tuple[torch.Size, int]
+
+
+def _logical_shape(param: Tensor) -> torch.Size:
+    """The parameter's shape, also while ZeRO stage 3 holds a placeholder in its data (upstream's ``ds_shape``)."""
+    return getattr(param, "ds_shape", param.shape)
+
+
+def _batch_key(param: Tensor, name: str | None = None) -> BatchKey:
+    return _logical_shape(param), head_count(param, name)
+
+
+def _with_grads_by_key(group: dict[str, Any]) -> tuple[list[Tensor], dict[BatchKey, list[Tensor]]]:
+    """The group's params that have a gradient, and the same params by batch key (in order)."""
     params = [p for p in group["params"] if p.grad is not None]
-    by_shape: dict[torch.Size, list[Tensor]] = {}
+    by_key: dict[BatchKey, list[Tensor]] = {}
     for p in params:
-        by_shape.setdefault(p.shape, []).append(p)
-    return params, by_shape
+        by_key.setdefault(_batch_key(p), []).append(p)
+    return params, by_key
 
 
-def _batch_views(flat: Tensor, by_shape: dict[torch.Size, list[Tensor]]) -> list[Tensor]:
-    """(count, rows, cols) views of ``flat``, one per shape in order, each over its batch's run: one view op per
-    batch (4-D kernels as (out, -1))."""
+def _batch_views(flat: Tensor, by_key: dict[BatchKey, list[Tensor]]) -> list[Tensor]:
+    """(count * heads, rows / heads, cols) views of ``flat``, one per batch in order, each over its batch's run: one
+    view op per batch (4-D kernels as (out, -1); a head's rows are contiguous, so its block is a plain view too)."""
     views, start = [], flat.storage_offset()  # as_strided's offset counts from the storage's start
-    for params in by_shape.values():
-        count, rows = len(params), params[0].shape[0]
-        cols = params[0].numel() // rows
-        views.append(flat.as_strided((count, rows, cols), (rows * cols, cols, 1), start))
-        start += count * rows * cols
+    for (_, num_heads), params in by_key.items():
+        rows = params[0].shape[0] // num_heads
+        cols = params[0].numel() // params[0].shape[0]
+        blocks = len(params) * num_heads
+        views.append(flat.as_strided((blocks, rows, cols), (rows * cols, cols, 1), start))
+        start += blocks * rows * cols
     return views
 
 
-def _recorded_batches(by_shape: dict[torch.Size, list[Tensor]], views: list[Tensor]
+def _recorded_batches(by_key: dict[BatchKey, list[Tensor]], views: list[Tensor], adjust_lr_fn: str
                       ) -> list[tuple[list[Tensor], list[Tensor], float]]:
-    """``_MuonUpdates.batches``: per shape the params, their gradients and the RMS factor sqrt(max(1, rows/cols))."""
-    return [(params, [p.grad for p in params], max(1.0, view.size(-2) / view.size(-1)) ** 0.5)
-            for params, view in zip(by_shape.values(), views)]
+    """``_MuonUpdates.batches``: per batch the params, their gradients and the factor of the blocks' shape
+    (``update_scale``: by default sqrt(max(1, rows / cols)))."""
+    return [(params, [p.grad for p in params], update_scale(view.size(-2), view.size(-1), adjust_lr_fn))
+            for params, view in zip(by_key.values(), views)]
 
 
 def _fusable(p: Tensor, state: dict[str, Any]) -> bool:
@@ -614,8 +656,10 @@ def muon_param_groups(
     params with ``requires_grad``; an empty group is omitted. Which key configures which group is
     :class:`~deepspeed.runtime.optimizer_params.MuonParams`' table: ``lr`` and ``weight_decay`` apply to
     both groups; ``muon_lr`` / ``adam_lr`` override ``lr`` for one; ``momentum``, ``ns_method``,
-    ``ns_steps``, ``nesterov``, ``ns_dtype`` ('fp32', 'bf16', 'fp16') and ``ns_cuda_graph`` are Muon's;
-    ``betas`` and ``eps`` are Adam's. Upstream silently drops ``nesterov`` and ``ns_steps``; we honour them.
+    ``ns_steps``, ``nesterov``, ``ns_dtype`` ('fp32', 'bf16', 'fp16'), ``ns_cuda_graph`` and ``adjust_lr_fn``
+    ('original', 'match_rms_adamw') are Muon's; ``betas`` and ``eps`` are Adam's. Upstream silently drops
+    ``nesterov`` and ``ns_steps``; we honour them. ``per_head_muon`` is validated and left to the caller, who tags
+    the model with it (``per_head.tag_attention_heads``) before building the optimizer.
 
     Args:
         named_params: (name, param) pairs, e.g. ``model.named_parameters()``.

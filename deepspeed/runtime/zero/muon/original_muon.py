@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -33,6 +34,46 @@ NS_NORM_EPS = 1e-7
 # 128 x 512 gradient came out with singular values near 100-460 instead of <= 1.14. One restart
 # brings the error back to the standard iteration's; in fp32 it changes the result only at rounding level.
 GRAM_RESTART_ITERATIONS = frozenset({2})
+
+# How an orthogonalised update is scaled, by the shape of the matrix Newton-Schulz saw (torch.optim.Muon's
+# ``adjust_lr_fn``): "original" is Keller Jordan's sqrt(max(1, rows / cols)), which gives every shape the same
+# update RMS; "match_rms_adamw" is Moonshot's 0.2 * sqrt(max(rows, cols)), which gives the update the RMS of a
+# typical AdamW update (about 0.2), so a learning rate tuned for AdamW carries over.
+ADJUST_LR_FNS = ("original", "match_rms_adamw")
+
+
+def update_scale(rows: int, cols: int, adjust_lr_fn: str = "original") -> float:
+    """The factor an orthogonalised rows x cols update is multiplied by (see :data:`ADJUST_LR_FNS`).
+
+    Computed as torch.optim.Muon computes it (``math.sqrt``), so the same learning rate gives the same bits.
+
+    Raises:
+        ValueError: an ``adjust_lr_fn`` not in :data:`ADJUST_LR_FNS`.
+    """
+    check_adjust_lr_fn(adjust_lr_fn)
+    if adjust_lr_fn == "original":
+        return math.sqrt(max(1, rows / cols))
+    return 0.2 * math.sqrt(max(rows, cols))
+
+
+def check_adjust_lr_fn(adjust_lr_fn: str) -> None:
+    """Raise ValueError unless ``adjust_lr_fn`` is one of :data:`ADJUST_LR_FNS`."""
+    if adjust_lr_fn not in ADJUST_LR_FNS:
+        raise ValueError(f"adjust_lr_fn must be one of {list(ADJUST_LR_FNS)}, got {adjust_lr_fn!r}")
+
+
+def head_rows(rows: int, num_heads: int) -> int:
+    """Rows of one head's block when a matrix's ``rows`` are split into ``num_heads`` equal blocks.
+
+    Raises:
+        ValueError: ``num_heads`` is not a positive int, or does not divide ``rows``.
+    """
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"a Muon head count must be a positive int, got {num_heads!r}")
+    if rows % num_heads:
+        raise ValueError(f"a matrix of {rows} rows cannot be split into {num_heads} heads of equal rows "
+                         f"({rows} is not divisible by {num_heads})")
+    return rows // num_heads
 
 
 def resolve_ns_dtype(tensor: Tensor, dtype: torch.dtype | None = None) -> torch.dtype:
@@ -325,15 +366,19 @@ def muon_update(
     nesterov: bool = True,
     ns_method: str = "gram",
     ns_dtype: torch.dtype | None = None,
+    num_heads: int = 1,
+    adjust_lr_fn: str = "original",
 ) -> Tensor:
     """Fold ``grad`` into ``momentum`` and return the orthogonalised Muon update.
 
     momentum <- lerp(momentum, grad, 1 - beta) (in place); the direction is lerp(grad, momentum, beta)
-    with Nesterov, else the momentum; 4-D (conv) tensors are viewed as (out, -1); Newton-Schulz; then
-    the update is scaled by sqrt(max(1, rows / cols)) of the matrix it orthogonalised, so tall
-    matrices get RMS-comparable steps. (Keller Jordan's code reads rows/cols from the last two dims
-    of the 4-D kernel for conv weights; we use the matrix actually orthogonalised.) Tensors with more
-    than two dims other than 4-D are a batch of matrices over their last two dims.
+    with Nesterov, else the momentum; 4-D (conv) tensors are viewed as (out, -1); with ``num_heads`` > 1
+    the rows are split into that many equal blocks (one per attention head), each orthogonalised on its
+    own; Newton-Schulz; then the update is scaled by :func:`update_scale` of the matrix (or head block) it
+    orthogonalised, by default sqrt(max(1, rows / cols)), so tall matrices get RMS-comparable steps.
+    (Keller Jordan's code reads rows/cols from the last two dims of the 4-D kernel for conv weights; we use
+    the matrix actually orthogonalised.) Tensors with more than two dims other than 4-D are a batch of
+    matrices over their last two dims.
 
     Unlike upstream, ``grad`` is never written: upstream's in-place Nesterov lerp on the gradient
     made the gradient tensor hold the update afterwards.
@@ -346,19 +391,25 @@ def muon_update(
         nesterov: use the Nesterov direction.
         ns_method: "standard" or "gram" (see :data:`NS_FUNCTIONS`).
         ns_dtype: Newton-Schulz compute dtype; ``None`` applies :func:`resolve_ns_dtype`.
+        num_heads: equal row blocks orthogonalised separately (1: the whole matrix).
+        adjust_lr_fn: one of :data:`ADJUST_LR_FNS`.
 
     Returns:
         A new fp32 tensor with ``grad``'s shape.
 
     Raises:
         ValueError: for an unknown ``ns_method`` (upstream's assertion text; a ValueError because a
-            user can pass it), a gradient with fewer than two dims, or a momentum that is not fp32 or
-            has another shape (fp32 momentum with low-precision gradients is upstream issue #7746).
+            user can pass it) or ``adjust_lr_fn``, a gradient with fewer than two dims, a head count that does
+            not divide its rows, or a momentum that is not fp32 or has another shape (fp32 momentum with
+            low-precision gradients is upstream issue #7746).
     """
     if ns_method not in NS_FUNCTIONS:
         raise ValueError(f"ns_method must be one of {{'standard', 'gram'}}, got {ns_method}")
     if grad.ndim < 2:
         raise ValueError(f"if use muon, then tensor dim > 1, got {grad.size()}")
+    check_adjust_lr_fn(adjust_lr_fn)
+    # Checked before the momentum is written: a failing call changes nothing.
+    block_rows = head_rows(grad.size(0) if grad.ndim == 4 else grad.size(-2), num_heads)
     if momentum.dtype != torch.float32 or momentum.shape != grad.shape:
         raise ValueError(
             f"Muon momentum must be a float32 tensor shaped like the gradient {tuple(grad.shape)}, "
@@ -370,8 +421,11 @@ def muon_update(
     direction = grad32.lerp(momentum, beta) if nesterov else momentum
     if direction.ndim == 4:
         direction = direction.reshape(direction.size(0), -1)
+    if num_heads != 1:
+        # Row blocks are contiguous in a row-major matrix: a view, one batched call for all heads.
+        direction = direction.reshape(*direction.shape[:-2], num_heads, block_rows, direction.size(-1))
     update = NS_FUNCTIONS[ns_method](direction, steps=ns_steps, dtype=ns_dtype)
-    scale = max(1.0, direction.size(-2) / direction.size(-1)) ** 0.5
+    scale = update_scale(direction.size(-2), direction.size(-1), adjust_lr_fn)
     return (update.float() * scale).reshape(grad.shape)
 
 
@@ -460,11 +514,14 @@ def momentum_directions(
     beta: float = 0.95,
     nesterov: bool = True,
     fold: bool = True,
+    num_heads: int = 1,
+    adjust_lr_fn: str = "original",
 ) -> tuple[Tensor, float]:
     """Return the stacked directions Newton-Schulz will take for same-shape gradients (and fold the momenta).
 
     The new momentum is lerp(momentum, grad, 1 - beta); the direction is lerp(grad, new momentum, beta)
-    with Nesterov, else the new momentum, as in :func:`muon_update`.
+    with Nesterov, else the new momentum, as in :func:`muon_update`. With ``num_heads`` > 1 every matrix's rows
+    are split into that many head blocks, and the blocks of all matrices form the batch.
 
     Args:
         grads: 2-D or 4-D gradients, all of one shape; never written.
@@ -473,16 +530,21 @@ def momentum_directions(
         fold: write the new momenta into ``momenta`` (in place). With False nothing is written: the new
             momenta are computed out of place, bit for bit what :func:`fold_momenta` will write later. This is
             how the optimizer computes an update before the step's overflow verdict without touching its state.
+        num_heads: row blocks per matrix, as :func:`muon_update`.
+        adjust_lr_fn: one of :data:`ADJUST_LR_FNS`.
 
     Returns:
-        (directions, scale): a new (len(grads), rows, cols) fp32 tensor (4-D kernels viewed as (out, -1)),
-        and the RMS factor sqrt(max(1, rows / cols)) its orthogonalised update is multiplied by.
+        (directions, scale): a new (len(grads) * num_heads, rows / num_heads, cols) fp32 tensor (4-D kernels
+        viewed as (out, -1)), and the factor (:func:`update_scale`) its orthogonalised update is multiplied by.
 
     Raises:
-        ValueError: no gradients, gradients of different shapes or a 3-D gradient, or momenta that are not
-            fp32 tensors of the gradients' shape.
+        ValueError: no gradients, gradients of different shapes or a 3-D gradient, momenta that are not
+            fp32 tensors of the gradients' shape, a head count that does not divide the rows, or an unknown
+            ``adjust_lr_fn``.
     """
     shape = _validated_batch(grads, momenta)
+    block_rows = head_rows(shape[0], num_heads)
+    check_adjust_lr_fn(adjust_lr_fn)
     # grad32 may be a view of the gradients: below it is only read, and lerp (not lerp_) allocates.
     grad32 = _stacked([grad.float() for grad in grads])
     if fold:
@@ -491,8 +553,8 @@ def momentum_directions(
     else:
         momentum32 = torch.lerp(_stacked(momenta), grad32, 1 - beta)
     direction = grad32.lerp(momentum32, beta) if nesterov else momentum32
-    direction = direction.reshape(len(grads), shape[0], -1)
-    return direction, max(1.0, direction.size(-2) / direction.size(-1)) ** 0.5
+    direction = direction.reshape(len(grads) * num_heads, block_rows, -1)
+    return direction, update_scale(direction.size(-2), direction.size(-1), adjust_lr_fn)
 
 
 def muon_update_batch(
@@ -503,13 +565,15 @@ def muon_update_batch(
     nesterov: bool = True,
     ns_method: str = "gram",
     ns_dtype: torch.dtype | None = None,
+    num_heads: int = 1,
+    adjust_lr_fn: str = "original",
 ) -> list[Tensor]:
     """:func:`muon_update` for several matrices of one shape, with one batched Newton-Schulz call.
 
     Args:
         grads: 2-D or 4-D gradients, all of one shape; never written.
         momenta: fp32 buffers shaped like the gradients; updated in place.
-        beta, ns_steps, nesterov, ns_method, ns_dtype: as :func:`muon_update`.
+        beta, ns_steps, nesterov, ns_method, ns_dtype, num_heads, adjust_lr_fn: as :func:`muon_update`.
 
     Returns:
         One new fp32 update per gradient, in order (scaled like :func:`muon_update`'s).
@@ -521,7 +585,8 @@ def muon_update_batch(
         return []
     if ns_method not in NS_FUNCTIONS:
         raise ValueError(f"ns_method must be one of {{'standard', 'gram'}}, got {ns_method}")
-    direction, scale = momentum_directions(grads, momenta, beta, nesterov)
+    direction, scale = momentum_directions(grads, momenta, beta, nesterov, num_heads=num_heads,
+                                           adjust_lr_fn=adjust_lr_fn)
     update = NS_FUNCTIONS[ns_method](direction, steps=ns_steps, dtype=ns_dtype)
     return list((update.float() * scale).reshape(len(grads), *grads[0].shape).unbind(0))
 

@@ -159,15 +159,19 @@ def fp32_masters(engine) -> Dict[str, torch.Tensor]:
 
 
 def model_parameters(engine) -> Dict[str, torch.Tensor]:
-    """The model's (low-precision) parameters by name, on CPU."""
-    return {name: param.detach().cpu().clone() for name, param in engine.module.named_parameters()}
+    """The model's (low-precision) parameters by name, on CPU (a collective: ZeRO-3 gathers them)."""
+    named = list(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters([param for _, param in named]):
+        return {name: param.detach().cpu().clone() for name, param in named}
 
 
 def optimizer_state(engine) -> Dict[Tuple[str, str], torch.Tensor]:
     """Muon momentum of every matrix and Adam moments of every other parameter, on CPU (a collective)."""
     states = {}
     for name, param in engine.module.named_parameters():
-        keys = ("momentum_buffer", ) if param.ndim >= 2 else ("exp_avg", "exp_avg_sq")
+        # ZeRO-3 keeps a placeholder in `param`; `ds_shape` is the parameter's shape there.
+        is_matrix = len(getattr(param, "ds_shape", param.shape)) >= 2
+        keys = ("momentum_buffer", ) if is_matrix else ("exp_avg", "exp_avg_sq")
         for key in keys:
             states[(name, key)] = safe_get_full_optimizer_state(param, key).detach().cpu().clone()
     return states

@@ -1,18 +1,18 @@
-"""Save mid-run, resume in a fresh engine: the resumed run equals the uninterrupted one exactly.
+"""Save mid-run, resume in a fresh engine, continue: the resumed run goes on where the saved one stopped.
 
-Upstream (issue #7746) restores the Muon momentum in another dtype than the one it was saved in, and the
-first step after load_checkpoint fails (fp32 momentum lerped with fp16/bf16 gradients). Here the saved
-run has already been through overflows (fp16: the natural ones at 2**16 and a forced one; bf16: a forced
-one), so skipped_steps, the loss scaler's state (scale, hysteresis), the Muon momentum and Adam's moments
-and step counts all have to come back for the losses to match bit for bit.
+Upstream (issue #7746) saved the Muon momentum in the gradients' dtype, torch's ``load_state_dict`` gave it back
+as fp32 (the dtype of the flat fp32 partition it is keyed by), and the first step after load_checkpoint failed
+in ``lerp_`` (fp32 momentum, bf16/fp16 gradient). The saved run has been through an overflow before the save
+(fp16 also through the natural ones at 2**16), so counters and the loss scaler's state must come back too.
+The bit-for-bit version of this contract, which also reads the momentum, is test_muon_resume_exact.py.
 """
 
 import pytest
 
 from unit.common import DistributedTest
 
-from muon_suite import (assert_identical, fp32_masters, global_batches, initialize, make_model, model_parameters,
-                        muon_config, optimizer_state, relative_error, train)
+from muon_suite import (assert_identical, fp32_masters, global_batches, initialize, make_model, muon_config,
+                        relative_error, train)
 
 STEPS = 12
 SAVE_AT = 6
@@ -20,44 +20,10 @@ FORCED_OVERFLOW_STEP = 3
 GLOBAL_BATCH = 16
 
 
-class TestMuonResume(DistributedTest):
-    world_size = 2
-
-    @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-    @pytest.mark.parametrize("stage", [0, 1, 2])
-    def test_resumed_run_equals_uninterrupted(self, stage, dtype, tmpdir):
-        batches = global_batches(STEPS, GLOBAL_BATCH)
-        config = muon_config(stage, dtype, micro=GLOBAL_BATCH // 2)
-        save_dir = str(tmpdir)
-
-        engine = initialize(make_model(seed=0), config)
-        train(engine, batches[:SAVE_AT], dtype, poison_steps=[FORCED_OVERFLOW_STEP])
-        assert engine.skipped_steps >= 1
-        engine.save_checkpoint(save_dir, tag="mid")
-        saved_counters = (engine.global_steps, engine.skipped_steps)
-        expected_losses = train(engine, batches[SAVE_AT:], dtype)
-        assert engine.was_step_applied(), f"the uninterrupted run still skips steps ({engine.skipped_steps} skipped)"
-
-        # Another initialisation: everything the resumed run needs must come from the checkpoint.
-        resumed = initialize(make_model(seed=1), config)
-        load_path, _ = resumed.load_checkpoint(save_dir, tag="mid")
-        assert load_path is not None
-        assert (resumed.global_steps, resumed.skipped_steps) == saved_counters
-        losses = train(resumed, batches[SAVE_AT:], dtype)
-
-        assert losses == expected_losses, f"resumed {losses} vs uninterrupted {expected_losses}"
-        assert (resumed.global_steps, resumed.skipped_steps) == (engine.global_steps, engine.skipped_steps)
-        if dtype == "fp16":
-            assert resumed.optimizer.cur_scale == engine.optimizer.cur_scale
-        assert_identical(fp32_masters(resumed), fp32_masters(engine), "fp32 masters")
-        assert_identical(model_parameters(resumed), model_parameters(engine), "model parameters")
-        assert_identical(optimizer_state(resumed), optimizer_state(engine), "optimizer state")
-
-
 # Part of the upstream PR: save/load/continue through what every tree offers. The bounds leave room for a tree
 # that restores the Muon momentum in another dtype than it trains with (upstream 0.19.8 keeps the live momentum
 # in the gradients' dtype and restores it as fp32). Measured largest relative differences, resumed vs
-# uninterrupted: this fork 0 (the test above); deepspeed 0.19.8: losses 0, parameter changes 0 (fp16) and
+# uninterrupted: this fork 0 (test_muon_resume_exact.py); deepspeed 0.19.8: losses 0, parameter changes 0 (fp16) and
 # 1.6e-7 (bf16, the Adam biases); deepspeed 0.19.6 raises on the first step after load_checkpoint (#7746), or, in
 # fp16, applies no step before the save (#8432).
 LOSS_TOLERANCE = 1e-3

@@ -54,8 +54,8 @@ RULES = {
     "ns_method": lambda v: isinstance(v, str) and v in ("standard", "gram"),
     "ns_dtype": lambda v: v is None or (isinstance(v, str) and v in ("fp32", "bf16", "fp16")),
     "betas": lambda v: isinstance(v, list) and len(v) == 2 and all(_number(b) and 0 <= b < 1 for b in v),
-    "adjust_lr_fn": lambda v: v == "original" and isinstance(v, str),
-    "per_head_muon": lambda v: v is False,
+    "adjust_lr_fn": lambda v: v is None or (isinstance(v, str) and v in ("original", "match_rms_adamw")),
+    "per_head_muon": lambda v: isinstance(v, bool),
 }
 
 
@@ -75,7 +75,7 @@ def _step(config):
     """Build the optimizer as the engine does and take one step with it; returns the optimizer."""
     model = _model()
     named = list(model.named_parameters())
-    optimizer = optimizer_from_config(config, named, [p for _, p in named])
+    optimizer = optimizer_from_config(config, named, [p for _, p in named], model)
     model(torch.randn(5, 6)).square().mean().backward()
     optimizer.step()
     assert all(torch.isfinite(param).all() for param in model.parameters())
@@ -118,6 +118,11 @@ def test_muon_single_field_corruption(ns_calls, key, value):
         _check_refusal(info.value, key, value)
         return
     config = DeepSpeedConfig(_config("muon", params))
+    if key == "per_head_muon" and value:
+        # A valid value the model cannot honour (it has no attention heads): refused when the optimizer is built.
+        with pytest.raises(DeepSpeedConfigError, match="optimizer.params.per_head_muon is true"):
+            _step(config)
+        return
     optimizer = _step(config)
     muon_group = optimizer.param_groups[0]
     assert muon_group["use_muon"] and ns_calls == [(params["ns_method"], params["ns_steps"])]
@@ -160,7 +165,7 @@ def test_every_muon_key_is_listed_and_unknown_keys_are_refused():
      ({"lr": 0.1, "weight_decay": 0.5}, {"lr": 0.3, "weight_decay": 0.5})),
     ({"betas": [0, 0.5], "eps": 1e-6, "momentum": 0.9, "ns_steps": 3.0},
      ({"momentum": 0.9, "ns_steps": 3}, {"betas": (0.0, 0.5), "eps": 1e-6})),
-    ({"adjust_lr_fn": "original", "per_head_muon": False}, ({}, {})),
+    ({"adjust_lr_fn": "match_rms_adamw", "per_head_muon": False}, ({"adjust_lr_fn": "match_rms_adamw"}, {})),
 ])
 def test_which_group_each_muon_key_configures(params, groups):
     options = DeepSpeedConfig(_config("muon", params)).optimizer_params

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deepspeed.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
-                             safe_set_full_fp32_param, safe_set_full_grad)
+                             safe_set_full_fp32_param, safe_set_full_grad, safe_set_full_optimizer_state)
 from unit.common import DistributedTest
 from unit.runtime.engine_harness import ADAM_EPS, global_batches, initialize, make_config, make_model, micro_batch
 
@@ -79,3 +79,28 @@ class TestTensorFragments(DistributedTest):
             engine.step()
             assert not engine.was_step_applied()
             assert torch.equal(safe_get_full_fp32_param(params[0]).cpu(), values[0])
+
+    @pytest.mark.parametrize("stage", [0, 1, 2])
+    def test_optimizer_state_setter_rebuilds_a_trained_engine(self, stage):
+        """A fresh engine given a trained one's masters and full optimizer state through the setters holds the same
+        per-rank state and takes the same next step, for AdamW and for Muon (momentum on the matrix's owner)."""
+        from unit.checkpoint.resume_harness import (assert_identical, batches_for, checkpoint_config, full_snapshot,
+                                                    local_optimizer_state, new_engine, state_keys, train)
+        for optimizer in ("adamw", "muon"):
+            config = checkpoint_config(stage, "bf16", optimizer, scheduler=False)
+            trained, fresh = new_engine(config, seed=0), new_engine(config, seed=1)
+            batches = batches_for(trained, 3)
+            train(trained, batches[:2], "bf16")
+            steps = [state["step"] for state in local_optimizer_state(trained) if "step" in state]
+            for source, target in zip(trained.module.parameters(), fresh.module.parameters()):
+                safe_set_full_fp32_param(target, safe_get_full_fp32_param(source))
+                for key in state_keys(source):
+                    safe_set_full_optimizer_state(target, safe_get_full_optimizer_state(source, key), key)
+                if "exp_avg" in state_keys(source):
+                    safe_set_full_optimizer_state(target, steps[0], "step")
+            assert_identical(full_snapshot(fresh)["local_states"], full_snapshot(trained)["local_states"],
+                             f"{optimizer}: per-rank optimizer state")
+            assert train(fresh, batches[2:], "bf16") == train(trained, batches[2:], "bf16")
+            assert_identical(full_snapshot(fresh)["masters"], full_snapshot(trained)["masters"], optimizer)
+        with pytest.raises(ValueError, match="needs a 0-dim tensor or 256 elements"):
+            safe_set_full_optimizer_state(next(fresh.module.parameters()), torch.zeros(3), "exp_avg")

@@ -5,8 +5,8 @@ copies, memsets) by kind, the device's idle time inside that window, and the lar
 around them and how late the host launched the kernel after a gap (a late launch means the device waited
 for the host). Also the same sums for the whole step.
 
-    python benchmarks/trace_gaps.py DIR/*.json
-    python benchmarks/trace_gaps.py --collectives DIR/MODE-rank0.json DIR/MODE-rank1.json
+    python benchmarks/probes/trace_gaps.py DIR/*.json
+    python benchmarks/probes/trace_gaps.py --collectives DIR/MODE-rank0.json DIR/MODE-rank1.json
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 beside the Gram chain of the rectangular ones? Both variants captured in a CUDA graph (as the optimizer replays
 it) and timed on the device (CUDA events, median of --reps replays).
 
-    python3 benchmarks/ns_streams_probe.py [--reps 100] [--rank 0]
+    python3 benchmarks/probes/ns_streams_probe.py [--reps 100] [--rank 0]
 """
 
 import argparse
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ns_host_cost import owned_batches  # noqa: E402

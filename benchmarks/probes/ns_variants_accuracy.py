@@ -6,9 +6,9 @@ The Gram iteration as shipped (``zeropower_via_gram_newtonschulz``) is compared 
 - "fold-norm": X is not normalised; R = X X^T is divided by the squared norm, and 1/norm rides on the factor
   that multiplies the raw X.
 Printed: relative Frobenius error against the fp64 standard iteration, and the largest singular value, per
-input. docs/performance.md ("What is left") quotes the result.
+input. docs/performance.md ("What limits the step") quotes the result.
 
-    python benchmarks/ns_variants_accuracy.py
+    python benchmarks/probes/ns_variants_accuracy.py
 """
 
 import os
@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
 
 from unit.ops.muon_math.reference import newton_schulz_fp64  # noqa: E402
 

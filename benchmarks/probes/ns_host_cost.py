@@ -1,11 +1,12 @@
 """Host cost of one rank's Newton-Schulz call: how long the CPU takes to issue it, against how long the GPU runs it.
 
-Why: on the benchmark machine the training step is bound by the host (docs/performance.md, "The miss"), so what a
-Muon step costs is mostly the time to issue its launches. This script measures, for the matrices one rank owns in
-GPT-2 small (by the engine's owner split), the issue time and the device time of the Newton-Schulz call and of its
-single launches, under each cuBLAS backend torch offers, and the replay of the same call captured in a CUDA graph.
+Why: with Newton-Schulz issued eagerly, the GPT-2-small step is bound by the host (docs/performance.md, "What
+limits the step"), so what a Muon step costs is mostly the time to issue its launches. This script measures, for
+the matrices one rank owns in GPT-2 small (by the engine's owner split), the issue time and the device time of the
+Newton-Schulz call and of its single launches, under each cuBLAS backend torch offers, and the replay of the same
+call captured in a CUDA graph.
 
-    python3 benchmarks/ns_host_cost.py [--reps 50] [--ranks 2] [--rank 0]
+    python3 benchmarks/probes/ns_host_cost.py [--reps 50] [--ranks 2] [--rank 0]
 
 Prints one line per variant: median issue time (host, not synchronised) and median device time (CUDA events).
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from deepspeed.runtime.zero.flat_layout import assign_owners, newton_schulz_cost  # noqa: E402
 from deepspeed.runtime.zero.muon.original_muon import zeropower_via_gram_newtonschulz  # noqa: E402

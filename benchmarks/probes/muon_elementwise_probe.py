@@ -1,11 +1,11 @@
-"""Muon's element-wise work around Newton-Schulz on one GPU: today's torch passes against fused alternatives.
+"""Muon's element-wise work around Newton-Schulz on one GPU: the torch passes against fused alternatives.
 
 One rank's GPT-2-small share (6 matrices of each of 768x768, 2304x768, 3072x768, 768x3072; 42.5M elements):
 the momentum fold and the Nesterov direction (two torch ``lerp`` passes over the fp32 momenta), a fused Triton
 kernel doing both in one pass, and the per-matrix normalisation (norm + divide) in its variants. Prints device
-times (CUDA events, median of --reps) and whether each variant gives the same bits as today's code.
+times (CUDA events, median of --reps) and whether each variant gives the same bits as the torch passes.
 
-    python3 benchmarks/muon_elementwise_probe.py
+    python3 benchmarks/probes/muon_elementwise_probe.py
 """
 
 import argparse
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 SHAPES = [(768, 768), (2304, 768), (3072, 768), (768, 3072)]
 

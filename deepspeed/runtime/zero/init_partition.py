@@ -1,0 +1,276 @@
+"""`deepspeed.zero.Init`: parameters are partitioned as the modules that own them are built.
+
+Inside the context every `torch.nn.Module` subclass's constructor is wrapped. When the outermost constructor call
+of a module returns, each of its parameters that is not partitioned yet is split evenly: rank r keeps elements
+[r * s, (r + 1) * s) of the flattened value (s = ceil(numel / N), the last shard zero-padded) in `param.ds_tensor`,
+and `param.data` becomes an empty placeholder with upstream's attributes (`ds_id`, `ds_shape`, `ds_numel`,
+`ds_status`, `ds_persist`). So a parameter is whole only while the constructor of the module that owns it runs (a
+child's parameters are partitioned before its parent's constructor continues), and
+no rank ever holds the whole model.
+
+Values: each rank initialises every whole parameter itself, exactly as torch would outside the context (same
+constructors, same RNG stream), and keeps its shard; nothing is broadcast, so building costs no communication and
+every allocation is this rank's own. This needs the same seed on every rank (a model built normally gets rank 0's
+weights from `deepspeed.initialize`'s broadcast instead): on leaving the context the ranks compare a checksum (sum and
+max) of every parameter in one all-reduce and raise if any differs. A model built under Init from the same seed as
+a normally built one trains bit for bit like it.
+
+A constructor that changes an already-built submodule's parameters (e.g. `self.apply(init_fn)` at the end of a
+model's `__init__`) must do so inside `deepspeed.zero.GatheredParameters(params, modifier_rank=0)`, as upstream
+requires. `deepspeed.initialize` at stage 3 adopts the shards (stage3.py): one parameter at a time, the shards are
+gathered and this rank's fragments of the optimizer's layout are copied out.
+"""
+
+import contextlib
+import json
+import math
+import os
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import torch
+
+import deepspeed.comm as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.not_provided import NotProvidedError
+from deepspeed.runtime.zero.param_residency import ZeroParamStatus
+
+
+def is_init_partitioned(param: torch.Tensor) -> bool:
+    """True when `param` holds zero.Init's construction shard (`ds_tensor`) and not yet an optimizer's partition."""
+    return getattr(param, "ds_tensor", None) is not None
+
+
+def shard_numel(numel: int, world_size: int) -> int:
+    """Elements of each rank's construction shard of a parameter of `numel` elements (padding included)."""
+    return max(1, math.ceil(numel / world_size))
+
+
+def gather_init_shards(param: torch.Tensor) -> torch.Tensor:
+    """The whole flattened value of a zero.Init parameter (a collective over its data-parallel group)."""
+    group = param._ds_init_group
+    shard = param.ds_tensor
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return shard[:param.ds_numel].clone()
+    rows = torch.empty(world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
+    dist.all_gather_into_tensor(rows, shard, group=group)
+    return rows[:param.ds_numel]
+
+
+def write_init_shards(param: torch.Tensor, modifier_rank: Optional[int]) -> None:
+    """Leave a gathered zero.Init parameter as a placeholder again; with `modifier_rank`, keep that rank's value."""
+    if modifier_rank is not None:
+        value = param.data.contiguous()
+        dist.broadcast(value, src=modifier_rank, group=param._ds_init_group)
+        lo, hi = _shard_range(param.ds_numel, dist.get_rank(param._ds_init_group),
+                              dist.get_world_size(param._ds_init_group))
+        param.ds_tensor[:hi - lo].copy_(value.reshape(-1)[lo:hi])
+    param.data = torch.empty(0, dtype=param.ds_tensor.dtype, device=param.ds_tensor.device)
+    param.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
+
+def _shard_range(numel: int, rank: int, world_size: int) -> tuple:
+    size = shard_numel(numel, world_size)
+    lo = min(rank * size, numel)
+    return lo, min(lo + size, numel)
+
+
+def _model_dtype(config: Any) -> Optional[torch.dtype]:
+    """fp16 / bf16 from a DeepSpeed config (dict or JSON path), else None (parameters keep their dtype)."""
+    if config is None:
+        return None
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as handle:
+            config = json.load(handle)
+    if not isinstance(config, dict):
+        config = getattr(config, "_param_dict", {})
+    if config.get("fp16", {}).get("enabled", False):
+        return torch.float16
+    if config.get("bf16", config.get("bfloat16", {})).get("enabled", False):
+        return torch.bfloat16
+    return None
+
+
+def _module_classes() -> List[type]:
+    classes, stack = [], [torch.nn.Module]
+    while stack:
+        cls = stack.pop()
+        for sub in cls.__subclasses__():
+            if sub not in classes:
+                classes.append(sub)
+                stack.append(sub)
+    return classes
+
+
+class Init(contextlib.ContextDecorator):
+    """Partition parameters at construction: `with deepspeed.zero.Init(config_dict_or_path=config): model = Net()`.
+
+    Also a decorator (`@deepspeed.zero.Init(...)` on a function that builds a model). Needs torch.distributed (it
+    initialises it, as deepspeed.initialize does, when it is not yet). The model must then go to
+    `deepspeed.initialize` with `zero_optimization.stage` 3.
+
+    Args:
+        module: an already-built model whose parameters are partitioned now (upstream's conversion use).
+        data_parallel_group: the group parameters are split over (default: the world, or `mpu`'s data-parallel
+            group).
+        mem_efficient_linear, pin_memory: accepted for upstream compatibility; no effect here.
+        remote_device: None or the accelerator ("cuda", "cpu" on the CPU accelerator); offload devices are refused.
+        config_dict_or_path, config: the DeepSpeed config (dict or JSON path): its fp16 / bf16 section sets the
+            dtype the shards are kept in.
+        enabled: False makes the context do nothing.
+        dtype: the shards' dtype (overrides the config's); floating parameters only.
+        mpu: model-parallel unit providing `get_data_parallel_group()`.
+
+    Raises:
+        NotProvidedError: a keyword for a feature this fork does not implement (offload, ZeRO++ quantization,
+            hierarchical or sequence-parallel partitioning).
+    """
+
+    _active = 0
+
+    def __init__(self, module: Optional[torch.nn.Module] = None, data_parallel_group: Any = None,
+                 mem_efficient_linear: bool = True, remote_device: Optional[str] = None, pin_memory: bool = False,
+                 config_dict_or_path: Any = None, config: Any = None, enabled: bool = True,
+                 dtype: Optional[torch.dtype] = None, mpu: Any = None, zero_param_parallel_group: Any = None,
+                 zero_quantized_weights: bool = False, zero_quantized_nontrainable_weights: bool = False,
+                 sequence_data_parallel_group: Any = None, param_swapper: Any = None) -> None:
+        self.enabled = enabled
+        if not enabled:
+            return
+        refused = {"remote_device": remote_device not in (None, get_accelerator().device_name()),
+                   "zero_param_parallel_group": zero_param_parallel_group is not None,
+                   "zero_quantized_weights": zero_quantized_weights,
+                   "zero_quantized_nontrainable_weights": zero_quantized_nontrainable_weights,
+                   "sequence_data_parallel_group": sequence_data_parallel_group is not None,
+                   "param_swapper": param_swapper is not None}
+        for key, is_set in refused.items():
+            if is_set:
+                raise NotProvidedError(f"deepspeed.zero.Init({key}=...) is not provided by this fork (offload, "
+                                       "ZeRO++ and hierarchical partitioning are not implemented); remove it")
+        if not dist.is_initialized():
+            dist.init_distributed(dist_backend=get_accelerator().communication_backend_name())
+        if mpu is not None and data_parallel_group is None:
+            data_parallel_group = mpu.get_data_parallel_group()
+        self.group = data_parallel_group
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.dtype = dtype or _model_dtype(config_dict_or_path if config_dict_or_path is not None else config)
+        accelerator = get_accelerator()
+        if accelerator.device_name() == "cpu":
+            self.device = torch.device("cpu")
+        else:
+            local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            accelerator.set_device(local_rank)
+            self.device = torch.device(accelerator.device_name(local_rank))
+        self._depth: Dict[int, int] = {}
+        self._originals: Dict[type, Callable] = {}
+        self._next_id = 0
+        self._checksums: List[tuple] = []
+        if module is not None:
+            self.partition_module(module)
+            self._check_same_values()
+
+    # ------------------------------------------------------------------ the context
+    def __enter__(self) -> "Init":
+        if not self.enabled or Init._active:
+            # A nested Init is the outer one's business.
+            self._entered = False
+            return self
+        self._entered = True
+        Init._active += 1
+        for cls in _module_classes():
+            self._wrap(cls)
+        wrap = self._wrap
+        self._prior_init_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
+
+        def init_subclass(cls, **kwargs):
+            super(torch.nn.Module, cls).__init_subclass__(**kwargs)
+            wrap(cls)
+
+        torch.nn.Module.__init_subclass__ = classmethod(init_subclass)
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if not getattr(self, "_entered", False):
+            return None
+        try:
+            self._check_same_values()
+        finally:
+            self._restore()
+        return None
+
+    def _restore(self) -> None:
+        for cls, original in self._originals.items():
+            cls.__init__ = original
+        self._originals = {}
+        if self._prior_init_subclass is None:
+            del torch.nn.Module.__init_subclass__
+        else:
+            torch.nn.Module.__init_subclass__ = self._prior_init_subclass
+        Init._active -= 1
+        self._entered = False
+
+    def _check_same_values(self) -> None:
+        """One all-reduce: every rank must have initialised the same values (same seed, same construction)."""
+        checksums, self._checksums = self._checksums, []
+        if self.world_size == 1 or not checksums:
+            return
+        local = torch.tensor(checksums, dtype=torch.float64).nan_to_num(0.0).reshape(-1)
+        extremes = torch.cat([local, -local]).to(self.device)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)
+        if not torch.equal(extremes[:local.numel()], -extremes[local.numel():]):
+            raise RuntimeError("deepspeed.zero.Init: the ranks initialised different parameter values; seed every "
+                               "rank the same (e.g. torch.manual_seed) before building the model under Init")
+
+    def _wrap(self, cls: type) -> None:
+        original = cls.__dict__.get("__init__")
+        if original is None or cls in self._originals:
+            return
+        self._originals[cls] = original
+        depth = self._depth
+
+        def init(module, *args, **kwargs):
+            key = id(module)
+            depth[key] = depth.get(key, 0) + 1
+            try:
+                original(module, *args, **kwargs)
+            finally:
+                depth[key] -= 1
+                outermost = depth[key] == 0
+                if outermost:
+                    del depth[key]
+            if outermost:
+                self.partition_module(module)
+
+        init.__wrapped__ = original
+        cls.__init__ = init
+
+    # ------------------------------------------------------------------ partitioning
+    def partition_module(self, module: torch.nn.Module) -> None:
+        """Partition every parameter of `module` not partitioned yet (a collective: every rank builds the same)."""
+        for param in module.parameters():
+            if not hasattr(param, "ds_shape"):
+                self._partition(param)
+
+    def _partition(self, param: torch.nn.Parameter) -> None:
+        value = param.data.to(self.device).contiguous()
+        if value.numel() > 0:
+            self._checksums.append((value.sum().item(), value.max().item()))
+        dtype = self.dtype if (self.dtype is not None and value.is_floating_point()) else value.dtype
+        lo, hi = _shard_range(value.numel(), self.rank, self.world_size)
+        shard = torch.zeros(shard_numel(value.numel(), self.world_size), dtype=dtype, device=self.device)
+        shard[:hi - lo].copy_(value.reshape(-1)[lo:hi])
+        param.data = torch.empty(0, dtype=dtype, device=self.device)
+        param.ds_tensor = shard
+        param.ds_shape = value.shape
+        param.ds_numel = value.numel()
+        param.ds_id = self._next_id
+        param.ds_status = ZeroParamStatus.NOT_AVAILABLE
+        param.ds_persist = False
+        param._ds_init_group = self.group
+        self._next_id += 1
+
+
+def init_partitioned_params(module: torch.nn.Module) -> Iterator[torch.nn.Parameter]:
+    """The parameters of `module` that hold zero.Init shards."""
+    return (p for p in module.parameters() if is_init_partitioned(p))

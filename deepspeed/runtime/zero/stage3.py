@@ -1,0 +1,128 @@
+"""DeepSpeedZeroOptimizer_Stage3: stage 2's optimizer with the lp weights partitioned too.
+
+Layouts, gradient reduction (reduce-scatter into the partition during backward), fp32 masters, the transactional
+step, Muon's whole-matrix owners and the checkpoint state are stage 2's (stage_1_and_2.py). What differs is where
+the lp weights live: each rank keeps only its lp partition of each group, and `ParamResidency`
+(param_residency.py) gathers a module's parameters around their use. After a step the masters are copied into the
+lp partition and nothing is all-gathered: the next forward gathers what it needs.
+"""
+
+from typing import Dict, List, Optional
+
+import torch
+
+import deepspeed.comm as dist
+from deepspeed.runtime.zero.init_partition import gather_init_shards, is_init_partitioned
+from deepspeed.runtime.zero.param_residency import ParamResidency, ResidencyOptions, ZeroParamStatus
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer, ZeroOptions
+
+
+class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (upstream's class name)
+    """ZeRO stage 3: partitioned lp weights, fp32 masters, optimizer state and gradients.
+
+    Args:
+        module: the model whose parameters are partitioned (its submodules get gather/release hooks).
+        init_optimizer, param_names, options, loss_scaler, dp_group, device: as DeepSpeedZeroOptimizer's.
+        residency_options: persistence threshold and prefetch size.
+    """
+
+    def __init__(self, module: torch.nn.Module, init_optimizer: torch.optim.Optimizer,
+                 param_names: Dict[torch.nn.Parameter, str], options: ZeroOptions, loss_scaler,
+                 dp_group=None, device: Optional[torch.device] = None,
+                 residency_options: Optional[ResidencyOptions] = None):
+        super().__init__(init_optimizer, param_names, options, loss_scaler, dp_group, device)
+        self._materialise_frozen(module)
+        keys = {param: param._zero_index for params in self.bit16_groups for param in params}
+        self.residency = ParamResidency(module, keys, self.layouts, self.fp16_partitioned_groups_flat, dp_group,
+                                        residency_options or ResidencyOptions())
+
+    def _flatten_lp_params(self) -> None:
+        """Copy this rank's fragments of every parameter into its lp partition (the only lp storage kept).
+
+        A parameter built under zero.Init holds only its construction shard: its value is gathered (every rank, one
+        parameter at a time, so no rank holds more than one whole parameter) and the shard is then dropped.
+        """
+        self.fp16_partitioned_groups_flat = []
+        for params, layout in zip(self.bit16_groups, self.layouts):
+            partition = torch.zeros(layout.partition_size, dtype=self.options.model_dtype, device=self.device)
+            base = layout.partition_range(self.dp_rank)[0]
+            fragments: Dict[int, list] = {}
+            for fragment in layout.fragments(self.dp_rank):
+                fragments.setdefault(fragment.param_index, []).append(fragment)
+            for index, param in enumerate(params):
+                if is_init_partitioned(param):
+                    self._check_init_group(param)
+                    source = gather_init_shards(param)
+                    param.ds_tensor = None
+                elif index in fragments:
+                    source = param.data.reshape(-1)
+                else:
+                    continue
+                for fragment in fragments.get(index, ()):
+                    start = fragment.flat_start - base
+                    partition[start:start + fragment.numel].copy_(
+                        source[fragment.param_start:fragment.param_start + fragment.numel])
+            self.fp16_partitioned_groups_flat.append(partition)
+        self.bit16_groups_flat = self.fp16_partitioned_groups_flat
+
+    def _check_init_group(self, param: torch.Tensor) -> None:
+        if dist.get_world_size(param._ds_init_group) != self.dp_world_size:
+            raise ValueError(f"a parameter was partitioned by deepspeed.zero.Init over "
+                             f"{dist.get_world_size(param._ds_init_group)} ranks, but the data-parallel group has "
+                             f"{self.dp_world_size}; build the model under Init with the same data_parallel_group")
+
+    def _materialise_frozen(self, module: torch.nn.Module) -> None:
+        """zero.Init parameters the optimizer does not train stay whole on every rank (as at stage 3 without Init)."""
+        for param in module.parameters():
+            if is_init_partitioned(param):
+                self._check_init_group(param)
+                value = gather_init_shards(param).view(param.ds_shape)
+                param.data = value.to(device=self.device, dtype=self.options.model_dtype
+                                      if value.is_floating_point() else value.dtype)
+                param.ds_tensor = None
+                param.ds_status = ZeroParamStatus.AVAILABLE
+                param.ds_persist = True
+
+    def _lp_partition(self, group: int) -> torch.Tensor:
+        return self.fp16_partitioned_groups_flat[group]
+
+    @property
+    def fp32_partitioned_groups_flat(self) -> List[torch.Tensor]:
+        return self.single_partition_of_fp32_groups
+
+    def _reducer_options(self):
+        options = super()._reducer_options()
+        options.partition_grads = True
+        options.overlap_comm = self.options.overlap_comm
+        return options
+
+    def backward_epilogue(self, is_boundary: bool) -> None:
+        super().backward_epilogue(is_boundary)
+        # Units whose parameters got no gradient in this backward are still gathered.
+        self.residency.release_all()
+        self.residency.end_of_forward_trace()
+
+    def update_lp_params(self) -> None:
+        """Copy the fp32 masters into this rank's lp partition; republish what stays gathered."""
+        for g in range(len(self.layouts)):
+            self.fp16_partitioned_groups_flat[g].copy_(self.single_partition_of_fp32_groups[g])
+        residency = getattr(self, "residency", None)
+        if residency is not None:
+            residency.refresh()
+
+    def set_full_hp_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """Write `value` into this rank's fragments of the masters and the lp partition (whole where gathered)."""
+        group, _ = self._check_param(param)
+        self._scatter_full(param, value, self.single_partition_of_fp32_groups[group])
+        lp = torch.zeros_like(self.single_partition_of_fp32_groups[group])
+        self._scatter_full(param, value, lp)
+        mask = torch.zeros_like(lp)
+        self._scatter_full(param, torch.ones(param.ds_numel), mask)
+        partition = self.fp16_partitioned_groups_flat[group]
+        partition.copy_(torch.where(mask > 0, lp.to(partition.dtype), partition))
+        if param.numel() == param.ds_numel:
+            param.data.copy_(value.detach().view(param.ds_shape))
+
+    def destroy(self) -> None:
+        super().destroy()
+        self.residency.remove_hooks()

@@ -1,0 +1,261 @@
+"""ZeRO stage 3: parity with single-process torch (AdamW, Muon), the overflow oracle, residency, bad configs."""
+
+import pytest
+import torch
+
+import deepspeed
+from deepspeed.runtime.config import DeepSpeedConfigError
+from deepspeed.runtime.zero.param_residency import ZeroParamStatus
+from unit.common import DistributedTest
+from unit.runtime.engine_harness import (fp32_masters, global_batches, initialize, make_config, make_model,
+                                         reference_adamw, relative_error, train_steps)
+from unit.runtime.zero.test_muon_zero import HIDDEN, TinyNet, muon_config, reference_muon
+
+# Every test parameter is partitioned unless a test says otherwise (upstream's default keeps small ones whole).
+PARTITION_ALL = {"stage": 3, "stage3_param_persistence_threshold": 0}
+# fp32 differs from the reference only in summation order (an average over 3 ranks rounds: ~1e-6 relative at
+# step 0 on a bias); the 16-bit bounds are test_engine_parity's. A wrong reduction is off by 10% or more.
+TOLERANCE = {"fp32": 5e-6, "fp16": 3e-3, "bf16": 2e-2}
+
+
+def stage3(config, **zero):
+    config["zero_optimization"] = {**PARTITION_ALL, **zero}
+    return config
+
+
+def lp_partitions(engine):
+    return [t.clone() for t in engine.optimizer.fp16_partitioned_groups_flat]
+
+
+class TestStage3AdamWParity(DistributedTest):
+    world_size = [2, 3]
+
+    @pytest.mark.parametrize("dtype,gas", [("fp32", 1), ("fp32", 2), ("fp16", 1), ("bf16", 2)])
+    def test_matches_single_process_adamw(self, dtype, gas):
+        import deepspeed.comm as dist
+        micro = 4
+        model = make_model(HIDDEN, nlayers=3)
+        batches = global_batches(6, micro * gas * dist.get_world_size(), HIDDEN)
+        reference = reference_adamw(model, batches, dtype=dtype, clip=0.5)
+        config = stage3(make_config(3, dtype, micro=micro, gas=gas, clip=0.5))
+        if dtype == "fp16":
+            config["fp16"]["initial_scale_power"] = 4
+        engine, _ = initialize(model, config)
+        for step, batch in enumerate(batches):
+            train_steps(engine, [batch], dtype)
+            assert engine.was_step_applied(), f"step {step} was skipped"
+            for index, (got, want) in enumerate(zip(fp32_masters(engine), reference[step + 1])):
+                start = reference[0][index]
+                error = relative_error(got - start, want - start)
+                assert error <= TOLERANCE[dtype], f"step {step} param {index}: relative error {error:.2e}"
+        # Between steps every partitioned parameter is an empty placeholder.
+        for param in engine.module.parameters():
+            assert param.ds_status == ZeroParamStatus.NOT_AVAILABLE and param.numel() == 0
+            assert param.ds_numel == param.ds_shape.numel() > 0
+
+
+class TestStage3MuonParity(DistributedTest):
+    world_size = [2, 3]
+
+    @pytest.mark.parametrize("reduce_scatter,gas", [(True, 1), (False, 2)])
+    def test_fp32_update_equals_reference(self, reduce_scatter, gas):
+        torch.manual_seed(0)
+        model = TinyNet()
+        batches = global_batches(4, 16 * gas * 3, HIDDEN)
+        import deepspeed.comm as dist
+        micro = 16 * 3 // dist.get_world_size()
+        config = stage3(muon_config(3, micro=micro, gas=gas), reduce_scatter=reduce_scatter)
+        reference = reference_muon(model, batches, config["optimizer"]["params"])
+        engine, _, _, _ = deepspeed.initialize(model=model, config=config)
+        for step, batch in enumerate(batches):
+            train_steps(engine, [batch], "fp32")
+            for index, (got, want) in enumerate(zip(fp32_masters(engine), reference[step + 1])):
+                start = reference[0][index]
+                error = relative_error(got - start, want - start)
+                assert error <= 1e-5, f"step {step} param {index}: relative error {error:.2e}"
+        # Each matrix has one owner, which alone holds its fp32 momentum.
+        basic = engine.optimizer.optimizer
+        held = [p.numel() for group in basic.param_groups if group.get("use_muon") for p in group["params"]
+                if "momentum_buffer" in basic.state.get(p, {})]
+        total = torch.tensor([sum(held)])
+        dist.all_reduce(total)
+        matrices = sum(p.ds_numel for p in model.parameters() if len(p.ds_shape) >= 2)
+        assert total.item() == matrices
+
+    @pytest.mark.world_size(2)
+    @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+    def test_low_precision_update_tracks_reference(self, dtype):
+        torch.manual_seed(0)
+        model = TinyNet()
+        batches = global_batches(4, 32, HIDDEN)
+        config = stage3(muon_config(3, dtype, micro=16))
+        scale = 2.0**16 if dtype == "fp16" else 1.0
+        reference = reference_muon(model, batches, config["optimizer"]["params"], dtype=dtype, loss_scale=scale)
+        engine, _, _, _ = deepspeed.initialize(model=model, config=config)
+        train_steps(engine, batches, dtype)
+        assert engine.skipped_steps == 0
+        for got, want, start in zip(fp32_masters(engine), reference[-1], reference[0]):
+            assert relative_error(got - start, want - start) <= {"fp16": 1e-2, "bf16": 8e-2}[dtype]
+
+
+def _snapshot(engine):
+    steps = [state["step"].cpu().clone() for state in engine.optimizer.optimizer.state.values() if "step" in state]
+    states = []
+    for param in engine.module.parameters():
+        for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+            try:
+                states.append(deepspeed.utils.safe_get_full_optimizer_state(param, key).clone())
+            except ValueError:
+                continue
+    return {"masters": fp32_masters(engine), "lp": lp_partitions(engine), "states": states, "steps": steps}
+
+
+class TestStage3OverflowOracle(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("optimizer,dtype", [("adamw", "fp16"), ("adamw", "bf16"), ("muon", "fp16")])
+    def test_skipped_step_equals_never_taking_it(self, optimizer, dtype):
+        k = 2
+        if optimizer == "muon":
+            config = stage3(muon_config(3, dtype, micro=8))
+            config["fp16"]["initial_scale_power"] = 8
+            new_model = TinyNet
+        else:
+            config = stage3(make_config(3, dtype, micro=4))
+            new_model = lambda: make_model(HIDDEN, nlayers=2)  # noqa: E731
+        if dtype == "bf16":
+            config["bf16"]["check_grad_overflow"] = True
+        batches = global_batches(k + 2, 2 * config["train_micro_batch_size_per_gpu"], HIDDEN)
+
+        def build():
+            torch.manual_seed(0)
+            return deepspeed.initialize(model=new_model(), config=config)[0]
+
+        poisoned = build()
+        for step, batch in enumerate(batches):
+            train_steps(poisoned, [batch], dtype, loss_multipliers={0: float("inf")} if step == k else None)
+            assert poisoned.was_step_applied() == (step != k)
+            if step == k:
+                after_skip = _snapshot(poisoned)
+        assert poisoned.skipped_steps == 1
+        clean = build()
+        train_steps(clean, batches[:k], dtype)
+        never_taken = _snapshot(clean)
+        assert len(after_skip["states"]) > 0
+        for name in after_skip:
+            for a, b in zip(after_skip[name], never_taken[name], strict=True):
+                assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+class TestStage3Residency(DistributedTest):
+    world_size = 2
+
+    def test_small_params_persist_and_stay_current(self):
+        model = make_model(HIDDEN, nlayers=2)
+        config = make_config(3, "fp32", micro=4)
+        config["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": HIDDEN + 1}
+        engine, _ = initialize(model, config)
+        train_steps(engine, global_batches(2, 8, HIDDEN), "fp32")
+        for name, param in engine.module.named_parameters():
+            if name.endswith("bias"):
+                assert param.ds_persist and param.ds_status == ZeroParamStatus.AVAILABLE
+                assert torch.equal(param.detach().float(), fp32_masters_of(param))
+            else:
+                assert not param.ds_persist and param.numel() == 0
+
+
+def fp32_masters_of(param):
+    return deepspeed.utils.safe_get_full_fp32_param(param)
+
+
+@pytest.mark.parametrize("key,value", [
+    ("zero_hpz_partition_size", 2),
+    ("zero_quantized_weights", True),
+    ("mics_shard_size", 2),
+    ("offload_param", {"device": "cpu"}),
+])
+class TestStage3BadConfigs(DistributedTest):
+    world_size = 1
+
+    def test_refused_with_the_key(self, key, value):
+        config = make_config(3, "fp32")
+        config["zero_optimization"][key] = value
+        with pytest.raises(DeepSpeedConfigError, match=f"zero_optimization.{key}"):
+            initialize(make_model(HIDDEN), config)
+
+
+class TestStage3Checkpoint(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("optimizer,dtype", [("adamw", "fp16"), ("adamw", "bf16"), ("muon", "fp16"),
+                                                 ("muon", "bf16")])
+    def test_resume_equals_uninterrupted(self, tmpdir, optimizer, dtype):
+        import os
+
+        import deepspeed.comm as dist
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        from unit.checkpoint.resume_harness import (assert_identical, batches_for, checkpoint_config, full_snapshot,
+                                                    new_engine, train)
+        k, n = 3, 3
+        directory = os.path.join(str(tmpdir), "ckpt")
+        directory = [directory]
+        dist.broadcast_object_list(directory, src=0)
+        directory = directory[0]
+        config = stage3(checkpoint_config(3, dtype, optimizer, gas=2))
+
+        def snapshot(engine):
+            return {**full_snapshot(engine), "lp": lp_partitions(engine)}
+
+        engine = new_engine(config, seed=0)
+        batches = batches_for(engine, k + n)
+        train(engine, batches[:k], dtype, poison_steps=(k - 1, ))
+        engine.save_checkpoint(directory)
+        at_save = snapshot(engine)
+        losses = train(engine, batches[k:], dtype, poison_steps=(1, ))
+        final = snapshot(engine)
+
+        tag_dir = os.path.join(directory, f"global_step{k}")
+        assert sorted(name for name in os.listdir(tag_dir) if "model_states" in name) == [
+            f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(2)]
+        resumed = new_engine(config, seed=1)
+        load_path, _ = resumed.load_checkpoint(directory)
+        assert load_path == os.path.join(tag_dir, f"zero_pp_rank_{dist.get_rank()}_mp_rank_00_model_states.pt")
+        assert_identical(snapshot(resumed), at_save, "after load")
+        assert train(resumed, batches[k:], dtype, poison_steps=(1, )) == losses
+        assert_identical(snapshot(resumed), final, "after more steps")
+
+        consolidated = get_fp32_state_dict_from_zero_checkpoint(directory)
+        for (name, value), master in zip(consolidated.items(), at_save["masters"], strict=True):
+            assert torch.equal(value, master), name
+
+
+class TestStage3GatherAndSave(DistributedTest):
+    world_size = 2
+
+    def test_gathered_parameters_and_save_16bit_model(self, tmpdir):
+        import os
+
+        import deepspeed.comm as dist
+        config = stage3(make_config(3, "bf16", micro=4), stage3_gather_16bit_weights_on_model_save=True)
+        engine, _ = initialize(make_model(HIDDEN, nlayers=2), config)
+        train_steps(engine, global_batches(2, 8, HIDDEN), "bf16")
+        weight = engine.module.linears[0].weight
+        with deepspeed.zero.GatheredParameters([weight]):
+            assert weight.shape == weight.ds_shape
+            assert torch.equal(weight.float(), fp32_masters_of(weight).to(torch.bfloat16).float())
+            before = fp32_masters_of(weight)
+            weight.data.fill_(1.0)  # no modifier_rank: discarded
+        assert weight.numel() == 0
+        assert torch.equal(fp32_masters_of(weight), before)
+        with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
+            if dist.get_rank() == 0:
+                weight.data.fill_(0.5)
+        assert torch.equal(fp32_masters_of(weight), torch.full(tuple(weight.ds_shape), 0.5))
+
+        directory = [os.path.join(str(tmpdir), "model")]
+        dist.broadcast_object_list(directory, src=0)
+        assert engine.save_16bit_model(directory[0]) is True
+        if dist.get_rank() == 0:
+            saved = torch.load(os.path.join(directory[0], "pytorch_model.bin"), weights_only=True)
+            assert saved["linears.0.weight"].dtype == torch.bfloat16
+            assert torch.equal(saved["linears.0.weight"], torch.full((HIDDEN, HIDDEN), 0.5, dtype=torch.bfloat16))

@@ -1,0 +1,147 @@
+"""deepspeed.zero.Init: what each rank allocates while building a model, and training parity with a normal build."""
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import deepspeed
+import deepspeed.comm as dist
+from deepspeed.runtime.zero.param_residency import ZeroParamStatus
+from unit.common import DistributedTest
+from unit.runtime.engine_harness import fp32_masters, global_batches, make_config, train_steps
+from unit.runtime.zero.test_muon_zero import HIDDEN, TinyNet, muon_config
+from unit.simple_model import SimpleModel
+
+LAYERS = 8
+WIDTH = 64
+
+
+class Stack(torch.nn.Module):
+    """LAYERS equal Linear(WIDTH, WIDTH) layers: the largest module is 1/LAYERS of the model."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+
+
+def live_bytes(build):
+    """Run `build()` under the CPU allocator's profiler; returns (peak, retained) bytes it allocated, and its result.
+
+    Every allocation and free the CPU allocator sees is an event with a signed size; their running sum in time order
+    is the memory the build holds at each moment.
+    """
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = build()
+    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage != 0), key=lambda e: e.time_range.start)
+    running, peak = 0, 0
+    for event in events:
+        running += event.self_cpu_memory_usage
+        peak = max(peak, running)
+    return peak, running, result
+
+
+class TestInitAllocates1OverN(DistributedTest):
+    world_size = [2, 3]
+
+    def test_each_rank_holds_its_share(self):
+        world_size = dist.get_world_size()
+        model_bytes = LAYERS * (WIDTH * WIDTH + WIDTH) * 4
+        layer_bytes = model_bytes // LAYERS
+        torch.manual_seed(0)
+        whole_peak, whole, _ = live_bytes(Stack)
+        assert abs(whole - model_bytes) <= 0.05 * model_bytes, (whole, model_bytes)
+
+        def build():
+            with deepspeed.zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3}}):
+                return Stack()
+
+        peak, retained, model = live_bytes(build)
+        # What stays: each parameter's shard (ceil(numel / N) elements, so padding of < N elements each).
+        share = model_bytes / world_size
+        assert share <= retained <= share * 1.05, (retained, share)
+        # While building, one layer is whole at a time (besides its shard).
+        assert peak <= share * 1.05 + 2 * layer_bytes, (peak, share, layer_bytes)
+        assert peak < whole_peak / world_size + 2 * layer_bytes
+        for index, param in enumerate(model.parameters()):
+            assert param.numel() == 0 and param.ds_status == ZeroParamStatus.NOT_AVAILABLE
+            assert param.ds_id == index and param.ds_numel == param.ds_shape.numel()
+            assert param.ds_tensor.numel() == -(-param.ds_numel // world_size)
+
+
+def build(model_class, under_init, config, *args):
+    torch.manual_seed(0)
+    if not under_init:
+        return model_class(*args)
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        return model_class(*args)
+
+
+class TestInitParity(DistributedTest):
+    """A model built under zero.Init trains bit for bit like the same model built normally (same seed)."""
+    world_size = [2, 3]
+
+    @pytest.mark.parametrize("optimizer,dtype", [("adamw", "bf16"), ("adamw", "fp16"), ("muon", "fp32")])
+    def test_same_masters_and_losses(self, optimizer, dtype):
+        if optimizer == "muon":
+            config = muon_config(3, dtype, micro=8)
+            args = (TinyNet, )
+        else:
+            config = make_config(3, dtype, micro=4)
+            args = (SimpleModel, HIDDEN)
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = HIDDEN + 1
+        batches = global_batches(3, config["train_micro_batch_size_per_gpu"] * dist.get_world_size(), HIDDEN)
+        results = []
+        for under_init in (False, True):
+            model = build(args[0], under_init, config, *args[1:])
+            engine = deepspeed.initialize(model=model, config=config)[0]
+            if optimizer == "muon":
+                tags = {name: p.use_muon for name, p in engine.module.named_parameters()}
+                assert tags == {name: name.endswith("weight") for name in tags}, tags
+            losses = train_steps(engine, batches, dtype)
+            results.append((losses, fp32_masters(engine)))
+        (losses, masters), (init_losses, init_masters) = results
+        assert init_losses == losses
+        for got, want in zip(init_masters, masters, strict=True):
+            assert torch.equal(got, want)
+
+
+class Reinitialised(torch.nn.Module):
+    """A parent that overwrites its child's weights after building it (nanoGPT's `self.apply(init_fn)`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(HIDDEN, HIDDEN)
+        with deepspeed.zero.GatheredParameters(list(self.fc.parameters()), modifier_rank=0):
+            torch.nn.init.normal_(self.fc.weight, std=0.02)
+            torch.nn.init.zeros_(self.fc.bias)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.fc(x), y)
+
+
+class TestInitUsage(DistributedTest):
+    world_size = 2
+
+    def test_gathered_parameters_during_construction_and_decorator(self):
+        config = make_config(3, "fp32")
+        reference = build(Reinitialised, False, config)
+
+        @deepspeed.zero.Init(config_dict_or_path=config)
+        def make():
+            torch.manual_seed(0)
+            return Reinitialised()
+
+        model = make()
+        assert model.fc.weight.numel() == 0
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+                assert torch.equal(got, want)
+        assert model.fc.weight.numel() == 0
+        # Outside the context, modules are built whole again.
+        assert torch.nn.Linear(2, 2).weight.numel() == 4
+
+    def test_needs_stage_3(self):
+        with deepspeed.zero.Init():
+            model = SimpleModel(HIDDEN)
+        with pytest.raises(ValueError, match="needs zero_optimization.stage 3"):
+            deepspeed.initialize(model=model, config=make_config(2, "fp32"))
