@@ -102,8 +102,12 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (upst
         self.residency.release_all()
         self.residency.end_of_forward_trace()
 
-    def update_lp_params(self) -> None:
-        """Copy the fp32 masters into this rank's lp partition; republish what stays gathered."""
+    def _publish(self, is_written: bool) -> None:
+        """Copy the fp32 masters into this rank's lp partition; republish what stays gathered.
+
+        Nothing is all-gathered here: the module hooks gather before use. (`is_written` is the offloaded step's;
+        optimizer offload is refused at stage 3, so the masters are always copied.)
+        """
         for g in range(len(self.layouts)):
             self.fp16_partitioned_groups_flat[g].copy_(self.single_partition_of_fp32_groups[g])
         residency = getattr(self, "residency", None)
