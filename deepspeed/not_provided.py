@@ -83,7 +83,7 @@ COMM_BACKEND = ("deepspeed.comm runs on torch.distributed's default process grou
 LAUNCHER_ENV = ("MPI, AzureML, AWS SageMaker and DLTS environment discovery are not implemented; launch with the "
                 "deepspeed launcher or torchrun, which set RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT")
 UNIVERSAL_CHECKPOINT = ("upstream's checkpoint classes, reshaping tools and key constants are not provided; "
-                        "engine.load_checkpoint regroups a checkpoint to any world size and ZeRO stage 0-2, "
+                        "engine.load_checkpoint regroups a checkpoint to any world size and ZeRO stage 0-3, "
                         "python -m deepspeed.checkpoint.ds_to_universal writes the universal form, and "
                         "deepspeed.utils.zero_to_fp32 consolidates the weights (docs/checkpoints.md)")
 QUANTIZATION = "DeepSpeed's quantization kernels are not implemented"

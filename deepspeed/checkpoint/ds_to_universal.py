@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Convert a ZeRO checkpoint (stages 0-2, saved at any world size) to the universal form: one file per parameter
+"""Convert a ZeRO checkpoint (stages 0-3, saved at any world size) to the universal form: one file per parameter
 for the fp32 master and for each optimizer-state tensor (Adam's moments and step, Muon's momentum).
 
 Usage (upstream's command and arguments):
@@ -16,8 +16,7 @@ from typing import List, Optional
 
 from deepspeed.checkpoint.full_state import is_universal, read_rank_files, write_universal
 from deepspeed.runtime.checkpoint_files import (LATEST_UNIVERSAL_FILE, CheckpointError, atomic_write_text,
-                                                find_model_file,
-                                                load_file)
+                                                find_model_file, load_file, missing_files)
 
 
 def convert(input_folder: str, output_folder: str) -> str:
@@ -41,6 +40,10 @@ def convert(input_folder: str, output_folder: str) -> str:
         raise CheckpointError(f"checkpoint file {model_path} belongs to a universal checkpoint already")
     if os.path.abspath(input_folder) == os.path.abspath(output_folder):
         raise CheckpointError(f"--output_folder must differ from --input_folder ({input_folder})")
+    missing = missing_files(input_folder, model_state)
+    if missing:
+        raise CheckpointError(f"checkpoint {input_folder} is incomplete and is not converted; missing files: "
+                              f"{missing}")
     full, rng_states = read_rank_files(input_folder, model_state)
     write_universal(output_folder, model_state, full, rng_states, source=os.path.basename(input_folder))
     parent = os.path.dirname(os.path.abspath(output_folder))

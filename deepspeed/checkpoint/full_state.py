@@ -12,7 +12,7 @@ partitions. The universal form is what `python -m deepspeed.checkpoint.ds_to_uni
         zero/<name>/<key>.pt          {"param": optimizer state <key>}: exp_avg, exp_avg_sq, step, momentum_buffer, ...
     <dir>/latest_universal            "<tag>_universal"
 
-Either form loads at any world size and ZeRO stage 0-2 (runtime/checkpoint_io.py); zero/regroup.py cuts the
+Either form loads at any world size and ZeRO stage 0-3 (runtime/checkpoint_io.py); zero/regroup.py cuts the
 whole tensors for each rank. Reading the universal form reads only the parameters a rank needs.
 """
 

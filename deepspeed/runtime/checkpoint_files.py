@@ -6,7 +6,7 @@ runtime/checkpoint_io.py's; the per-parameter (universal) form is deepspeed/chec
 
 import os
 from collections import OrderedDict
-from typing import Iterable
+from typing import Iterable, List
 
 import torch
 
@@ -33,6 +33,15 @@ def find_model_file(tag_dir: str, dp_rank: int = 0) -> str:
         if os.path.isfile(os.path.join(tag_dir, name)):
             return os.path.join(tag_dir, name)
     return os.path.join(tag_dir, MODEL_FILE)
+
+
+def missing_files(tag_dir: str, model_state: dict) -> List[str]:
+    """The files a checkpoint's model file lists that `tag_dir` lacks: every optimizer file and, for a stage-3
+    checkpoint in the ZeRO form, every rank's model file."""
+    names = list(model_state.get("optimizer_files", []))
+    if model_state.get("zero_stage") == 3 and UNIVERSAL_CHECKPOINT_INFO not in model_state:
+        names += [model_file_name(3, rank) for rank in range(int(model_state.get("dp_world_size", 0)))]
+    return [name for name in names if not os.path.isfile(os.path.join(tag_dir, name))]
 
 
 def optim_file_name(dp_rank: int, bf16: bool) -> str:

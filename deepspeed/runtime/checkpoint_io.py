@@ -9,7 +9,7 @@ agreement rank 0 replaces `latest`. A save that fails while writing leaves no fi
 `latest` as it was. A load is one too: every rank reads and validates what it needs, the ranks agree, and
 only then is the engine changed. A failure on one rank is raised on every rank, never left as a hang.
 Files hold plain data and tensors only and are read with torch.load(weights_only=True), so loading runs
-no pickled code. A checkpoint of another data-parallel world size or ZeRO stage (0-2), or in the universal
+no pickled code. A checkpoint of another data-parallel world size or ZeRO stage (0-3), or in the universal
 form (deepspeed/checkpoint/full_state.py), is regrouped into the dict this rank would have saved
 (zero/partition_state.py) and then loads like one of its own. docs/checkpoints.md describes the format and
 where it differs from upstream.
@@ -29,8 +29,8 @@ from deepspeed.checkpoint.full_state import ZERO_DIR, is_universal, read_rank_fi
 from deepspeed.git_version_info import version
 from deepspeed.runtime.checkpoint_files import (LATEST_FILE, LATEST_UNIVERSAL_FILE, UNIVERSAL_CHECKPOINT_INFO,
                                                 CheckpointError, atomic_write_text, check_plain, discard,
-                                                find_model_file, load_file, model_file_name, optim_file_name,
-                                                temporary_name, write_file)
+                                                find_model_file, load_file, missing_files, model_file_name,
+                                                optim_file_name, temporary_name, write_file)
 from deepspeed.runtime.zero.partition_state import needed_params_by_group, rank_state_from_full, validate_zero_state
 from deepspeed.runtime.zero.stage_1_and_2 import full_shape
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
@@ -38,7 +38,7 @@ from deepspeed.utils.logging import logger
 
 CHECKPOINT_FORMAT = 1
 # Stages whose optimizer state regroups to another world size or into each other.
-REGROUPABLE_STAGES = (0, 1, 2)
+REGROUPABLE_STAGES = (0, 1, 2, 3)
 # Keys of the model file that belong to DeepSpeed; client_state may not use them.
 RESERVED_KEYS = frozenset({
     "format", "module", "buffer_names", "optimizer", "param_shapes", "shared_params", "lr_scheduler",
@@ -342,7 +342,7 @@ def save_16bit_model(engine, save_dir, save_filename: str, exclude_frozen_parame
 def _check_model_file(engine, state: dict, path: str, load_optimizer: bool) -> None:
     """Refuse a model file that is not ours, or whose optimizer state cannot be loaded into this engine.
 
-    Another data-parallel world size or ZeRO stage (0, 1, 2) is regrouped; another precision is refused (the
+    Another data-parallel world size or ZeRO stage (0-3) is regrouped; another precision is refused (the
     loss scaler's state and the lp weights belong to it).
     """
     required = ("format", "module", "dp_world_size", "zero_stage", "precision", "param_shapes", "optimizer_files",
@@ -361,13 +361,13 @@ def _check_model_file(engine, state: dict, path: str, load_optimizer: bool) -> N
                                        f"but the current world size is {engine.dp_world_size}. Automatic adjustment "
                                        "of ZeRO's optimizer state partitioning with a new world size is not currently "
                                        f"supported. (checkpoint file {path}: zero_optimization.stage "
-                                       f"{state['zero_stage']}; stages 0, 1 and 2 regroup to any world size; load "
+                                       f"{state['zero_stage']}; stages 0 to 3 regroup to any world size; load "
                                        "with load_optimizer_states=False or load_module_only=True to take only the "
                                        "weights)")
         if state["zero_stage"] != engine.zero_optimization_stage():
             raise CheckpointError(f"checkpoint file {path}: saved with zero_optimization.stage {state['zero_stage']}, "
-                                  f"this engine uses stage {engine.zero_optimization_stage()}; only stages 0, 1 and "
-                                  "2 regroup into each other; load with load_optimizer_states=False or "
+                                  f"this engine uses stage {engine.zero_optimization_stage()}; only stages 0 to 3 "
+                                  "regroup into each other; load with load_optimizer_states=False or "
                                   "load_module_only=True to take only the weights")
     if state["precision"] != _precision(engine):
         raise CheckpointError(f"checkpoint file {path}: saved in {state['precision']}, this engine trains in "
@@ -386,7 +386,7 @@ def _check_param_names(engine, state: dict, path: str) -> None:
 
 def _check_files_present(tag_dir: str, state: dict) -> None:
     """A tag is trusted only when every file its model file lists exists (a save may have been cut short)."""
-    missing = [name for name in state["optimizer_files"] if not os.path.isfile(os.path.join(tag_dir, name))]
+    missing = missing_files(tag_dir, state)
     if missing:
         raise CheckpointError(f"checkpoint {tag_dir} is incomplete and is not loaded; missing files: {missing}")
 
@@ -397,13 +397,39 @@ def _partitioned_names(engine) -> frozenset:
                      if not getattr(param, "ds_persist", True))
 
 
+def _saved_placeholders(engine, saved) -> frozenset:
+    """Names of the parameters that a stage-3 save partitioned: empty in the saved module state, not empty here.
+    Their values are in the optimizer files' fp32 masters."""
+    if not isinstance(saved, dict):
+        return frozenset()
+    shapes = {name: full_shape(param) for name, param in engine.module.named_parameters(remove_duplicate=False)}
+    return frozenset(name for name, value in saved.items()
+                     if name in shapes and torch.is_tensor(value) and value.numel() == 0 and shapes[name].numel())
+
+
+def _masters_restore(engine, saved) -> frozenset:
+    """Parameters whose saved module value is not loaded: the fp32 masters restore them (partitioned here, or by
+    the stage-3 run that saved)."""
+    return _partitioned_names(engine) | _saved_placeholders(engine, saved)
+
+
 def _loadable_module_state(engine, saved):
     """The saved module state without the stage-3 partitioned parameters (placeholders, or another stage's whole
     values, which the fp32 masters restore)."""
-    skip = _partitioned_names(engine)
+    skip = _masters_restore(engine, saved)
     if not skip or not isinstance(saved, dict):
         return saved
     return {name: value for name, value in saved.items() if name not in skip}
+
+
+def _check_placeholders_restored(engine, saved, path: str, load_optimizer: bool) -> None:
+    """Without the optimizer state, a parameter that a stage-3 save partitioned has no value to load."""
+    lost = sorted(_saved_placeholders(engine, saved) - _partitioned_names(engine))
+    if lost and not load_optimizer:
+        raise CheckpointError(f"checkpoint file {path}: saved by ZeRO stage 3, which kept only placeholders of "
+                              f"{lost} in the model file (their values are the optimizer files' fp32 masters); "
+                              "load with the optimizer states, or consolidate the weights with "
+                              "deepspeed.utils.zero_to_fp32")
 
 
 def _check_module(module: torch.nn.Module, saved: dict, path: str, strict: bool,
@@ -442,8 +468,9 @@ def _prepare_load(engine, tag_dir: str, load_module_strict: bool, load_optimizer
     _check_model_file(engine, model_state, model_path, load_optimizer)
     _check_files_present(tag_dir, model_state)
     if custom_load_fn is None:
+        _check_placeholders_restored(engine, model_state["module"], model_path, load_optimizer)
         _check_module(engine.module, _loadable_module_state(engine, model_state["module"]), model_path,
-                      load_module_strict, skip=_partitioned_names(engine))
+                      load_module_strict, skip=_masters_restore(engine, model_state["module"]))
     plan = _LoadPlan(model_path, model_state)
     if not load_optimizer:
         return plan
@@ -508,8 +535,8 @@ def _apply_load(engine, plan: _LoadPlan, load_module_strict: bool, load_lr_sched
                                       f"{type(engine.lr_scheduler).__name__}: {exc}") from exc
         if custom_load_fn is not None:
             custom_load_fn(src=state["module"], dst=engine.module)
-        elif _partitioned_names(engine):
-            # _check_module applied the strictness to everything but the partitioned parameters.
+        elif _masters_restore(engine, state["module"]):
+            # _check_module applied the strictness to everything but the parameters the masters restore.
             engine.module.load_state_dict(_loadable_module_state(engine, state["module"]), strict=False)
         else:
             engine.module.load_state_dict(state["module"], strict=load_module_strict)
@@ -541,7 +568,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_module_strict: bool = True,
         (load_path, client_state): the model-states file read and the `client_state` given to
         save_checkpoint; (None, None) when `tag` is None and there is no `latest` file.
 
-    A checkpoint saved at another data-parallel world size or ZeRO stage (0, 1, 2), or converted to the universal
+    A checkpoint saved at another data-parallel world size or ZeRO stage (0-3), or converted to the universal
     form (deepspeed.checkpoint.ds_to_universal), is regrouped for this engine's layout: masters and optimizer state
     come back exactly. With checkpoint.load_universal, `tag=None` reads `latest_universal` instead of `latest`.
 

@@ -22,6 +22,7 @@ from deepspeed.runtime.zero.flat_layout import GroupLayout
 from deepspeed.runtime.zero.muon.per_head import head_count
 from deepspeed.runtime.zero.regroup import (ParamState, basic_param_indices, full_group_state, full_params,
                                             group_state_for_rank, needed_params, partition_of)
+from deepspeed.runtime.zero.stage_1_and_2 import full_shape
 
 ZERO_STATE_FORMAT = 1
 _REQUIRED_KEYS = ("format", "zero_stage", "dp_world_size", "dp_rank", "layouts", "single_partition_of_fp32_groups",
@@ -286,9 +287,9 @@ def _check_rank_state(state: dict, path: str, rank: int, count: int, first: dict
         if saved != expected:
             raise ValueError(f"checkpoint file {path}: {what} is {saved}, expected {expected} (the files of one "
                              "checkpoint disagree)")
-    if state["zero_stage"] not in (0, 1, 2):
+    if state["zero_stage"] not in (0, 1, 2, 3):
         raise ValueError(f"checkpoint file {path}: zero_optimization.stage {state['zero_stage']} cannot be regrouped "
-                         "(stages 0, 1 and 2 can)")
+                         "(stages 0 to 3 can)")
     base = state["base_optimizer_state"]
     if not isinstance(base, dict) or not isinstance(base.get("param_groups"), list) \
             or not isinstance(base.get("state"), dict) or len(base["param_groups"]) != len(state["layouts"]):
@@ -334,7 +335,8 @@ def rank_state_from_full(optimizer, full: FullZeroState) -> dict:
                          f"{len(optimizer.layouts)}")
     masters, states, param_groups, next_id = [], {}, [], 0
     for g, (group, layout, params) in enumerate(zip(full.groups, optimizer.layouts, optimizer.bit16_groups)):
-        shapes = [p.shape for p in params]
+        # full_shape: a stage-3 parameter's `data` may be a placeholder.
+        shapes = [full_shape(p) for p in params]
         if group.shapes != shapes:
             raise ValueError(f"parameter shapes of group {g} differ: saved {group.shapes}, current {shapes}")
         rank = optimizer.dp_rank if layout.num_partitions > 1 else 0

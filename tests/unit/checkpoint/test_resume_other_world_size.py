@@ -1,13 +1,14 @@
-"""Resume at another world size or ZeRO stage: a checkpoint saved by N ranks loads into M ranks (M != N, 1 included)
-with every fp32 master and every optimizer-state tensor (Adam moments and step, Muon momentum) equal bit for bit to
-the saved one, gathered; loss scaler, LR scheduler and counters as saved. Its universal (per-parameter) form loads to
-the same state.
+"""Resume at another world size or ZeRO stage (0-3): a checkpoint saved by N ranks loads into M ranks (M != N, 1
+included) with every fp32 master and every optimizer-state tensor (Adam moments and step, Muon momentum) equal bit for
+bit to the saved one, gathered; loss scaler, LR scheduler and counters as saved. Its universal (per-parameter) form
+loads to the same state.
 
 Continued training is checked against an oracle at the new world size: a fresh engine given the saved state through
 the public setters (safe_set_full_fp32_param / safe_set_full_optimizer_state, the scaler's and scheduler's
 load_state_dict), which share no code with the checkpoint's regrouping. Both engines then hold the same bits and
 take the same steps on the same data in the same process group, so the tolerance is zero: losses and every tensor
-after the steps are compared for equality (a skipped fp16/bf16 step included).
+after the steps are compared for equality (a skipped fp16/bf16 step included). At stage 3 the weights compared are
+gathered from the partitions.
 """
 
 import os
@@ -21,7 +22,7 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.checkpoint.ds_to_universal import convert
 from deepspeed.runtime.checkpoint_io import CheckpointError
-from deepspeed.runtime.zero.utils import ZeRORuntimeException
+from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 from unit.checkpoint.resume_harness import (HIDDEN, MICRO, assert_identical, checkpoint_config, full_snapshot,
                                             new_engine, state_keys, train)
@@ -30,17 +31,38 @@ from unit.runtime.engine_harness import global_batches
 
 K, N = 3, 3
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, os.pardir))
-# (stage, optimizer, dtype) saved at 2 ranks -> the stages each is loaded into. Stage changes: 1 <-> 2, 0 -> 2, 2 -> 0.
+# (stage, optimizer, dtype) saved at 2 ranks -> the stages each is loaded into. Stage changes: 1 <-> 2, 0 -> 2, 2 -> 0,
+# 3 <-> 2, 3 <-> 1.
 SAVED_AT_TWO = {
-    (1, "adamw", "fp16"): (1, 2),
-    (2, "muon", "bf16"): (2, 1, 0),
+    (1, "adamw", "fp16"): (1, 2, 3),
+    (2, "muon", "bf16"): (2, 1, 0, 3),
     (2, "adamw", "bf16"): (2, ),
+    (3, "muon", "bf16"): (3, 2),
+    (3, "adamw", "fp16"): (3, 1),
     (1, "muon", "fp16"): (1, ),
     (0, "muon", "fp16"): (2, ),
     (2, "muon", "fp32"): (2, ),
 }
 # Saved at 1 and at 3 ranks, loaded at 2.
 SAVED_ELSEWHERE = {(2, "muon", "bf16"): (2, 0), (1, "adamw", "fp16"): (2, )}
+
+
+def _config(stage, dtype, optimizer):
+    config = checkpoint_config(stage, dtype, optimizer)
+    if stage == 3:
+        # The weight matrices (256 elements) are partitioned, the biases (16) stay whole on every rank.
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 100
+    return config
+
+
+def _snapshot(engine):
+    """full_snapshot with stage 3's partitioned weights gathered (a collective)."""
+    snapshot = full_snapshot(engine)
+    if engine.zero_optimization_stage() == 3:
+        params = list(engine.module.parameters())
+        with GatheredParameters(params):
+            snapshot["params"] = [p.detach().cpu().clone() for p in params]
+    return snapshot
 
 
 def _name(stage, optimizer, dtype):
@@ -61,10 +83,10 @@ def _save_all(root, combos):
     """Train k steps, save, convert to the universal form; rank 0 records the gathered state."""
     for (stage, optimizer, dtype) in combos:
         directory = os.path.join(str(root), _name(stage, optimizer, dtype))
-        engine = new_engine(checkpoint_config(stage, dtype, optimizer))
+        engine = new_engine(_config(stage, dtype, optimizer))
         train(engine, _batches(K, seed=11), dtype, _poisoned(dtype))
         engine.save_checkpoint(directory)
-        snapshot = full_snapshot(engine)
+        snapshot = _snapshot(engine)
         steps = [state["step"] for state in snapshot["local_states"] if "step" in state]
         if dist.get_rank() == 0:
             torch.save({**snapshot, "step": steps[0], "world_size": dist.get_world_size()},
@@ -120,10 +142,10 @@ def _resume_and_compare(directory, stage, optimizer, dtype):
     reference = _reference(directory)
     where = f"{os.path.basename(directory)} at {reference['world_size']} ranks -> stage {stage} at " \
         f"{dist.get_world_size()} ranks"
-    config = checkpoint_config(stage, dtype, optimizer)
+    config = _config(stage, dtype, optimizer)
     loaded = new_engine(config, seed=1)
     loaded.load_checkpoint(directory)
-    got = full_snapshot(loaded)
+    got = _snapshot(loaded)
     for key in ("params", "masters", "states", "counters"):
         assert_identical(got[key], reference[key], f"{where}: {key} after the load")
     if dtype != "fp32":
@@ -132,23 +154,23 @@ def _resume_and_compare(directory, stage, optimizer, dtype):
 
     oracle = new_engine(config, seed=2)
     _set_through_public_setters(oracle, reference)
-    assert_identical(full_snapshot(oracle), got, f"{where}: oracle before training")
+    assert_identical(_snapshot(oracle), got, f"{where}: oracle before training")
     batches = _batches(N, seed=12)
     losses = train(loaded, batches, dtype, _poisoned(dtype))
     assert losses == train(oracle, batches, dtype, _poisoned(dtype)), where
     assert loaded.skipped_steps == 2 * len(_poisoned(dtype)), where
-    assert_identical(full_snapshot(loaded), full_snapshot(oracle), f"{where}: after {N} more steps")
+    assert_identical(_snapshot(loaded), _snapshot(oracle), f"{where}: after {N} more steps")
     return got
 
 
 def _universal_equals(directory, stage, optimizer, dtype, regrouped):
     """The universal form (tag from latest_universal) loads to the same state as the ZeRO form."""
-    config = checkpoint_config(stage, dtype, optimizer)
+    config = _config(stage, dtype, optimizer)
     config["checkpoint"] = {"load_universal": True}
     engine = new_engine(config, seed=3)
     load_path, _ = engine.load_checkpoint(directory)
     assert load_path == os.path.join(directory, f"global_step{K}_universal", "mp_rank_00_model_states.pt")
-    assert_identical(full_snapshot(engine), regrouped, f"{directory}: universal form at stage {stage}")
+    assert_identical(_snapshot(engine), regrouped, f"{directory}: universal form at stage {stage}")
 
 
 class TestResumeAtOtherWorldSize(DistributedTest):
@@ -183,7 +205,7 @@ class SavedForFaults(DistributedFixture):
     world_size = 2
 
     def run(self, class_tmpdir):
-        _save_all(os.path.join(str(class_tmpdir), "faults"), {(2, "muon", "bf16"): ()})
+        _save_all(os.path.join(str(class_tmpdir), "faults"), {(2, "muon", "bf16"): (), (3, "adamw", "bf16"): ()})
 
 
 def _on_rank0(action):
@@ -241,17 +263,6 @@ class TestRegroupFaults(DistributedTest):
         dist.barrier()
         restore(optim[0])
 
-        # A stage that does not regroup (stage 3 at another world size) keeps upstream's refusal.
-        stage3 = os.path.join(directory, "stage3")
-        model_file = os.path.join(stage3, "mp_rank_00_model_states.pt")
-
-        def fake_stage3():
-            shutil.copytree(tag_dir, stage3)
-            torch.save({**torch.load(model_file, weights_only=True), "zero_stage": 3}, model_file)
-
-        _on_rank0(fake_stage3)
-        with pytest.raises(ZeRORuntimeException, match="used a DP world size of 2 but the current world size is 3"):
-            engine.load_checkpoint(directory, tag="stage3")
         # Another optimizer (AdamW's one group for Muon's two): parameters are matched by group, name and shape.
         other = new_engine(checkpoint_config(2, "bf16", "adamw"), seed=1)
         _refused_everywhere(other, lambda: other.load_checkpoint(directory),
@@ -271,6 +282,41 @@ class TestRegroupFaults(DistributedTest):
         _on_rank0(lambda: os.replace(os.path.join(directory, "latest_universal"), os.path.join(directory, "moved")))
         with pytest.raises(ValueError, match="Invalid for universal checkpoint: .*latest_universal does not exist"):
             engine.load_checkpoint(directory)
+
+    def test_corrupt_or_partial_stage3_checkpoints_name_the_file(self, SavedForFaults, class_tmpdir):
+        directory = os.path.join(str(class_tmpdir), "faults", _name(3, "adamw", "bf16"))
+        tag_dir = os.path.join(directory, f"global_step{K}")
+        engine = new_engine(_config(3, "bf16", "adamw"), seed=1)
+        model = [os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(2)]
+        optim = os.path.join(tag_dir, "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+
+        def swap(path, replacement):
+            _on_rank0(lambda: (os.replace(path, path + ".orig"), replacement(path)))
+
+        def restore(path):
+            _on_rank0(lambda: os.replace(path + ".orig", path))
+
+        # Rank 1 reads saved rank 1's model file: truncated, it fails all three ranks, naming it.
+        swap(model[1], lambda path: open(path, "wb").write(b"PK truncated"))
+        _refused_everywhere(engine, lambda: engine.load_checkpoint(directory), model[1], "cannot be loaded")
+        restore(model[1])
+        swap(optim, lambda path: open(path, "wb").write(b"not a checkpoint" * 64))
+        _refused_everywhere(engine, lambda: engine.load_checkpoint(directory), optim, "cannot be loaded")
+        restore(optim)
+        # A missing per-rank model file makes the tag incomplete, for the load and the conversion.
+        swap(model[1], lambda path: None)
+        _refused_everywhere(engine, lambda: engine.load_checkpoint(directory), "incomplete",
+                            os.path.basename(model[1]))
+        if dist.get_rank() == 0:
+            with pytest.raises(CheckpointError, match="incomplete.*zero_pp_rank_1_mp_rank_00_model_states"):
+                convert(tag_dir, os.path.join(directory, "partial_universal"))
+            assert not os.path.exists(os.path.join(directory, "partial_universal"))
+        dist.barrier()
+        restore(model[1])
+        # The model files hold placeholders of the partitioned weights: only the weights, at stage 2, is refused.
+        stage2 = new_engine(_config(2, "bf16", "adamw"), seed=1)
+        _refused_everywhere(stage2, lambda: stage2.load_checkpoint(directory, load_module_only=True),
+                            tag_dir, "model_states.pt", "linears.0.weight", "zero_to_fp32")
 
     def test_command_line_conversion(self, SavedForFaults, class_tmpdir):
         directory = os.path.join(str(class_tmpdir), "faults", _name(2, "muon", "bf16"))
