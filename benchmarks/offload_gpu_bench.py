@@ -62,7 +62,7 @@ def run_mode(args) -> dict:
     generator = torch.Generator(device="cuda").manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (args.micro_batch, cfg.seq_len + 1), device="cuda",
                            generator=generator)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     def step(time_optimizer: bool = False) -> float:
         loss = engine(inputs, targets)
