@@ -58,7 +58,9 @@ ALL_MODES = [
     _ds(1, "fp16", "muon"),
     _ds(1, "fp16", "adamw"),
 ]
-MODES_BY_NAME = {mode.name: mode for mode in ALL_MODES}
+# ZeRO-3 (parameters partitioned, gathered around each module's use): selected by name, not in the default table.
+EXTRA_MODES = [_ds(3, "bf16", "muon"), _ds(3, "bf16", "adamw")]
+MODES_BY_NAME = {mode.name: mode for mode in ALL_MODES + EXTRA_MODES}
 
 
 @dataclass(frozen=True)

@@ -199,7 +199,7 @@ def _plan(args, deepspeed, device: torch.device, world: int):
 
     unknown = [] if args.modes == "all" else [n for n in args.modes.split(",") if n not in MODES_BY_NAME]
     if unknown:
-        raise SystemExit(f"unknown mode(s) {unknown}; choose from {[m.name for m in ALL_MODES]} or 'all'")
+        raise SystemExit(f"unknown mode(s) {unknown}; choose from {list(MODES_BY_NAME)} or 'all'")
     modes = ALL_MODES if args.modes == "all" else [MODES_BY_NAME[name] for name in args.modes.split(",")]
     fused = args.fused_adamw if args.fused_adamw is not None else device.type == "cuda"
     model_cfg = GPTConfig(args.layers, args.d_model, args.heads, args.seq_len, args.vocab)
