@@ -161,8 +161,13 @@ class ParamResidency:
     def _build_units(self, module: torch.nn.Module, keys) -> List[_Unit]:
         units, persistent, seen = [], [], set()
         budget = self.options.model_persistence_threshold
+        borrowers = []
         for submodule in module.modules():
-            params = [p for p in submodule.parameters(recurse=False) if p in keys and id(p) not in seen]
+            own = [p for p in submodule.parameters(recurse=False) if p in keys]
+            params = [p for p in own if id(p) not in seen]
+            if len(params) < len(own):
+                # A shared (tied) parameter belongs to the first module that registers it; the others borrow it.
+                borrowers.append((submodule, [p for p in own if id(p) in seen]))
             seen.update(id(p) for p in params)
             partitioned = []
             for param in params:
@@ -177,6 +182,15 @@ class ParamResidency:
                 units.append(self._make_unit(params, submodule))
         if persistent:
             units.append(self._make_unit(persistent, None, persistent=True))
+        unit_of = {id(p): unit for unit in units for p in unit.params}
+        for submodule, shared in borrowers:
+            borrowed = []
+            for param in shared:
+                unit = unit_of[id(param)]
+                if not unit.persistent and unit not in borrowed and unit is not getattr(submodule, "_ds_unit", None):
+                    borrowed.append(unit)
+            if borrowed:
+                submodule._ds_borrowed = borrowed
         return units
 
     def _make_unit(self, params, owner: Optional[torch.nn.Module], persistent: bool = False) -> _Unit:
@@ -206,7 +220,7 @@ class ParamResidency:
     def _register_hooks(self, module: torch.nn.Module) -> list:
         handles = []
         for submodule in module.modules():
-            if getattr(submodule, "_ds_unit", None) is None:
+            if getattr(submodule, "_ds_unit", None) is None and not getattr(submodule, "_ds_borrowed", None):
                 continue
             handles.append(submodule.register_forward_pre_hook(self._pre_forward))
             handles.append(submodule.register_forward_hook(self._post_forward))
@@ -223,20 +237,28 @@ class ParamResidency:
         self._handles = []
 
     # ---------------------------------------------------------------- hooks
+    @staticmethod
+    def _units_of(module: torch.nn.Module) -> List[_Unit]:
+        """The module's own unit (if any), then the units of the shared parameters it borrows."""
+        own = getattr(module, "_ds_unit", None)
+        return ([own] if own is not None else []) + list(getattr(module, "_ds_borrowed", ()))
+
     def _pre_forward(self, module: torch.nn.Module, _inputs) -> None:
-        unit = module._ds_unit
-        if self._recording and unit not in self._order:
-            self._order.append(unit)
-        self.gather(unit)
-        self._prefetch_after(unit)
+        for unit in self._units_of(module):
+            if self._recording and unit not in self._order:
+                self._order.append(unit)
+            self.gather(unit)
+            self._prefetch_after(unit)
 
     def _post_forward(self, module: torch.nn.Module, _inputs, _output) -> None:
-        self.release(module._ds_unit)
+        for unit in self._units_of(module):
+            self.release(unit)
 
     def _pre_backward(self, module: torch.nn.Module, _grad_output) -> None:
-        unit = module._ds_unit
-        self.gather(unit)
-        unit.waiting_grads = {id(p) for p in unit.params if p.requires_grad}
+        for unit in self._units_of(module):
+            self.gather(unit)
+            # A shared parameter's gradient is accumulated once, after its last use: it is released then.
+            unit.waiting_grads = {id(p) for p in unit.params if p.requires_grad}
 
     def _grad_done(self, param: torch.Tensor) -> None:
         unit = self._unit_of[id(param)]

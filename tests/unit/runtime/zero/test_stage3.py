@@ -259,3 +259,47 @@ class TestStage3GatherAndSave(DistributedTest):
             saved = torch.load(os.path.join(directory[0], "pytorch_model.bin"), weights_only=True)
             assert saved["linears.0.weight"].dtype == torch.bfloat16
             assert torch.equal(saved["linears.0.weight"], torch.full((HIDDEN, HIDDEN), 0.5, dtype=torch.bfloat16))
+
+
+class TiedLM(torch.nn.Module):
+    """A token table whose transpose is also the output head (GPT-2's tied weights): one parameter, two modules."""
+
+    def __init__(self, vocab=32, dim=16):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.mix = torch.nn.Linear(dim, dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens, targets):
+        logits = self.head(torch.tanh(self.mix(self.embed(tokens))))
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+class TestStage3TiedWeights(DistributedTest):
+    world_size = 2
+
+    def test_a_shared_parameter_is_gathered_wherever_it_is_used(self):
+        from deepspeed.utils import safe_get_full_fp32_param
+        generator = torch.Generator().manual_seed(5)
+        batches = [(torch.randint(0, 32, (4, 6), generator=generator),
+                    torch.randint(0, 32, (4, 6), generator=generator)) for _ in range(3)]
+        results = {}
+        for stage in (2, 3):
+            torch.manual_seed(0)
+            config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**6, "gradient_clipping": 0.0,
+                      "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                      "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+            if stage == 2:
+                del config["zero_optimization"]["stage3_param_persistence_threshold"]
+            engine, _, _, _ = deepspeed.initialize(model=TiedLM(), config=config)
+            rank = deepspeed.comm.get_rank()
+            for tokens, targets in batches:
+                mine = slice(2 * rank, 2 * rank + 2)
+                loss = engine(tokens[mine].to(engine.device), targets[mine].to(engine.device))
+                engine.backward(loss)
+                engine.step()
+            results[stage] = {name: safe_get_full_fp32_param(p).cpu() for name, p in engine.module.named_parameters()}
+        for name, value in results[2].items():
+            error = relative_error(results[3][name], value)
+            assert error <= TOLERANCE["fp32"], f"{name}: stage 3 vs stage 2 relative error {error:.2e}"
