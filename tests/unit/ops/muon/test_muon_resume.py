@@ -30,6 +30,21 @@ LOSS_TOLERANCE = 1e-3
 CHANGE_TOLERANCE = 1e-5
 
 
+def train_and_save(stage, dtype, save_dir):
+    """The saved run: 6 steps through a forced overflow (fp16: also the natural ones at 2**16), saved as tag "mid".
+
+    Returns the engine (to go on uninterrupted), its config and the 12 global batches.
+    """
+    batches = global_batches(STEPS, GLOBAL_BATCH)
+    config = muon_config(stage, dtype, micro=GLOBAL_BATCH // 2)
+    engine = initialize(make_model(seed=0), config)
+    train(engine, batches[:SAVE_AT], dtype, poison_steps=[FORCED_OVERFLOW_STEP])
+    assert engine.skipped_steps >= 1
+    assert engine.was_step_applied(), f"no step applies before the save ({engine.skipped_steps} skipped)"
+    engine.save_checkpoint(save_dir, tag="mid")
+    return engine, config, batches
+
+
 class TestMuonResumeContinues(DistributedTest):
     world_size = 2
 
@@ -37,22 +52,14 @@ class TestMuonResumeContinues(DistributedTest):
     @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
     @pytest.mark.parametrize("stage", [1, 2])
     def test_resumed_run_continues(self, stage, dtype, tmpdir):
-        batches = global_batches(STEPS, GLOBAL_BATCH)
-        config = muon_config(stage, dtype, micro=GLOBAL_BATCH // 2)
-        save_dir = str(tmpdir)
-
-        engine = initialize(make_model(seed=0), config)
-        train(engine, batches[:SAVE_AT], dtype, poison_steps=[FORCED_OVERFLOW_STEP])
-        assert engine.skipped_steps >= 1
-        assert engine.was_step_applied(), f"no step applies before the save ({engine.skipped_steps} skipped)"
-        engine.save_checkpoint(save_dir, tag="mid")
+        engine, config, batches = train_and_save(stage, dtype, str(tmpdir))
         saved_counters = (engine.global_steps, engine.skipped_steps)
         masters_at_save = fp32_masters(engine)
         expected_losses = train(engine, batches[SAVE_AT:], dtype)
         assert engine.skipped_steps == saved_counters[1], "the uninterrupted run skipped a step after the save"
 
         resumed = initialize(make_model(seed=1), config)
-        load_path, _ = resumed.load_checkpoint(save_dir, tag="mid")
+        load_path, _ = resumed.load_checkpoint(str(tmpdir), tag="mid")
         assert load_path is not None
         assert (resumed.global_steps, resumed.skipped_steps) == saved_counters
         assert_identical(fp32_masters(resumed), masters_at_save, "fp32 masters restored")

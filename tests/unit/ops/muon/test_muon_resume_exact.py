@@ -13,13 +13,9 @@ import pytest
 
 from unit.common import DistributedTest
 
-from muon_suite import (assert_identical, fp32_masters, global_batches, initialize, make_model, model_parameters,
-                        muon_config, optimizer_state, train)
-
-STEPS = 12
-SAVE_AT = 6
-FORCED_OVERFLOW_STEP = 3
-GLOBAL_BATCH = 16
+from muon_suite import assert_identical, fp32_masters, initialize, make_model, model_parameters, optimizer_state, train
+# The saved run is the upstream PR's (test_muon_resume.py); this file checks more of what comes back.
+from test_muon_resume import SAVE_AT, train_and_save
 
 
 class TestMuonResume(DistributedTest):
@@ -28,21 +24,14 @@ class TestMuonResume(DistributedTest):
     @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
     @pytest.mark.parametrize("stage", [0, 1, 2])
     def test_resumed_run_equals_uninterrupted(self, stage, dtype, tmpdir):
-        batches = global_batches(STEPS, GLOBAL_BATCH)
-        config = muon_config(stage, dtype, micro=GLOBAL_BATCH // 2)
-        save_dir = str(tmpdir)
-
-        engine = initialize(make_model(seed=0), config)
-        train(engine, batches[:SAVE_AT], dtype, poison_steps=[FORCED_OVERFLOW_STEP])
-        assert engine.skipped_steps >= 1
-        engine.save_checkpoint(save_dir, tag="mid")
+        engine, config, batches = train_and_save(stage, dtype, str(tmpdir))
         saved_counters = (engine.global_steps, engine.skipped_steps)
         expected_losses = train(engine, batches[SAVE_AT:], dtype)
         assert engine.was_step_applied(), f"the uninterrupted run still skips steps ({engine.skipped_steps} skipped)"
 
         # Another initialisation: everything the resumed run needs must come from the checkpoint.
         resumed = initialize(make_model(seed=1), config)
-        load_path, _ = resumed.load_checkpoint(save_dir, tag="mid")
+        load_path, _ = resumed.load_checkpoint(str(tmpdir), tag="mid")
         assert load_path is not None
         assert (resumed.global_steps, resumed.skipped_steps) == saved_counters
         losses = train(resumed, batches[SAVE_AT:], dtype)
