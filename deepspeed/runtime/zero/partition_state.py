@@ -29,8 +29,8 @@ _REQUIRED_KEYS = ("format", "zero_stage", "dp_world_size", "dp_rank", "layouts",
                   "base_optimizer_state", "loss_scaler")
 
 
-def zero_state_dict(optimizer) -> dict:
-    """Build the per-rank optimizer state of a DeepSpeedZeroOptimizer (references, not copies)."""
+def _rank_header(optimizer) -> dict:
+    """The keys of a rank's state that describe this optimizer and its layout (not the saved values)."""
     from deepspeed.git_version_info import version
     return {
         "format": ZERO_STATE_FORMAT,
@@ -39,14 +39,21 @@ def zero_state_dict(optimizer) -> dict:
         "dp_rank": optimizer.dp_rank,
         "partition_count": optimizer.partition_count,
         "layouts": [layout.describe() for layout in optimizer.layouts],
+        "dynamic_loss_scale": bool(optimizer.loss_scaler.dynamic),
+        "clip_grad": float(optimizer.options.clip_grad),
+        "ds_version": version,
+    }
+
+
+def zero_state_dict(optimizer) -> dict:
+    """Build the per-rank optimizer state of a DeepSpeedZeroOptimizer (references, not copies)."""
+    return {
+        **_rank_header(optimizer),
         "muon_heads": muon_heads(optimizer),
         "single_partition_of_fp32_groups": [t.detach() for t in optimizer.single_partition_of_fp32_groups],
         "base_optimizer_state": optimizer.optimizer.state_dict(),
         "loss_scaler": optimizer.loss_scaler.state_dict(),
-        "dynamic_loss_scale": bool(optimizer.loss_scaler.dynamic),
         "overflow": bool(optimizer.overflow),
-        "clip_grad": float(optimizer.options.clip_grad),
-        "ds_version": version,
     }
 
 
@@ -329,7 +336,6 @@ def rank_state_from_full(optimizer, full: FullZeroState) -> dict:
         ValueError: `full` has other groups, shapes or Muon groups than the optimizer, or lacks a parameter
             this rank needs.
     """
-    from deepspeed.git_version_info import version
     if len(full.groups) != len(optimizer.layouts):
         raise ValueError(f"number of parameter groups differs: saved {len(full.groups)}, current "
                          f"{len(optimizer.layouts)}")
@@ -347,18 +353,10 @@ def rank_state_from_full(optimizer, full: FullZeroState) -> dict:
         states.update({pid: entry for pid, entry in zip(ids, entries) if entry})
         param_groups.append({**group.hyperparameters, "params": ids})
     return {
-        "format": ZERO_STATE_FORMAT,
-        "zero_stage": optimizer.options.stage,
-        "dp_world_size": optimizer.dp_world_size,
-        "dp_rank": optimizer.dp_rank,
-        "partition_count": optimizer.partition_count,
-        "layouts": [layout.describe() for layout in optimizer.layouts],
+        **_rank_header(optimizer),
         "muon_heads": dict(full.muon_heads),
         "single_partition_of_fp32_groups": masters,
         "base_optimizer_state": {"state": states, "param_groups": param_groups},
         "loss_scaler": dict(full.loss_scaler),
-        "dynamic_loss_scale": bool(optimizer.loss_scaler.dynamic),
         "overflow": False,
-        "clip_grad": float(optimizer.options.clip_grad),
-        "ds_version": version,
     }
