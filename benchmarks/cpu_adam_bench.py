@@ -9,6 +9,13 @@ Two comparisons per size:
   the fp32 masters, the updated weights written in bf16 for the copy back. The op does it in one pass; torch needs
   the unscale (a new fp32 gradient), its best AdamW, and a cast.
 
+Both steps move 28 bytes per element through memory at least (AdamW: read param, grad and the two moments, write
+param and moments, 4 bytes each; the offload step: a 2-byte gradient in and a 2-byte weight out instead), so each
+size also measures the host's bandwidth for that access pattern (in-place read-modify-write, as the steps do:
+`dst.add_(src)` over fp32 buffers larger than any cache, 12 bytes moved per element) and reports each method's
+bytes per second and the floor that bandwidth sets: a method at the floor cannot be made faster by computing
+better, only by moving fewer bytes.
+
 Methods are interleaved (every repetition runs each once, in rotated order) and each reports its median over the
 repetitions, so a noisy shared machine slows all of them alike. CPU only; uses torch's intra-op threads
 (torch.get_num_threads(), set with --threads).
@@ -87,6 +94,22 @@ def op_offload_step(numel: int) -> Callable[[], None]:
     return run
 
 
+BYTES_PER_ELEMENT = 28  # both steps: see the module docstring
+
+
+def update_bandwidth(numel: int, reps: int) -> float:
+    """Bytes per second of `dst.add_(src)` over fp32 buffers of `numel` elements (read 4 + 4, write 4 bytes each;
+    in place, so no cache line is fetched only to be overwritten), the best of `reps` runs with torch's threads."""
+    src, dst = torch.randn(numel), torch.zeros(numel)
+    dst.add_(src)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        dst.add_(src)
+        best = min(best, time.perf_counter() - start)
+    return 12 * numel / best
+
+
 def has_fused_cpu_adamw() -> bool:
     try:
         torch_adamw(8, "fused")()
@@ -127,8 +150,9 @@ def main(argv: list[str] | None = None) -> dict:
                "cpu_capability": torch.backends.cpu.get_cpu_capability(), "sizes": {}}
     print(f"torch {torch.__version__}, {results['threads']} threads, torch CPU capability "
           f"{results['cpu_capability']}, op widths {results['simd_widths']}, fused CPU AdamW: {fused}")
-    print("| params | step | method | ms/step | Melem/s | op speed-up vs torch's best |")
-    print("|---|---|---|---|---|---|")
+    print("| params | step | method | ms/step | Melem/s | GB/s moved | of that bandwidth | "
+          "op speed-up vs torch's best |")
+    print("|---|---|---|---|---|---|---|---|")
     for millions in args.sizes:
         numel = int(millions * 1_000_000)
         rows = {}
@@ -143,13 +167,19 @@ def main(argv: list[str] | None = None) -> dict:
             offload["torch fused"] = torch_offload_step(numel, "fused")
         rows["offload step (bf16 grad in, unscale, AdamW, bf16 out)"] = measure(offload, args.reps, args.warmup)
         del offload
+        bandwidth = update_bandwidth(max(numel, 50_000_000), args.reps)
         results["sizes"][millions] = rows
+        results.setdefault("update_bandwidth_bytes_per_s", {})[millions] = bandwidth
+        floor_ms = BYTES_PER_ELEMENT * numel / bandwidth * 1e3
+        print(f"| {millions:g}M | memory floor ({BYTES_PER_ELEMENT} B/element at the in-place update bandwidth) | "
+              f"dst.add_(src) | {floor_ms:.2f} | {numel / floor_ms / 1e3:.0f} | {bandwidth / 1e9:.1f} | 100% | |")
         for step, timings in rows.items():
             best_torch = min(t for name, t in timings.items() if name != "op")
             for name, seconds in timings.items():
                 ratio = f"{best_torch / seconds:.2f} x" if name == "op" else ""
+                moved = BYTES_PER_ELEMENT * numel / seconds
                 print(f"| {millions:g}M | {step} | {name} | {seconds * 1e3:.2f} | {numel / seconds / 1e6:.0f} | "
-                      f"{ratio} |")
+                      f"{moved / 1e9:.1f} | {moved / bandwidth:.0%} | {ratio} |")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=2)
