@@ -10,10 +10,11 @@ first forward recorded (prefetch), within `prefetch_bucket_size` elements.
 
 One all-gather, in place in the buffer's rows, moves a unit (gather_plan.py). What a gather costs the host is fixed
 at construction: the views of the partitions, rows and parameters are built once, so a gather is one copy op
-packing this rank's row, the collective, and (only for parameters cut by a partition boundary) one copy op
-stitching them; a release swaps each parameter to a placeholder and frees the storage. With one partition per group
-(one rank) the partition holds every parameter whole: the forward and backward use views of it and nothing is
-copied or freed; persistent parameters and GatheredParameters still get copies of their own.
+packing this rank's row, the collective, and (only for parameters a partition boundary cuts with a gap between
+their pieces in the rows) one copy op stitching them; a release swaps each parameter to a placeholder and frees the
+storage. With one partition per group (one rank) the partition holds every parameter whole: the forward and
+backward use views of it and nothing is copied or freed; persistent parameters and GatheredParameters still get
+copies of their own.
 """
 
 from dataclasses import dataclass, field
