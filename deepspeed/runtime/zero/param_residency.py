@@ -2,14 +2,19 @@
 
 Every rank keeps only its lp partition of each flat group (the optimizer wrapper's layout, see flat_layout.py).
 A *unit* is a module with parameters of its own. Before the unit's forward, and again before its backward, its
-parameters are all-gathered from their partitions into one buffer and become views of it; after the forward, and
-after the backward has handed their gradients to the reducer, the buffer's storage is freed and `param.data` is an
-empty placeholder again. Parameters with fewer elements than `param_persistence_threshold` stay gathered on every
-rank (they are republished after each step). Units are gathered one step ahead in the order the first forward
-recorded (prefetch), within `prefetch_bucket_size` elements.
+parameters are all-gathered from their partitions into the unit's buffer and become views of it; after the
+forward, and after the backward has handed their gradients to the reducer, the buffer's storage is freed and
+`param.data` is an empty placeholder again. Parameters with fewer elements than `param_persistence_threshold` stay
+gathered on every rank (they are republished after each step). Units are gathered one step ahead in the order the
+first forward recorded (prefetch), within `prefetch_bucket_size` elements.
 
-One all-gather moves a unit: rank r contributes its fragments of the unit's parameters (in partition order), padded
-to the largest contribution, which is the same shape of row the stage-2 reducer reduce-scatters gradients in.
+One all-gather, in place in the buffer's rows, moves a unit (gather_plan.py). What a gather costs the host is fixed
+at construction: the views of the partitions, rows and parameters are built once, so a gather is one copy op
+packing this rank's row, the collective, and (only for parameters a partition boundary cuts with a gap between
+their pieces in the rows) one copy op stitching them; a release swaps each parameter to a placeholder and frees the
+storage. With one partition per group (one rank) the partition holds every parameter whole: the forward and
+backward use views of it and nothing is copied or freed; persistent parameters and GatheredParameters still get
+copies of their own.
 """
 
 from dataclasses import dataclass, field
@@ -17,9 +22,11 @@ from enum import Enum
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 import deepspeed.comm as dist
 from deepspeed.runtime.zero.flat_layout import GroupLayout
+from deepspeed.runtime.zero.gather_plan import GatherPlan, Run, plan_gather
 
 
 class ZeroParamStatus(Enum):
@@ -30,84 +37,50 @@ class ZeroParamStatus(Enum):
     INFLIGHT = 3  # an all-gather is in progress
 
 
-@dataclass(frozen=True)
-class Copy:
-    """One fragment of a unit's parameter between a rank's partition, its row of the all-gather and the unit buffer.
-
-    Attributes:
-        group: the flat group.
-        partition_offset: first element within that rank's lp partition of the group.
-        row_offset: first element within that rank's row of the all-gather.
-        unit_offset: first element within the unit's buffer.
-        numel: number of elements.
-    """
-
-    group: int
-    partition_offset: int
-    row_offset: int
-    unit_offset: int
-    numel: int
-
-
-@dataclass(frozen=True)
-class UnitPlan:
-    """How one unit is gathered: where its parameters sit in its buffer and what each rank contributes."""
-
-    keys: Tuple[Tuple[int, int], ...]
-    param_offsets: Tuple[int, ...]
-    numel: int
-    row_numel: int
-    copies: Tuple[Tuple[Copy, ...], ...]
-
-
-def plan_unit(layouts: Sequence[GroupLayout], keys: Sequence[Tuple[int, int]], num_partitions: int) -> UnitPlan:
-    """The gather plan of the parameters `keys` ((group, index) pairs), a pure function of the layouts.
-
-    Raises:
-        ValueError: a key names no parameter of `layouts`.
-    """
-    param_offsets, cursor = [], 0
-    for group, index in keys:
-        if not (0 <= group < len(layouts) and 0 <= index < len(layouts[group].numels)):
-            raise ValueError(f"no parameter {index} in group {group}")
-        param_offsets.append(cursor)
-        cursor += layouts[group].numels[index]
-    per_rank: List[List[Copy]] = []
-    for rank in range(num_partitions):
-        entries = []
-        for (group, index), unit_start in zip(keys, param_offsets):
-            layout = layouts[group]
-            start, end = layout.param_range(index)
-            lo, hi = layout.partition_range(rank)
-            first, last = max(start, lo), min(end, hi)
-            if first < last:
-                entries.append((group, first - lo, unit_start + first - start, last - first))
-        row, row_fill = [], 0
-        # Partition order, so that fragments adjacent in the partition are adjacent in the row.
-        for group, partition_offset, unit_offset, numel in sorted(entries):
-            row.append(Copy(group, partition_offset, row_fill, unit_offset, numel))
-            row_fill += numel
-        per_rank.append(tuple(row))
-    row_numel = max((sum(c.numel for c in row) for row in per_rank), default=0)
-    return UnitPlan(tuple(keys), tuple(param_offsets), cursor, row_numel, tuple(per_rank))
-
-
 def _full_numel(param: torch.Tensor) -> int:
     return getattr(param, "ds_shape", param.shape).numel()
 
 
-@dataclass
-class _Unit:
-    plan: UnitPlan
-    params: List[torch.nn.Parameter]
-    buffer: Optional[torch.Tensor] = None
-    persistent: bool = False
-    pending: Optional[tuple] = None
-    waiting_grads: set = field(default_factory=set)
+class _Copies:
+    """Fixed copies between fixed views, issued as one op: `copy_` for one, a foreach copy for several (on an
+    accelerator one launch for all of them)."""
 
-    @property
-    def status(self) -> ZeroParamStatus:
-        return self.params[0].ds_status
+    def __init__(self, targets: List[torch.Tensor], sources: List[torch.Tensor]):
+        self.targets = targets
+        self.sources = sources
+
+    def __call__(self) -> None:
+        if len(self.targets) == 1:
+            self.targets[0].copy_(self.sources[0])
+        elif self.targets:
+            torch._foreach_copy_(self.targets, self.sources)
+
+
+@dataclass(eq=False)
+class _Unit:
+    """One unit's parameters, its gather buffer and the fixed views and copies that move values into it.
+
+    `buffer` holds the plan's rows and stitch region while gathered and has no storage while released; the views
+    built on it stay valid across that (they share its storage). `in_place`, where set, is each parameter's value
+    in the lp partitions, used instead of the buffer.
+    """
+
+    plan: GatherPlan
+    params: List[torch.nn.Parameter]
+    persistent: bool
+    buffer: torch.Tensor
+    views: List[torch.Tensor]
+    rows: torch.Tensor
+    own_row: torch.Tensor
+    pack: _Copies
+    stitch: _Copies
+    in_place: Optional[List[torch.Tensor]]
+    placeholder: torch.Tensor
+    status: ZeroParamStatus = ZeroParamStatus.NOT_AVAILABLE
+    is_in_place: bool = False
+    work: Optional[object] = None
+    position: Optional[int] = None
+    waiting_grads: set = field(default_factory=set)
 
 
 @dataclass
@@ -132,7 +105,7 @@ class ParamResidency:
         module: the model; every submodule with parameters of its own becomes a unit.
         keys: (group, index) of each managed parameter in the optimizer's layouts.
         layouts: the optimizer's flat group layouts.
-        lp_partitions: this rank's lp partition of each group (read when gathering).
+        lp_partitions: this rank's lp partition of each group (read when gathering; never reallocated).
         dp_group: data-parallel process group.
         options: ResidencyOptions.
     """
@@ -194,11 +167,37 @@ class ParamResidency:
         return units
 
     def _make_unit(self, params, owner: Optional[torch.nn.Module], persistent: bool = False) -> _Unit:
-        plan = plan_unit(self.layouts, [self.keys[p] for p in params], self.dp_world_size)
-        unit = _Unit(plan, params, persistent=persistent)
+        """The unit of `params` with its buffer and every view a gather uses, built once."""
+        plan = plan_gather(self.layouts, [self.keys[p] for p in params], self.dp_world_size)
+        shapes = [getattr(p, "ds_shape", p.shape) for p in params]
+        partition = self.lp_partitions[plan.keys[0][0]]
+        buffer = torch.empty(plan.numel, dtype=partition.dtype, device=partition.device)
+        views = [buffer[start:start + shape.numel()].view(shape) for start, shape in zip(plan.param_offsets, shapes)]
+        rows = buffer[:plan.rows_numel]
+        own_row = rows[self.dp_rank * plan.row_numel:(self.dp_rank + 1) * plan.row_numel]
+        pack = _Copies([own_row[run.target_offset:run.target_offset + run.numel] for run in plan.packs[self.dp_rank]],
+                       [self._partition_slice(run) for run in plan.packs[self.dp_rank]])
+        stitch = _Copies([buffer[run.target_offset:run.target_offset + run.numel] for run in plan.stitches],
+                         [buffer[run.source_offset:run.source_offset + run.numel] for run in plan.stitches])
+        # Views are built on allocated storage; freed at once (a gather allocates), so building the units holds at
+        # most one unit whole.
+        buffer.untyped_storage().resize_(0)
+        in_place = None
+        if self.dp_world_size == 1 and not persistent:
+            # One partition holds every parameter whole. Persistent parameters keep storage of their own: they are
+            # saved with the model's state dict, which would otherwise write the whole partition.
+            in_place = []
+            for (group, index), shape in zip(plan.keys, shapes):
+                start = self.layouts[group].param_range(index)[0]
+                in_place.append(self.lp_partitions[group][start:start + shape.numel()].view(shape))
+        unit = _Unit(plan, list(params), persistent, buffer, views, rows, own_row, pack, stitch, in_place,
+                     placeholder=torch.empty(0, dtype=buffer.dtype, device=buffer.device))
         if owner is not None:
             owner._ds_unit = unit
         return unit
+
+    def _partition_slice(self, run: Run) -> torch.Tensor:
+        return self.lp_partitions[run.group][run.source_offset:run.source_offset + run.numel]
 
     def _partition(self, unit: _Unit) -> None:
         """Give each parameter upstream's stage-3 attributes; everything but persistent parameters is released."""
@@ -209,9 +208,7 @@ class ParamResidency:
             param.ds_id = self._ids[id(param)]
             param.ds_persist = unit.persistent
             param.ds_tensor = None
-            whole = param.numel() == param.ds_numel
-            param.ds_status = ZeroParamStatus.AVAILABLE if whole else ZeroParamStatus.NOT_AVAILABLE
-        unit.buffer = torch.empty(unit.plan.numel, dtype=unit.params[0].dtype, device=unit.params[0].device)
+            param.ds_status = ZeroParamStatus.NOT_AVAILABLE
         if unit.persistent:
             self.gather(unit)
         else:
@@ -224,7 +221,6 @@ class ParamResidency:
                 continue
             handles.append(submodule.register_forward_pre_hook(self._pre_forward))
             handles.append(submodule.register_forward_hook(self._post_forward))
-            handles.append(submodule.register_full_backward_pre_hook(self._pre_backward))
         for unit in self._units:
             for param in unit.params:
                 if param.requires_grad:
@@ -245,20 +241,40 @@ class ParamResidency:
 
     def _pre_forward(self, module: torch.nn.Module, _inputs) -> None:
         for unit in self._units_of(module):
-            if self._recording and unit not in self._order:
+            if self._recording and unit.position is None:
+                unit.position = len(self._order)
                 self._order.append(unit)
             self.gather(unit)
             self._prefetch_after(unit)
 
-    def _post_forward(self, module: torch.nn.Module, _inputs, _output) -> None:
+    def _post_forward(self, module: torch.nn.Module, _inputs, output) -> None:
         for unit in self._units_of(module):
             self.release(unit)
+        if torch.is_grad_enabled():
+            self._hook_pre_backward(module, output)
 
-    def _pre_backward(self, module: torch.nn.Module, _grad_output) -> None:
+    def _hook_pre_backward(self, module: torch.nn.Module, output) -> None:
+        """Gather the module's units when the gradient of any of its outputs arrives, before its own backward.
+
+        A gradient hook on each output tensor does this with no autograd node of its own (a full backward pre-hook
+        wraps every output in one, at a cost to the host on every forward).
+        """
+        tensors = [output] if isinstance(output, torch.Tensor) else tree_leaves(output)
+        hook = None
+        for tensor in tensors:
+            # Only tensors autograd produced: a hook on a leaf (a parameter returned as is) would stay on it.
+            if isinstance(tensor, torch.Tensor) and tensor.grad_fn is not None:
+                if hook is None:
+                    hook = _PreBackward(self, module)
+                tensor.register_hook(hook)
+
+    def _pre_backward(self, module: torch.nn.Module) -> None:
         for unit in self._units_of(module):
-            self.gather(unit)
-            # A shared parameter's gradient is accumulated once, after its last use: it is released then.
-            unit.waiting_grads = {id(p) for p in unit.params if p.requires_grad}
+            # The first of the module's outputs to get its gradient gathers (later ones find the unit gathered); the
+            # last of its parameters' gradients releases it, accumulated once per backward after every use.
+            if unit.status != ZeroParamStatus.AVAILABLE:
+                self.gather(unit)
+                unit.waiting_grads = {id(p) for p in unit.params if p.requires_grad}
 
     def _grad_done(self, param: torch.Tensor) -> None:
         unit = self._unit_of[id(param)]
@@ -271,71 +287,86 @@ class ParamResidency:
         self._recording = False
 
     # ---------------------------------------------------------------- gather and release
-    def gather(self, unit: _Unit) -> None:
-        """Make the unit's parameters whole (a collective: every rank gathers the same units in the same order)."""
+    def gather(self, unit: _Unit, own_copy: bool = False) -> None:
+        """Make the unit's parameters whole (a collective: every rank gathers the same units in the same order).
+
+        Args:
+            own_copy: gather into the unit's buffer even where the partition could be used in place (values that
+                may be changed without changing the partition).
+        """
         if unit.status == ZeroParamStatus.AVAILABLE:
             return
-        if unit.pending is None:
+        if unit.status == ZeroParamStatus.NOT_AVAILABLE:
+            if unit.in_place is not None and not own_copy:
+                self._show(unit, unit.in_place)
+                return
             self._start_gather(unit, async_op=False)
         self._finish_gather(unit)
 
     def _start_gather(self, unit: _Unit, async_op: bool) -> None:
-        plan = unit.plan
-        dtype = unit.buffer.dtype
-        send = torch.zeros(plan.row_numel, dtype=dtype, device=unit.buffer.device)
-        for copy in plan.copies[self.dp_rank]:
-            source = self.lp_partitions[copy.group][copy.partition_offset:copy.partition_offset + copy.numel]
-            send[copy.row_offset:copy.row_offset + copy.numel].copy_(source)
-        if self.dp_world_size == 1:
-            unit.pending = (None, send.view(1, -1))
-        else:
-            rows = torch.empty(self.dp_world_size, plan.row_numel, dtype=dtype, device=unit.buffer.device)
-            work = dist.all_gather_into_tensor(rows.view(-1), send, group=self.dp_group, async_op=async_op)
-            unit.pending = (work if async_op else None, rows)
-        for param in unit.params:
-            param.ds_status = ZeroParamStatus.INFLIGHT
+        storage = unit.buffer.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(unit.plan.numel * unit.buffer.element_size())
+        self._fill_rows(unit, async_op)
+        self._set_status(unit, ZeroParamStatus.INFLIGHT)
+
+    def _fill_rows(self, unit: _Unit, async_op: bool) -> None:
+        """Pack this rank's row and all-gather the rows, in place: the row is both what this rank sends and where
+        its own part lands."""
+        unit.pack()
+        if self.dp_world_size > 1:
+            unit.work = dist.all_gather_into_tensor(unit.rows, unit.own_row, group=self.dp_group, async_op=async_op)
 
     def _finish_gather(self, unit: _Unit) -> None:
-        work, rows = unit.pending
-        unit.pending = None
-        if work is not None:
-            work.wait()
-        buffer = unit.buffer
-        if buffer.untyped_storage().size() == 0:
-            buffer.untyped_storage().resize_(unit.plan.numel * buffer.element_size())
-        for rank, copies in enumerate(unit.plan.copies):
-            for copy in copies:
-                buffer[copy.unit_offset:copy.unit_offset + copy.numel].copy_(
-                    rows[rank, copy.row_offset:copy.row_offset + copy.numel])
-        for param, offset in zip(unit.params, unit.plan.param_offsets):
-            param.data = buffer[offset:offset + param.ds_numel].view(param.ds_shape)
-            param.ds_status = ZeroParamStatus.AVAILABLE
+        self._complete(unit)
+        self._show(unit, unit.views)
+
+    @staticmethod
+    def _complete(unit: _Unit) -> None:
+        """Wait for the unit's all-gather and stitch the parameters it cut."""
+        if unit.work is not None:
+            unit.work.wait()
+            unit.work = None
+        unit.stitch()
+
+    def _show(self, unit: _Unit, values: List[torch.Tensor]) -> None:
+        for param, value in zip(unit.params, values):
+            param.data = value
+        unit.is_in_place = values is unit.in_place
+        self._set_status(unit, ZeroParamStatus.AVAILABLE)
+
+    @staticmethod
+    def _set_status(unit: _Unit, status: ZeroParamStatus) -> None:
+        unit.status = status
+        for param in unit.params:
+            param.ds_status = status
 
     def release(self, unit: _Unit, force: bool = False) -> None:
         """Free the unit's gathered storage; parameters become empty placeholders (persistent ones stay whole)."""
         if unit.persistent and not force:
             return
-        if unit.pending is not None:
+        if unit.status == ZeroParamStatus.INFLIGHT:
             self._finish_gather(unit)
-        placeholder = torch.empty(0, dtype=unit.buffer.dtype, device=unit.buffer.device)
         for param in unit.params:
-            param.data = placeholder
-            param.ds_status = ZeroParamStatus.NOT_AVAILABLE
+            param.data = unit.placeholder
+        self._set_status(unit, ZeroParamStatus.NOT_AVAILABLE)
         # Autograd may hold views of the gathered values (e.g. a transposed weight saved for backward): freeing the
         # storage itself, not only dropping the parameters' views, is what returns the memory; the backward
         # re-gathers into the same storage before those views are read.
-        unit.buffer.untyped_storage().resize_(0)
+        storage = unit.buffer.untyped_storage()
+        if storage.nbytes():
+            storage.resize_(0)
         unit.waiting_grads = set()
 
     def _prefetch_after(self, unit: _Unit) -> None:
-        if self._recording or self.options.prefetch_numel <= 0 or unit not in self._order:
+        if self._recording or self.options.prefetch_numel <= 0 or unit.position is None:
             return
         budget = self.options.prefetch_numel
-        for following in self._order[self._order.index(unit) + 1:]:
+        for following in self._order[unit.position + 1:]:
             if following.plan.numel > budget:
                 break
             budget -= following.plan.numel
-            if following.status == ZeroParamStatus.NOT_AVAILABLE and following.pending is None:
+            if following.status == ZeroParamStatus.NOT_AVAILABLE and following.in_place is None:
                 self._start_gather(following, async_op=True)
 
     def release_all(self) -> None:
@@ -345,22 +376,39 @@ class ParamResidency:
                 self.release(unit)
 
     def refresh(self) -> None:
-        """Republish what is gathered now from the partitions (after a step changed them)."""
+        """Republish what is gathered now from the partitions (after a step changed them).
+
+        Values used in place are the partition already; the others are gathered again into the buffer their
+        parameters already view.
+        """
         for unit in self._units:
-            if unit.status == ZeroParamStatus.AVAILABLE:
-                for param in unit.params:
-                    param.ds_status = ZeroParamStatus.NOT_AVAILABLE
-                self.gather(unit)
+            if unit.status == ZeroParamStatus.AVAILABLE and not unit.is_in_place:
+                self._fill_rows(unit, async_op=False)
+                self._complete(unit)
 
     def gather_params(self, params: Sequence[torch.Tensor]) -> List[_Unit]:
-        """Gather the units holding `params` (a collective); returns those this call gathered, to release later."""
+        """Gather, each into its own buffer, the units holding `params` (a collective); returns those this call
+        gathered, to release later."""
+        wanted = {id(self._unit_of[id(p)]) for p in params if id(p) in self._unit_of}
         gathered = []
-        for unit in self._units:
-            if any(id(p) in {id(q) for q in params} for p in unit.params) and unit.status != ZeroParamStatus.AVAILABLE:
-                self.gather(unit)
+        for unit in self._units:  # model order on every rank, whatever order `params` came in
+            if id(unit) in wanted and unit.status != ZeroParamStatus.AVAILABLE:
+                self.gather(unit, own_copy=True)
                 gathered.append(unit)
         return gathered
 
     def unit_of(self, param: torch.Tensor) -> Optional[_Unit]:
         return self._unit_of.get(id(param))
 
+
+class _PreBackward:
+    """The gradient hook `_hook_pre_backward` puts on a module's outputs."""
+
+    __slots__ = ("residency", "module")
+
+    def __init__(self, residency: ParamResidency, module: torch.nn.Module):
+        self.residency = residency
+        self.module = module
+
+    def __call__(self, _grad: torch.Tensor) -> None:
+        self.residency._pre_backward(self.module)

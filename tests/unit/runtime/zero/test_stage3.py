@@ -28,7 +28,8 @@ def lp_partitions(engine):
 
 
 class TestStage3AdamWParity(DistributedTest):
-    world_size = [2, 3]
+    # One rank uses the lp partition in place (no gather); 2 and 3 all-gather, with parameters cut by partitions.
+    world_size = [1, 2, 3]
 
     @pytest.mark.parametrize("dtype,gas", [("fp32", 1), ("fp32", 2), ("fp16", 1), ("bf16", 2)])
     def test_matches_single_process_adamw(self, dtype, gas):
@@ -55,7 +56,7 @@ class TestStage3AdamWParity(DistributedTest):
 
 
 class TestStage3MuonParity(DistributedTest):
-    world_size = [2, 3]
+    world_size = [1, 2, 3]
 
     @pytest.mark.parametrize("reduce_scatter,gas", [(True, 1), (False, 2)])
     def test_fp32_update_equals_reference(self, reduce_scatter, gas):
@@ -111,7 +112,7 @@ def _snapshot(engine):
 
 
 class TestStage3OverflowOracle(DistributedTest):
-    world_size = 2
+    world_size = [1, 2]
 
     @pytest.mark.parametrize("optimizer,dtype", [("adamw", "fp16"), ("adamw", "bf16"), ("muon", "fp16")])
     def test_skipped_step_equals_never_taking_it(self, optimizer, dtype):
@@ -148,20 +149,28 @@ class TestStage3OverflowOracle(DistributedTest):
 
 
 class TestStage3Residency(DistributedTest):
-    world_size = 2
+    world_size = [1, 2]
 
     def test_small_params_persist_and_stay_current(self):
         model = make_model(HIDDEN, nlayers=2)
-        config = make_config(3, "fp32", micro=4)
+        config = make_config(3, "bf16", micro=4)
         config["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": HIDDEN + 1}
         engine, _ = initialize(model, config)
-        train_steps(engine, global_batches(2, 8, HIDDEN), "fp32")
+        train_steps(engine, global_batches(2, 8, HIDDEN), "bf16")
+        persistent_bytes = 0
         for name, param in engine.module.named_parameters():
             if name.endswith("bias"):
                 assert param.ds_persist and param.ds_status == ZeroParamStatus.AVAILABLE
-                assert torch.equal(param.detach().float(), fp32_masters_of(param))
+                assert torch.equal(param.detach(), fp32_masters_of(param).to(torch.bfloat16))
+                persistent_bytes += param.numel() * param.element_size()
             else:
                 assert not param.ds_persist and param.numel() == 0
+        # A checkpoint's model file saves whole storages: those of the persistent values (their gather rows), not the
+        # lp partition that holds every weight.
+        state = engine.module_state_dict().values()
+        saved = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state}.values())
+        partition = sum(t.numel() * t.element_size() for t in engine.optimizer.fp16_partitioned_groups_flat)
+        assert persistent_bytes <= saved < partition
 
 
 def fp32_masters_of(param):
@@ -185,7 +194,7 @@ class TestStage3BadConfigs(DistributedTest):
 
 
 class TestStage3Checkpoint(DistributedTest):
-    world_size = 2
+    world_size = [1, 2]
 
     @pytest.mark.parametrize("optimizer,dtype", [("adamw", "fp16"), ("adamw", "bf16"), ("muon", "fp16"),
                                                  ("muon", "bf16")])
@@ -216,7 +225,7 @@ class TestStage3Checkpoint(DistributedTest):
 
         tag_dir = os.path.join(directory, f"global_step{k}")
         assert sorted(name for name in os.listdir(tag_dir) if "model_states" in name) == [
-            f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(2)]
+            f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(dist.get_world_size())]
         resumed = new_engine(config, seed=1)
         load_path, _ = resumed.load_checkpoint(directory)
         assert load_path == os.path.join(tag_dir, f"zero_pp_rank_{dist.get_rank()}_mp_rank_00_model_states.pt")
@@ -230,7 +239,7 @@ class TestStage3Checkpoint(DistributedTest):
 
 
 class TestStage3GatherAndSave(DistributedTest):
-    world_size = 2
+    world_size = [1, 2]
 
     def test_gathered_parameters_and_save_16bit_model(self, tmpdir):
         import os
@@ -247,6 +256,8 @@ class TestStage3GatherAndSave(DistributedTest):
             weight.data.fill_(1.0)  # no modifier_rank: discarded
         assert weight.numel() == 0
         assert torch.equal(fp32_masters_of(weight), before)
+        with deepspeed.zero.GatheredParameters([weight]):
+            assert torch.equal(weight.float(), before.to(torch.bfloat16).float())
         with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
             if dist.get_rank() == 0:
                 weight.data.fill_(0.5)
@@ -277,7 +288,7 @@ class TiedLM(torch.nn.Module):
 
 
 class TestStage3TiedWeights(DistributedTest):
-    world_size = 2
+    world_size = [1, 2]
 
     def test_a_shared_parameter_is_gathered_wherever_it_is_used(self):
         from deepspeed.utils import safe_get_full_fp32_param
@@ -298,6 +309,63 @@ class TestStage3TiedWeights(DistributedTest):
                 mine = slice(2 * rank, 2 * rank + 2)
                 loss = engine(tokens[mine].to(engine.device), targets[mine].to(engine.device))
                 engine.backward(loss)
+                engine.step()
+            results[stage] = {name: safe_get_full_fp32_param(p).cpu() for name, p in engine.module.named_parameters()}
+        for name, value in results[2].items():
+            error = relative_error(results[3][name], value)
+            assert error <= TOLERANCE["fp32"], f"{name}: stage 3 vs stage 2 relative error {error:.2e}"
+
+
+class TwoHeads(torch.nn.Module):
+    """Returns two tensors, each carrying its own part of the backward."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.up = torch.nn.Linear(dim, dim)
+        self.gate = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.up(x), torch.sigmoid(self.gate(x))
+
+
+class ReusedBlocks(torch.nn.Module):
+    """A module whose output is a tuple, and a module called twice in one forward."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.heads = TwoHeads(dim)
+        self.shared = torch.nn.Linear(dim, dim)
+        self.out = torch.nn.Linear(dim, 1)
+
+    def forward(self, x, y):
+        up, gate = self.heads(x)
+        hidden = self.shared(torch.tanh(self.shared(up) * gate))
+        return torch.nn.functional.mse_loss(self.out(hidden).squeeze(-1), y)
+
+
+class TestStage3ModuleShapes(DistributedTest):
+    world_size = [1, 2]
+
+    def test_tuple_outputs_and_a_module_called_twice_match_stage_2(self):
+        from deepspeed.utils import safe_get_full_fp32_param
+        import deepspeed.comm as dist
+        generator = torch.Generator().manual_seed(7)
+        batches = [(torch.randn(4, 16, generator=generator), torch.randn(4, generator=generator)) for _ in range(3)]
+        results = {}
+        for stage in (2, 3):
+            torch.manual_seed(0)
+            config = {"train_micro_batch_size_per_gpu": 4 // dist.get_world_size(), "steps_per_print": 10**6,
+                      "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage}}
+            if stage == 3:
+                config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+            engine, _, _, _ = deepspeed.initialize(model=ReusedBlocks(), config=config)
+            size = 4 // dist.get_world_size()
+            mine = slice(size * dist.get_rank(), size * (dist.get_rank() + 1))
+            for x, y in batches:
+                engine.backward(engine(x[mine].to(engine.device), y[mine].to(engine.device)))
+                if stage == 3:
+                    # Every unit was released by its gradient hooks or at the end of the backward.
+                    assert all(p.numel() == 0 for p in engine.module.parameters())
                 engine.step()
             results[stage] = {name: safe_get_full_fp32_param(p).cpu() for name, p in engine.module.named_parameters()}
         for name, value in results[2].items():
