@@ -78,7 +78,7 @@ class TestStage3MuonParity(DistributedTest):
         basic = engine.optimizer.optimizer
         held = [p.numel() for group in basic.param_groups if group.get("use_muon") for p in group["params"]
                 if "momentum_buffer" in basic.state.get(p, {})]
-        total = torch.tensor([sum(held)])
+        total = torch.tensor([sum(held)], device=engine.device)
         dist.all_reduce(total)
         matrices = sum(p.ds_numel for p in model.parameters() if len(p.ds_shape) >= 2)
         assert total.item() == matrices
@@ -261,7 +261,7 @@ class TestStage3GatherAndSave(DistributedTest):
         with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
             if dist.get_rank() == 0:
                 weight.data.fill_(0.5)
-        assert torch.equal(fp32_masters_of(weight), torch.full(tuple(weight.ds_shape), 0.5))
+        assert torch.equal(fp32_masters_of(weight), torch.full(tuple(weight.ds_shape), 0.5, device=weight.device))
 
         directory = [os.path.join(str(tmpdir), "model")]
         dist.broadcast_object_list(directory, src=0)
@@ -269,7 +269,8 @@ class TestStage3GatherAndSave(DistributedTest):
         if dist.get_rank() == 0:
             saved = torch.load(os.path.join(directory[0], "pytorch_model.bin"), weights_only=True)
             assert saved["linears.0.weight"].dtype == torch.bfloat16
-            assert torch.equal(saved["linears.0.weight"], torch.full((HIDDEN, HIDDEN), 0.5, dtype=torch.bfloat16))
+            expected = torch.full((HIDDEN, HIDDEN), 0.5, dtype=torch.bfloat16)
+            assert torch.equal(saved["linears.0.weight"].cpu(), expected)
 
 
 class TiedLM(torch.nn.Module):
