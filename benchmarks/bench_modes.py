@@ -4,22 +4,28 @@ A runner owns a freshly built model and optimizer and exposes the two halves of 
 `forward_backward()` (every micro-batch, up to the last backward) and `optimizer_step()` (everything
 after it: for our engine `engine.step()` at the accumulation boundary; for the DDP reference gradient
 clipping, the optimizers' steps and zero_grad). The benchmark times the halves separately.
+
+A mode runs in a tree: this checkout ("this") or an upstream release ("0.19.8") imported in its own processes.
+For a release, only its public surface is used (`deepspeed.initialize`, the engine's forward/backward/step, the
+JSON config keys it reads); the DDP reference does not depend on the tree and runs in this checkout only.
 """
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import deepspeed
-from deepspeed.runtime.zero.muon.original_muon import muon_update
 
 from gpt_model import GPT, GPTConfig, is_hidden_matrix
 
 ADAM_BETAS = (0.9, 0.95)
 ADAM_EPS = 1e-10
+THIS_TREE = "this"
+# What upstream releases fix: the Newton-Schulz steps their Muon always runs (their config has no ns_steps).
+UPSTREAM_NS_STEPS = 5
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,7 @@ class Mode:
         stage: ZeRO stage (deepspeed only).
         dtype: "bf16" or "fp16" (DDP: bf16 autocast over fp32 weights).
         optimizer: "muon" (Muon for hidden matrices, AdamW for the rest) or "adamw".
+        tree: the code it runs: "this" checkout or an upstream release such as "0.19.8".
     """
 
     name: str
@@ -39,6 +46,15 @@ class Mode:
     stage: Optional[int]
     dtype: str
     optimizer: str
+    tree: str = THIS_TREE
+
+    @property
+    def label(self) -> str:
+        """The name in the results: "ds-z2-bf16-muon" here, "ds-z2-bf16-muon@0.19.8" in a release."""
+        return self.name if self.tree == THIS_TREE else f"{self.name}@{self.tree}"
+
+    def in_tree(self, tree: str) -> "Mode":
+        return replace(self, tree=tree)
 
 
 def _ds(stage: int, dtype: str, optimizer: str) -> Mode:
@@ -103,16 +119,20 @@ def make_batches(settings: Settings, device: torch.device, rank: int) -> list:
 
 
 def deepspeed_config(mode: Mode, settings: Settings) -> dict:
+    """The engine's JSON config for `mode`; for a release, only keys that release reads (see `tree_notes`)."""
+    upstream = mode.tree != THIS_TREE
     if mode.optimizer == "muon":
         params = {"lr": settings.muon_lr, "muon_lr": settings.muon_lr, "adam_lr": settings.adam_lr,
                   "momentum": settings.momentum, "betas": list(ADAM_BETAS), "eps": ADAM_EPS, "weight_decay": 0.0,
-                  "ns_method": settings.ns_method, "ns_steps": settings.ns_steps, "nesterov": True}
-        if settings.ns_dtype is not None:
-            params["ns_dtype"] = settings.ns_dtype
+                  "ns_method": settings.ns_method}
+        if not upstream:
+            params |= {"ns_steps": settings.ns_steps, "nesterov": True}
+            if settings.ns_dtype is not None:
+                params["ns_dtype"] = settings.ns_dtype
         optimizer = {"type": "muon", "params": params}
     else:
         params = {"lr": settings.adam_lr, "betas": list(ADAM_BETAS), "eps": ADAM_EPS, "weight_decay": 0.0}
-        if settings.fused_adamw:
+        if settings.fused_adamw and not upstream:
             params["fused"] = True
         optimizer = {"type": "adamw", "params": params}
     return {
@@ -128,10 +148,42 @@ def deepspeed_config(mode: Mode, settings: Settings) -> dict:
             "overlap_comm": settings.overlap_comm,
             "reduce_bucket_size": settings.bucket_size,
             "allgather_bucket_size": settings.bucket_size,
-            "reduce_scatter": True,
+            "reduce_scatter": not (upstream and mode.stage == 3 and mode.optimizer == "muon"),
             "contiguous_gradients": True,
         },
     }
+
+
+def unsupported_reason(mode: Mode, settings: Settings) -> Optional[str]:
+    """Why `mode` cannot run in its tree with these settings (None: it can); recorded instead of a result."""
+    if mode.tree == THIS_TREE:
+        return None
+    if mode.backend == "ddp":
+        return "torch DDP does not use DeepSpeed: measured in this checkout's run only"
+    if mode.optimizer == "muon" and settings.ns_steps != UPSTREAM_NS_STEPS:
+        return (f"--ns-steps {settings.ns_steps}: release {mode.tree} always runs {UPSTREAM_NS_STEPS} Newton-Schulz "
+                "steps (its config has no ns_steps)")
+    return None
+
+
+def tree_notes(mode: Mode, settings: Settings) -> list:
+    """How a release's mode differs from this checkout's in what it is configured to do (empty here)."""
+    if mode.tree == THIS_TREE or mode.backend != "deepspeed":
+        return []
+    notes = []
+    if mode.optimizer == "muon":
+        notes.append(f"Newton-Schulz: {settings.ns_method} iteration, {UPSTREAM_NS_STEPS} steps, Nesterov momentum "
+                     f"and the compute dtype as release {mode.tree} fixes them (its config reads no ns_steps, "
+                     "nesterov or ns_dtype)" + (f"; --ns-dtype {settings.ns_dtype} not applied"
+                                                if settings.ns_dtype else ""))
+        notes.append("Adam half: the release's default Adam (its FusedAdam op, built just in time, where it builds)")
+        if mode.stage == 3:
+            notes.append("reduce_scatter false: the release refuses Muon at ZeRO stage 3 with reduce_scatter true "
+                         "(\"Muon and reduce scatter cannot be used together\")")
+    else:
+        notes.append("AdamW: the release's default for optimizer type adamw (its FusedAdam op, built just in time); "
+                     "this checkout: torch.optim.AdamW" + (" (fused)" if settings.fused_adamw else ""))
+    return notes
 
 
 class DeepSpeedRunner:
@@ -165,7 +217,8 @@ class DeepSpeedRunner:
 class ReplicatedMuon(torch.optim.Optimizer):
     """Stand-in for torch.optim.Muon on torch builds without it: every rank orthogonalises every matrix.
 
-    Uses the reference math (`original_muon.muon_update`, standard iteration), as DDP + Muon would.
+    Uses the reference math (`original_muon.muon_update`, standard iteration), as DDP + Muon would. Runs only in
+    this checkout (it is the DDP reference), which is why its import waits until a step needs it.
     """
 
     def __init__(self, params, lr: float, momentum: float, ns_steps: int):
@@ -173,6 +226,8 @@ class ReplicatedMuon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        from deepspeed.runtime.zero.muon.original_muon import muon_update
+
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -251,4 +306,5 @@ def build_runner(mode: Mode, settings: Settings, device: torch.device, batches: 
     return runner_class(mode, settings, device, batches)
 
 
-__all__ = ["ALL_MODES", "MODES_BY_NAME", "Mode", "Settings", "build_runner", "make_batches", "reference_muon_class"]
+__all__ = ["ALL_MODES", "MODES_BY_NAME", "THIS_TREE", "Mode", "Settings", "build_runner", "make_batches",
+           "reference_muon_class", "tree_notes", "unsupported_reason"]

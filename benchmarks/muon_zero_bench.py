@@ -4,6 +4,8 @@ Launch (whole table, 2 GPUs; benchmarks/run_all.sh does this):
     python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/muon_zero_bench.py
 End-to-end check on CPU (two gloo processes, a tiny model, well under a minute):
     python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/muon_zero_bench.py --smoke
+An upstream release instead of this checkout (prepared by benchmarks/upstream_tree.py; benchmarks/run_trees.py runs
+several trees one after the other and merges their results): --tree 0.19.8.
 
 Every selected mode is built once, warmed up and kept alive beside the others (its peak memory measured
 while it is built and warmed up). Then --blocks blocks: in each, every mode in turn runs --rewarm-steps
@@ -23,6 +25,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import json
 import os
 import platform
 import sys
@@ -33,10 +36,16 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# Benchmark this checkout's deepspeed even where another one is installed.
-sys.path.insert(0, str(REPO_ROOT))
+THIS_TREE = "this"
 
 DEFAULT_PROFILE_MODES = "ds-z2-bf16-muon,ds-z2-bf16-adamw,ddp-bf16-muon"
+# Model presets (--model): the layer sizes, and for the large one the modes it is measured with by default.
+MODEL_PRESETS = {
+    "gpt2-small": {"layers": 12, "d_model": 768, "heads": 12, "seq_len": 1024, "vocab": 50304},
+    # 1.11B parameters; one GPU, bf16, ZeRO-2 against DDP (NPROC=1; run_all.sh picks it for this preset).
+    "gpt-1.1b": {"layers": 20, "d_model": 2048, "heads": 16, "seq_len": 1024, "vocab": 50304,
+                 "modes": "ds-z2-bf16-muon,ds-z2-bf16-adamw,ddp-bf16-muon,ddp-bf16-adamw"},
+}
 SMOKE_DEFAULTS = {
     "layers": 2, "d_model": 64, "heads": 2, "seq_len": 64, "vocab": 512, "micro_batch": 2, "grad_accum": 2,
     "warmup": 1, "blocks": 4, "block_steps": 2, "rewarm_steps": 1, "ns_timing_steps": 1, "profile_steps": 1,
@@ -49,12 +58,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true",
                         help="tiny model, few steps, on CPU (gloo) unless DS_ACCELERATOR is set: an end-to-end check")
+    parser.add_argument("--tree", default=THIS_TREE,
+                        help="the deepspeed to run: 'this' checkout, or an upstream release prepared in "
+                             "benchmarks/trees/ (benchmarks/upstream_tree.py), e.g. 0.19.8")
     size = parser.add_argument_group("model and batch (default: GPT-2 small, 8 x 1024 tokens per GPU)")
-    size.add_argument("--layers", type=int, default=12)
-    size.add_argument("--d-model", type=int, default=768)
-    size.add_argument("--heads", type=int, default=12)
-    size.add_argument("--seq-len", type=int, default=1024)
-    size.add_argument("--vocab", type=int, default=50304)
+    size.add_argument("--model", default="gpt2-small", choices=sorted(MODEL_PRESETS),
+                      help="layer sizes (and, for gpt-1.1b, the default --modes); the flags below override them")
+    size.add_argument("--layers", type=int)
+    size.add_argument("--d-model", type=int)
+    size.add_argument("--heads", type=int)
+    size.add_argument("--seq-len", type=int)
+    size.add_argument("--vocab", type=int)
     size.add_argument("--micro-batch", type=int, default=8, help="sequences per GPU per micro-step")
     size.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
     method = parser.add_argument_group("method")
@@ -96,6 +110,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out-dir", default=None, help="default: $OUT if set, else benchmarks/results")
     parser.add_argument("--name", default="muon_zero_bench", help="stem of the output files")
     first, _ = parser.parse_known_args(argv)
+    parser.set_defaults(**MODEL_PRESETS[first.model])
     if first.smoke:
         parser.set_defaults(**SMOKE_DEFAULTS)
     args = parser.parse_args(argv)
@@ -149,10 +164,13 @@ def main(argv=None) -> None:
     if args.smoke:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         torch.set_num_threads(1)
+    tree_path = use_tree(args.tree)
     # Imported only now: the accelerator is chosen from DS_ACCELERATOR on first use.
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.accelerator import get_accelerator
+
+    check_tree(deepspeed, args.tree, tree_path)
 
     import report
     from bench_modes import make_batches
@@ -166,18 +184,21 @@ def main(argv=None) -> None:
         accelerator.set_device(dist.get_local_rank())
         device = torch.device(accelerator.device_name(dist.get_local_rank()))
     settings, modes, shapes, results = _plan(args, deepspeed, device, world)
+    if args.tree != THIS_TREE:
+        results["meta"]["tree_info"] = tree_metadata(tree_path)
     out_dir = Path(args.out_dir or os.environ.get("OUT") or REPO_ROOT / "benchmarks" / "results")
     run = Run(args, accelerator, rank, world, results, out_dir, time.perf_counter(), _rank0_printer(rank))
     run.log(f"{len(modes)} modes, {args.blocks} blocks x {args.block_steps} steps per phase on {world} x "
             f"{results['meta'].get('gpu', device.type)}; {results['model']['parameters'] / 1e6:.1f}M params, "
             f"{results['tokens_per_step']} tokens/step; out: {out_dir}")
-    if rank == 0:
+    if rank == 0 and args.tree == THIS_TREE:  # they time this checkout's functions; the device is the same
         _one_device_timings(args, shapes, device, world, results, run.log)
+        _log_floors(results, run.log)
         _free_memory(accelerator)
     dist.barrier()
     run.log(f"one-device timings done ({run.elapsed():.0f} s)")
 
-    runners = build_modes(modes, settings, make_batches(settings, device, rank), run)
+    modes, runners = build_modes(modes, settings, make_batches(settings, device, rank), run)
     run_blocks(modes, runners, run)
     run_extras(modes, runners, run)
     for runner in runners.values():
@@ -192,15 +213,55 @@ def main(argv=None) -> None:
     dist.destroy_process_group()
 
 
+def use_tree(tree: str) -> Path:
+    """Put `tree`'s deepspeed first on sys.path (before anything imports it); return its folder.
+
+    A release's processes must not see this checkout at all: its deepspeed, and its op_builder, which upstream's
+    accelerator tries to import, are taken off the path.
+    """
+    if tree == THIS_TREE:
+        # Benchmark this checkout's deepspeed even where another one is installed.
+        sys.path.insert(0, str(REPO_ROOT))
+        return REPO_ROOT
+    from upstream_tree import ToolError, locate
+
+    try:
+        path = locate(tree)
+    except ToolError as error:
+        raise SystemExit(f"--tree {tree}: {error}") from None
+    # An empty entry is the working directory, which may be this checkout.
+    sys.path[:] = [str(path)] + [entry for entry in sys.path if Path(entry or ".").resolve() != REPO_ROOT]
+    return path
+
+
+def check_tree(deepspeed, tree: str, path: Path) -> None:
+    """Refuse to run when the imported deepspeed is not the tree's (e.g. an installed one shadowing it)."""
+    where = Path(deepspeed.__file__).resolve()
+    if not where.is_relative_to(path.resolve() / "deepspeed") or (tree != THIS_TREE and deepspeed.__version__ != tree):
+        raise SystemExit(f"--tree {tree}: imported deepspeed {deepspeed.__version__} from {where}, not the tree's "
+                         f"({path / 'deepspeed'})")
+
+
+def tree_metadata(path: Path) -> dict:
+    from upstream_tree import TREE_INFO
+
+    return json.loads((path / TREE_INFO).read_text())
+
+
 def _plan(args, deepspeed, device: torch.device, world: int):
-    """Settings, modes, Muon matrix shapes and the results skeleton (model shapes from a meta-device build)."""
-    from bench_modes import ALL_MODES, MODES_BY_NAME, Settings, reference_muon_class
+    """Settings, modes, Muon matrix shapes and the results skeleton (model shapes from a meta-device build).
+
+    The modes are those this tree can run; the others are recorded with the reason ("not_run").
+    """
+    from bench_modes import (ALL_MODES, MODES_BY_NAME, Settings, deepspeed_config, reference_muon_class, tree_notes,
+                             unsupported_reason)
     from gpt_model import GPT, GPTConfig, count_parameters, hidden_matrix_shapes
 
     unknown = [] if args.modes == "all" else [n for n in args.modes.split(",") if n not in MODES_BY_NAME]
     if unknown:
         raise SystemExit(f"unknown mode(s) {unknown}; choose from {list(MODES_BY_NAME)} or 'all'")
-    modes = ALL_MODES if args.modes == "all" else [MODES_BY_NAME[name] for name in args.modes.split(",")]
+    selected = ALL_MODES if args.modes == "all" else [MODES_BY_NAME[name] for name in args.modes.split(",")]
+    selected = [mode.in_tree(args.tree) for mode in selected]
     fused = args.fused_adamw if args.fused_adamw is not None else device.type == "cuda"
     model_cfg = GPTConfig(args.layers, args.d_model, args.heads, args.seq_len, args.vocab)
     settings = Settings(model_cfg, args.micro_batch, args.grad_accum, args.clip, args.muon_lr, args.adam_lr,
@@ -209,18 +270,51 @@ def _plan(args, deepspeed, device: torch.device, world: int):
     with torch.device("meta"):
         shape_model = GPT(model_cfg)
     shapes = hidden_matrix_shapes(shape_model)
+    entries, modes = {}, []
+    for mode in selected:
+        entry = {"backend": mode.backend, "stage": mode.stage, "dtype": mode.dtype, "optimizer": mode.optimizer,
+                 "blocks": []}
+        if mode.tree != THIS_TREE:
+            entry["tree"] = mode.tree
+        if mode.backend == "deepspeed":
+            entry["config"] = deepspeed_config(mode, settings)
+        notes = tree_notes(mode, settings)
+        if notes:
+            entry["notes"] = notes
+        reason = unsupported_reason(mode, settings)
+        if reason:
+            entry["not_run"] = reason
+        else:
+            modes.append(mode)
+        entries[mode.label] = entry
     results = {
-        "meta": machine_info(deepspeed, device, world) | {"reference_muon": reference_muon_class(),
-                                                           "command": " ".join(sys.argv)},
+        "meta": machine_info(deepspeed, device, world, args.tree) | {"reference_muon": reference_muon_class(),
+                                                                      "command": " ".join(sys.argv)},
         "args": vars(args) | {"fused_adamw": fused},
         "model": {"n_layer": args.layers, "d_model": args.d_model, "n_head": args.heads, "seq_len": args.seq_len,
                   "vocab_size": args.vocab, "parameters": count_parameters(shape_model),
                   "muon_matrices": [list(s) for s in shapes]},
         "tokens_per_step": args.micro_batch * args.seq_len * args.grad_accum * world,
-        "modes": {mode.name: {"backend": mode.backend, "stage": mode.stage, "dtype": mode.dtype,
-                              "optimizer": mode.optimizer, "blocks": []} for mode in modes},
+        "modes": entries,
     }
+    if args.tree == THIS_TREE:  # the owner assignment is this checkout's
+        from ns_timing import newton_schulz_floor_flops
+
+        results["ns_floor"] = newton_schulz_floor_flops(shapes, world, args.ns_steps)
     return settings, modes, shapes, results
+
+
+def _log_floors(results: dict, log) -> None:
+    """The Newton-Schulz floors of one optimizer step on the busiest owner, at the measured matmul rate."""
+    floor, rate = results.get("ns_floor"), results["meta"].get("matmul_tflops")
+    if not floor:
+        return
+    parts = []
+    for method, flops in floor["methods"].items():
+        time_ms = f" = {flops['flops_owner'] / (rate * 1e12) * 1e3:.3f} ms" if rate else ""
+        parts.append(f"{method} {flops['flops_owner'] / 1e12:.4g} TFLOP{time_ms}")
+    log(f"Newton-Schulz floor per optimizer step on the busiest of {floor['world']} owner(s): " + ", ".join(parts)
+        + (f" at {rate:.4g} TFLOP/s (measured matmul rate)" if rate else " (no matmul rate: --matmul-size 0)"))
 
 
 def _one_device_timings(args, shapes: list, device: torch.device, world: int, results: dict, log) -> None:
@@ -239,22 +333,42 @@ def _one_device_timings(args, shapes: list, device: torch.device, world: int, re
         log(f"one-device timings failed: {error!r}")
 
 
-def build_modes(modes: list, settings, batches: list, run: Run) -> dict:
-    """Build and warm up every mode, one after the other; all stay alive for the interleaved blocks."""
+def build_modes(modes: list, settings, batches: list, run: Run) -> tuple:
+    """Build and warm up every mode, one after the other; all stay alive for the interleaved blocks.
+
+    A mode whose build or warm-up raises (on any rank) is recorded as not run, with the error, and left out.
+    Returns (the modes built, their runners by label).
+    """
     import report
 
-    runners = {}
+    built, runners = [], {}
     for mode in modes:
-        local, runners[mode.name] = build_and_warm_up(mode, settings, batches, run.args, run.accelerator)
+        runner = None
+        try:
+            local, runner = build_and_warm_up(mode, settings, batches, run.args, run.accelerator)
+        except Exception as error:  # this tree cannot run this mode: the others still run
+            local = {"error": f"{type(error).__name__}: {error}"[-600:]}
         gathered = run.gather(local)
+        errors = [f"rank {rank}: {g['error']}" for rank, g in enumerate(gathered) if "error" in g]
+        if errors:
+            if runner is not None:
+                runner.close()
+            runner = None
+            _free_memory(run.accelerator)
+            if run.rank == 0:
+                run.results["modes"][mode.label]["not_run"] = "build or warm-up failed: " + "; ".join(errors)
+                run.log(f"{mode.label}: not run, build or warm-up failed: {errors[0]}")
+            continue
+        built.append(mode)
+        runners[mode.label] = runner
         if run.rank == 0:
             build = merge_build(gathered)
-            run.results["modes"][mode.name]["build"] = build
+            run.results["modes"][mode.label]["build"] = build
             footprint = max(report.footprint_bytes(build))
-            run.log(f"built {mode.name:16s} in {build['build_s']:5.1f} s, peak {footprint / 2**30:6.2f} GiB "
+            run.log(f"built {mode.label:16s} in {build['build_s']:5.1f} s, peak {footprint / 2**30:6.2f} GiB "
                     f"({run.elapsed():.0f} s)")
     run.write()
-    return runners
+    return built, runners
 
 
 def build_and_warm_up(mode, settings, batches: list, args, accelerator):
@@ -295,14 +409,14 @@ def run_blocks(modes: list, runners: dict, run: Run) -> None:
             break
         block_start = time.perf_counter()
         order = block_order(modes, block)
-        local = {mode.name: time_turn(runners[mode.name], run.args, run.accelerator) for mode in order}
+        local = {mode.label: time_turn(runners[mode.label], run.args, run.accelerator) for mode in order}
         block_s = time.perf_counter() - block_start
         longest_block_s = max(longest_block_s, block_s)
         gathered = run.gather(local)
         if run.rank == 0:
             for position, mode in enumerate(order):
-                turn = merge_turn([rank_turns[mode.name] for rank_turns in gathered])
-                run.results["modes"][mode.name]["blocks"].append({"block": block, "position": position} | turn)
+                turn = merge_turn([rank_turns[mode.label] for rank_turns in gathered])
+                run.results["modes"][mode.label]["blocks"].append({"block": block, "position": position} | turn)
             run.results["meta"]["blocks_run"] = block + 1
             run.write()
             run.log(f"[block {block + 1}/{run.args.blocks}] {block_s:5.1f} s ({run.elapsed():.0f} s)")
@@ -375,21 +489,42 @@ def run_extras(modes: list, runners: dict, run: Run) -> None:
     longest_s = 0.0
     for mode in modes:
         if run.past_budget(longest_s):
-            run.log(f"budget of {args.budget_s:g} s reached: no extras for {mode.name}")
-            run.results["meta"].setdefault("extras_skipped_for_budget", []).append(mode.name)
+            run.log(f"budget of {args.budget_s:g} s reached: no extras for {mode.label}")
+            run.results["meta"].setdefault("extras_skipped_for_budget", []).append(mode.label)
             continue
         start = time.perf_counter()
-        local = measure_extras(mode, runners[mode.name], args, run.accelerator, mode.name in profile_modes)
+        local = measure_extras(mode, runners[mode.label], args, run.accelerator, mode.name in profile_modes)
         longest_s = max(longest_s, time.perf_counter() - start)
         gathered = run.gather(local)
         if run.rank == 0:
-            run.results["modes"][mode.name]["extras"] = merge_extras(gathered)
+            run.results["modes"][mode.label]["extras"] = merge_extras(gathered)
             run.write()
     run.log(f"extras done ({run.elapsed():.0f} s)")
 
 
 def measure_extras(mode, runner, args, accelerator, profile: bool) -> dict:
-    """This rank's optimizer-step phases, Newton-Schulz calls (Muon modes) and profile, in untimed steps."""
+    """This rank's optimizer-step phases, Newton-Schulz calls (Muon modes) and profile, in untimed steps.
+
+    The phases and Newton-Schulz calls are timed by wrapping this checkout's functions: not in a release's run.
+    """
+    local = {}
+    if mode.tree == THIS_TREE:
+        local |= _internal_timings(mode, runner, args, accelerator)
+    host_steps = int(os.environ.get("BENCH_HOST_PROBE", "0"))
+    if host_steps:
+        local["host_probe"] = host_probe(runner, accelerator, host_steps)
+        print(f"host probe {mode.label} rank {torch.distributed.get_rank()}: {local['host_probe']}", flush=True)
+    if host_steps and mode.tree == THIS_TREE:
+        local["host_phases"] = _host_phases(mode, runner, host_steps)
+    if profile:
+        try:
+            local["profile"] = profile_runner(runner, accelerator, args.profile_steps, mode.label)
+        except Exception as error:  # the profile is an extra: keep the measured table
+            local["profile_error"] = repr(error)
+    return local
+
+
+def _internal_timings(mode, runner, args, accelerator) -> dict:
     from ns_timing import summarize_calls, timed_newton_schulz
     from step_phases import DDP_PHASES, DEEPSPEED_PHASES, measure_phases
 
@@ -406,26 +541,22 @@ def measure_extras(mode, runner, args, accelerator, profile: bool) -> dict:
                 timed_step(runner, accelerator, sync_before_optimizer=True)
                 per_step.append(records[first:])
         local["ns"] = summarize_calls(per_step)
-    host_steps = int(os.environ.get("BENCH_HOST_PROBE", "0"))
-    if host_steps:
-        import step_phases
-
-        local["host_probe"] = host_probe(runner, accelerator, host_steps)
-        print(f"host probe {mode.name} rank {torch.distributed.get_rank()}: {local['host_probe']}", flush=True)
-        step_phases.SYNCHRONIZE = False
-        try:
-            phases = DEEPSPEED_PHASES if mode.backend == "deepspeed" else DDP_PHASES
-            local["host_phases"] = measure_phases(phases, host_steps, functools.partial(runner_step, runner))
-        finally:
-            step_phases.SYNCHRONIZE = True
-        print(f"host phases {mode.name} rank {torch.distributed.get_rank()}: "
-              + ", ".join(f"{k}: {v:.2f}" for k, v in local["host_phases"].items()), flush=True)
-    if profile:
-        try:
-            local["profile"] = profile_runner(runner, accelerator, args.profile_steps, mode.name)
-        except Exception as error:  # the profile is an extra: keep the measured table
-            local["profile_error"] = repr(error)
     return local
+
+
+def _host_phases(mode, runner, steps: int) -> dict:
+    """The optimizer step's phases on the host clock only (BENCH_HOST_PROBE)."""
+    import step_phases
+
+    step_phases.SYNCHRONIZE = False
+    try:
+        phases = step_phases.DEEPSPEED_PHASES if mode.backend == "deepspeed" else step_phases.DDP_PHASES
+        measured = step_phases.measure_phases(phases, steps, functools.partial(runner_step, runner))
+    finally:
+        step_phases.SYNCHRONIZE = True
+    print(f"host phases {mode.label} rank {torch.distributed.get_rank()}: "
+          + ", ".join(f"{k}: {v:.2f}" for k, v in measured.items()), flush=True)
+    return measured
 
 
 def runner_step(runner) -> None:
@@ -572,11 +703,12 @@ def merge_extras(gathered: list) -> dict:
     return merged
 
 
-def machine_info(deepspeed, device: torch.device, world: int) -> dict:
+def machine_info(deepspeed, device: torch.device, world: int, tree: str) -> dict:
+    # A copy without .git (the GPU machine's) has no hash of its own: BENCH_GIT_HASH names this checkout's commit.
+    own_hash = os.environ.get("BENCH_GIT_HASH") if tree == THIS_TREE else None
     info = {"torch": torch.__version__, "python": platform.python_version(), "world_size": world,
             "device_type": device.type, "cpu_count": os.cpu_count(), "deepspeed": deepspeed.__version__,
-            # A copy without .git (the GPU machine's) has no hash of its own: BENCH_GIT_HASH names the commit.
-            "git_hash": os.environ.get("BENCH_GIT_HASH") or deepspeed.__git_hash__,
+            "tree": tree, "git_hash": own_hash or deepspeed.__git_hash__,
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

@@ -197,6 +197,23 @@ def owner_subset(shapes: list, world: int, rank: int = 0) -> list:
     return [shape for shape, owner in zip(ordered, owners) if owner == rank]
 
 
+def newton_schulz_floor_flops(shapes: list, world: int, ns_steps: int) -> dict:
+    """Flops of one optimizer step's Newton-Schulz, per iteration: all matrices, each owner rank's, the busiest's.
+
+    The floor of a step's Newton-Schulz time is the busiest owner's flops at the device's matmul rate (the report
+    divides by the rate measured with --matmul-size): the step cannot end before that owner's matrices are done.
+    Both iterations are counted on the same owner assignment (the engine's, by the standard iteration's cost);
+    "gram" runs the standard iteration on square matrices, as the engine does.
+    """
+    subsets = [owner_subset(shapes, world, rank) for rank in range(world)]
+    methods = {}
+    for method in ("standard", "gram"):
+        per_rank = [sum(ns_flops(method, shape, ns_steps) for shape in subset) for subset in subsets]
+        methods[method] = {"flops_all": sum(ns_flops(method, shape, ns_steps) for shape in shapes),
+                           "flops_per_rank": per_rank, "flops_owner": max(per_rank, default=0)}
+    return {"ns_steps": ns_steps, "world": world, "methods": methods}
+
+
 def engine_batch_sizes(shapes: list, world: int) -> dict:
     """Per distinct shape, the batch of one Newton-Schulz call in the engine: the most matrices of that shape
     one owner rank holds (each owner stacks its same-shape matrices into one call; the slowest rank counts).

@@ -10,7 +10,9 @@ markdown and profile tables are written and the chart is left out, to be drawn l
 
 Trees: a mode entry may name the code it ran in "tree" (an upstream release, e.g. "0.19.8"; its mode name is
 then "<mode>@<release>", e.g. "ds-z2-bf16-muon@0.19.8"). Without it, our engine's modes are "ours" and the DDP
-reference is "torch DDP". The chart puts the trees of one mode side by side.
+reference is "torch DDP". The chart puts the trees of one mode side by side. A mode a tree cannot run carries
+"not_run" (the reason) and no blocks; "notes" say how a release's mode is configured differently; meta.trees
+(benchmarks/merge_trees.py) says what each tree's run was.
 """
 
 import argparse
@@ -28,6 +30,9 @@ TARGET_CONFIG = ("ds-z2-bf16-muon", "ds-z2-bf16-adamw", "ddp-bf16-muon")
 RERUN_TOLERANCE_PCT = 5.0  # the method's rerun-stability requirement: two reruns' medians within 5%
 HALVES = ("A", "B")  # A: blocks 1, 3, 5, ...; B: blocks 2, 4, 6, ... (1-based), two reruns interleaved in time
 PLOT_HINT = "pip install matplotlib (or pip install -e \".[dev]\")"
+# Muon's cost over AdamW must stay below this fraction of the standard Newton-Schulz floor (the Gram iteration and
+# overlap with other work are what make that possible).
+FLOOR_FRACTION = 0.8
 
 
 # ---------------------------------------------------------------------------------------- statistics
@@ -193,7 +198,40 @@ def evaluate_targets(results: dict, summaries: dict) -> list:
     targets.append(_check("peak memory per GPU: Muon <= AdamW", None if peak_muon is None or peak_adamw is None
                           else peak_muon - peak_adamw, 0.0, "GiB (Muon - AdamW)",
                           f"Muon {_fmt(peak_muon, '.2f')} GiB, AdamW {_fmt(peak_adamw, '.2f')} GiB"))
+    targets.append(_floor_check(results, summaries))
     return targets
+
+
+def newton_schulz_floors_ms(results: dict) -> dict:
+    """Per iteration ("standard", "gram"): the floor of one optimizer step's Newton-Schulz in ms, i.e. the busiest
+    owner's flops at the measured matmul rate; empty without flop counts or a rate."""
+    floor, rate = results.get("ns_floor"), results["meta"].get("matmul_tflops")
+    if not floor or not rate:
+        return {}
+    return {method: counts["flops_owner"] / (rate * 1e12) * 1e3 for method, counts in floor["methods"].items()}
+
+
+def _step_gap_ms(summaries: dict, muon: str, adamw: str, half=None):
+    """Muon's whole step minus AdamW's (medians, ms)."""
+    a, b = _median(summaries, muon, "step", half), _median(summaries, adamw, "step", half)
+    return None if a is None or b is None else a - b
+
+
+def _floor_check(results: dict, summaries: dict) -> dict:
+    """(our Muon step - our AdamW step) against FLOOR_FRACTION x the standard iteration's floor, in floors."""
+    muon, adamw = TARGET_CONFIG[:2]
+    floors = newton_schulz_floors_ms(results)
+    standard = floors.get("standard")
+
+    def in_floors(half=None):
+        gap = _step_gap_ms(summaries, muon, adamw, half)
+        return None if gap is None or not standard else gap / standard
+
+    detail = (f"Muon - AdamW {_fmt(_step_gap_ms(summaries, muon, adamw))} ms; floors: standard {_fmt(standard)} ms, "
+              f"gram {_fmt(floors.get('gram'))} ms (the busiest owner's Newton-Schulz flops at the measured matmul "
+              f"rate, {_fmt(results['meta'].get('matmul_tflops'), '.4g')} TFLOP/s)")
+    return _check(f"our Muon step - our AdamW step <= {FLOOR_FRACTION:g} x standard Newton-Schulz floor (whole step)",
+                  in_floors(), FLOOR_FRACTION, "x floor", detail, [in_floors(half) for half in HALVES])
 
 
 def finalize(results: dict) -> dict:
@@ -303,7 +341,8 @@ def markdown(results: dict) -> str:
                      f"{_pct(s['step_halves']['delta_pct'])} / {_pct(s['opt_halves']['delta_pct'])} | "
                      f"{s['skipped_steps']} |")
     lines += _rerun_lines(summaries) + _target_lines(results["targets"])
-    lines += _ratio_lines(summaries) + _phase_lines(summaries) + _ns_lines(results)
+    lines += _ratio_lines(summaries) + _floor_lines(results) + _tree_lines(results)
+    lines += _phase_lines(summaries) + _ns_lines(results)
     lines += _profile_lines(summaries, results["modes"])
     return "\n".join(lines) + "\n"
 
@@ -342,22 +381,92 @@ def _target_lines(targets: list) -> list:
     return lines
 
 
+def muon_adamw_pairs(summaries: dict) -> list:
+    """(configuration, Muon mode, AdamW mode) for every Muon mode measured beside its AdamW mode in the same tree;
+    the configuration is e.g. "ds-z2-bf16" or "ds-z2-bf16@0.19.8"."""
+    pairs = []
+    for name in summaries:
+        group, at, tree = name.partition("@")
+        if not group.endswith("-muon"):
+            continue
+        config = group[:-len("-muon")]
+        other = f"{config}-adamw{at}{tree}"
+        if summaries.get(name) and summaries.get(other):
+            pairs.append((f"{config}{at}{tree}", name, other))
+    return pairs
+
+
 def _ratio_lines(summaries: dict) -> list:
     lines = ["", "## Muon / AdamW per configuration", "",
              "| configuration | whole step | step synchronised at ends | optimizer step | peak memory (GiB) |",
              "|---|---|---|---|---|"]
-    for name in summaries:
-        if not name.endswith("-muon"):
-            continue
-        other = name[:-len("muon")] + "adamw"
-        if not summaries.get(name) or not summaries.get(other):
-            continue
+    for config, name, other in muon_adamw_pairs(summaries):
         a, b = summaries[name], summaries[other]
         ends = _ratio(summaries, name, other, "step_ends")
-        lines.append(f"| {name[:-len('-muon')]} | {a['step_ms']['median'] / b['step_ms']['median']:.3f} x | "
+        lines.append(f"| {config} | {a['step_ms']['median'] / b['step_ms']['median']:.3f} x | "
                      f"{_fmt(ends, '.3f')} x | "
                      f"{a['opt_ms']['median'] / b['opt_ms']['median']:.3f} x | "
                      f"{a['peak_mem_gib']:.2f} vs {b['peak_mem_gib']:.2f} |")
+    return lines
+
+
+def _floor_lines(results: dict) -> list:
+    """Muon's cost over AdamW (whole step) beside the Newton-Schulz floors of both iterations."""
+    floor = results.get("ns_floor")
+    if not floor:
+        return []
+    floors, rate = newton_schulz_floors_ms(results), results["meta"].get("matmul_tflops")
+    methods = floor["methods"]
+    counts = "; ".join(f"{method} {c['flops_owner'] / 1e12:.4g} TFLOP on the busiest owner "
+                       f"({c['flops_all'] / 1e12:.4g} TFLOP for all matrices)" for method, c in methods.items())
+    lines = ["", "## Muon step - AdamW step against the Newton-Schulz floors", "",
+             f"Newton-Schulz flops of one optimizer step ({floor['ns_steps']} steps, {floor['world']} owner rank(s), "
+             f"this checkout's owner assignment): {counts}. Floor = those flops at the measured matmul rate "
+             f"({_fmt(rate, '.4g')} TFLOP/s, --matmul-size {results['args'].get('matmul_size')}): "
+             + ", ".join(f"{method} {_fmt(floors.get(method), '.3f')} ms" for method in methods)
+             + f". Target: (our Muon step - our AdamW step) <= {FLOOR_FRACTION:g} x the standard floor"
+             + (f" = {FLOOR_FRACTION * floors['standard']:.3f} ms." if "standard" in floors else "."), "",
+             "| configuration | Muon step ms | AdamW step ms | Muon - AdamW ms | / standard floor | / gram floor |",
+             "|---|---|---|---|---|---|"]
+    summaries = results["summary"]
+    for config, muon, adamw in muon_adamw_pairs(summaries):
+        gap = _step_gap_ms(summaries, muon, adamw)
+        shares = [_fmt(gap / floors[m], ".3f") + " x" if m in floors and floors[m] else "n/a"
+                  for m in ("standard", "gram")]
+        lines.append(f"| {config} | {_median(summaries, muon, 'step'):.2f} | {_median(summaries, adamw, 'step'):.2f} "
+                     f"| {gap:.2f} | {shares[0]} | {shares[1]} |")
+    return lines
+
+
+def _tree_lines(results: dict) -> list:
+    """What each tree's run was, the modes a tree could not run (and why), how a release's modes are configured."""
+    trees = results["meta"].get("trees", {})
+    modes = results["modes"]
+    not_run = [(name, entry["not_run"]) for name, entry in modes.items() if entry.get("not_run")]
+    notes = [(name, note) for name, entry in modes.items() if not entry.get("not_run")
+             for note in entry.get("notes", [])]
+    if not (trees or not_run or notes):
+        return []
+    lines = ["", "## Trees", ""]
+    if trees:
+        lines += ["Each tree ran in its own processes, one after the other, with the same model, batch and method.",
+                  "", "| tree | deepspeed | commit / source | blocks run | wall s | result |",
+                  "|---|---|---|---|---|---|"]
+        for tree, info in trees.items():
+            source = info.get("git_hash") or ""
+            if info.get("tree_info"):
+                source = f"{info['tree_info']['sdist']} (sha256 {info['tree_info']['sdist_sha256'][:12]})"
+            status = info.get("exit_status")
+            result = info.get("error") or (f"exit status {status}" if status else "ok")
+            lines.append(f"| {tree} | {info.get('deepspeed', 'n/a')} | {source} | {info.get('blocks_run', 'n/a')} | "
+                         f"{_fmt(info.get('wall_s'), '.0f')} | {result} |")
+    if not_run:
+        lines += ["", "Not run:", "", "| mode | why |", "|---|---|"]
+        lines += [f"| {name} | {reason} |" for name, reason in not_run]
+    if notes:
+        lines += ["", "How a release's modes are configured (the engine's config of every mode is in the JSON, "
+                  "modes.*.config):", "", "| mode | setting |", "|---|---|"]
+        lines += [f"| {name} | {note} |" for name, note in notes]
     return lines
 
 

@@ -24,13 +24,14 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-THIS_TREE = "this"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from upstream_release import (  # noqa: E402  (this folder is not a package)
+    REPO_ROOT, THIS_TREE, ToolError, download_sdist, parse_tree, run_quiet, temporary_directory)
+
 DEFAULT_SUITE = "unit/ops/muon"
 PR_MARKER = "upstream_pr"
 # The test extras the harness needs inside the release's environment (torch comes at the version in use here).
@@ -40,10 +41,6 @@ HARNESS_HEADER = re.compile(r"^(Failed: )?Rank \d+ failed( too)?:?$")
 ERROR_LINE = re.compile(r"^(?:E\s+)?((?:[A-Za-z_]\w*\.)*\w*(?:Error|Exception|Exit|Interrupt|Failed)\b.*)$")
 
 
-class ToolError(Exception):
-    """Bad input or an environment the tool cannot work in; the message is all the user sees."""
-
-
 @dataclass
 class TestResult:
     test_id: str
@@ -51,41 +48,7 @@ class TestResult:
     first_error: str = ""
 
 
-# ---------------------------------------------------------------------------------------------- input
-def parse_tree(text: str) -> str:
-    if text == THIS_TREE:
-        return text
-    from packaging.version import InvalidVersion, Version
-    try:
-        return str(Version(text))
-    except InvalidVersion:
-        raise ToolError(f"'{text}' is not a version number (expected e.g. 0.19.8, or '{THIS_TREE}' for this "
-                        "checkout)") from None
-
-
 # ---------------------------------------------------------------------------------------------- setup
-def run_quiet(command: list[str], what: str, env: dict | None = None, cwd: Path | None = None) -> str:
-    """Run a setup command; on failure raise ToolError with what failed and pip's own last lines."""
-    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd)
-    if proc.returncode != 0:
-        raise ToolError(f"{what} failed: {' '.join(command)}\n{explain_pip_failure(proc.stdout + proc.stderr)}")
-    return proc.stdout
-
-
-def explain_pip_failure(output: str) -> str:
-    lines = [line for line in output.splitlines() if line.strip() and "is ignored: it is neither" not in line]
-    text = "\n".join(lines)
-    # A registry that cannot be reached also ends in "No matching distribution": test the network first.
-    if re.search(r"NewConnectionError|Temporary failure in name resolution|Network is unreachable|"
-                 r"ConnectionError|Max retries exceeded|timed out|\(from versions: none\)", text):
-        hint = "the package registry could not be reached (no network?), or it has no deepspeed at all"
-    elif re.search(r"No matching distribution found|Could not find a version that satisfies", text):
-        hint = "the package registry has no such release of deepspeed (check the version number)"
-    else:
-        hint = "see pip's output above"
-    return "\n".join(line[:300] for line in lines[-8:]) + f"\n=> {hint}"
-
-
 def torch_requirement() -> str:
     """The torch this interpreter has, so the release is tested on the same torch as this tree."""
     try:
@@ -98,14 +61,7 @@ def torch_requirement() -> str:
 
 def prepare_release(version: str, workdir: Path) -> Path:
     """Download and install deepspeed==version into workdir/venv; return that environment's python."""
-    print(f"[{version}] downloading the source distribution into {workdir}", flush=True)
-    download = workdir / "download"
-    run_quiet([sys.executable, "-m", "pip", "download", f"deepspeed=={version}", "--no-deps", "--no-binary",
-               ":all:", "--no-build-isolation", "--retries", "1", "--timeout", "30", "-d", str(download)],
-              f"downloading deepspeed=={version}")
-    sdists = sorted(download.glob("deepspeed-*.tar.gz"))
-    if not sdists:
-        raise ToolError(f"pip download of deepspeed=={version} gave no source archive in {download}")
+    sdist = download_sdist(version, workdir)
 
     print(f"[{version}] installing it into a virtual environment (DS_BUILD_OPS=0)", flush=True)
     venv = workdir / "venv"
@@ -114,7 +70,7 @@ def prepare_release(version: str, workdir: Path) -> Path:
     env = {**os.environ, "DS_BUILD_OPS": "0", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     run_quiet([str(python), "-m", "pip", "install", "--quiet", torch_requirement(), "setuptools", "wheel",
                *HARNESS_REQUIREMENTS], "installing torch and the test harness's requirements", env=env)
-    run_quiet([str(python), "-m", "pip", "install", "--quiet", "--no-build-isolation", str(sdists[0])],
+    run_quiet([str(python), "-m", "pip", "install", "--quiet", "--no-build-isolation", str(sdist)],
               f"installing deepspeed=={version}", env=env)
     # deepspeed logs to stdout on import (the accelerator it picked): read only the tagged line.
     output = run_quiet([str(python), "-c", "import deepspeed, os; print('IMPORTED', deepspeed.__version__, "
@@ -173,9 +129,7 @@ def read_report(report: Path) -> list[TestResult]:
 
 def run_tree(tree: str, suite: str, marker: str | None, keyword: str | None, workers: int,
              keep: bool) -> list[TestResult]:
-    workdir = Path(tempfile.mkdtemp(prefix=f"ds-against-{tree}-"))
-    if workdir.resolve().is_relative_to(REPO_ROOT):
-        raise ToolError(f"the temporary directory {workdir} lies inside the repository; set TMPDIR elsewhere")
+    workdir = temporary_directory(f"ds-against-{tree}-")
     try:
         env = {**os.environ, "DS_BUILD_OPS": "0", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
         env.pop("PYTHONPATH", None)

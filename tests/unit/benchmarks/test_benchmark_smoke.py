@@ -57,7 +57,7 @@ def test_smoke_run_writes_every_mode_and_target(tmp_path):
     for name in ("ds-z2-bf16-muon", "ds-z1-fp16-muon"):
         assert all(calls == 1 for calls in results["summary"][name]["ns_calls_per_rank"]), name
     targets = {target["target"]: target for target in results["targets"]}
-    assert len(targets) == 5
+    assert len(targets) == 6
     assert "our Muon step <= 1.05 x our AdamW step (whole step, back to back)" in targets
     assert all(target["value"] is not None for target in targets.values()), targets
     engine_call = results["ns_standalone"]["owner_subset"]["engine_call_ms"]
@@ -149,3 +149,158 @@ def test_report_without_matplotlib_writes_the_tables_and_says_how_to_get_the_cha
     assert (tmp_path / "run.md").stat().st_size > 0
     assert not (tmp_path / "run.png").exists()
     assert "chart not drawn: matplotlib is not installed here; pip install matplotlib" in report.summary_text(results)
+
+
+# ------------------------------------------------------------------------------------------- trees (no network)
+BENCH_DIR = os.path.join(REPO_ROOT, "benchmarks")
+RUN_TREES = os.path.join(BENCH_DIR, "run_trees.py")
+
+
+def bench_module(name: str):
+    """A module of benchmarks/ (they import each other by their plain names)."""
+    if BENCH_DIR not in sys.path:
+        sys.path.insert(0, BENCH_DIR)
+    return importlib.import_module(name)
+
+
+def as_release_run(results: dict, release: str, factor: float) -> dict:
+    """The saved run as a release's run would write it: deepspeed modes named <mode>@<release>, steps `factor` x."""
+    results = copy.deepcopy(results)
+    modes = {}
+    for name, entry in results["modes"].items():
+        if entry["backend"] != "deepspeed":
+            entry = {key: entry[key] for key in ("backend", "stage", "dtype", "optimizer")} | {
+                "blocks": [], "not_run": "torch DDP does not use DeepSpeed: measured in this checkout's run only"}
+        for block in entry["blocks"]:
+            for key in ("step_steady_s", "step_s", "opt_s", "step_synced_s"):
+                block[key] = [seconds * factor for seconds in block[key]]
+        modes[f"{name}@{release}"] = entry | {"tree": release}
+    results["modes"] = modes
+    tree_info = {"release": release, "sdist": f"deepspeed-{release}.tar.gz", "sdist_sha256": "ab" * 32}
+    results["meta"] |= {"deepspeed": release, "git_hash": "unknown", "tree": release, "tree_info": tree_info}
+    for key in ("summary", "targets", "ns_standalone"):
+        results.pop(key, None)
+    return results
+
+
+def test_two_trees_merge_into_one_report(tmp_path):
+    merge_trees = bench_module("merge_trees")
+    report = load_report()
+    with open(SAVED_RUN) as f:
+        ours = json.load(f)
+    release = as_release_run(ours, "0.19.8", 2.0)
+    merged = merge_trees.merge([{"tree": "this", "results": ours, "exit_status": 0, "wall_s": 250.0},
+                                {"tree": "0.19.8", "results": release, "exit_status": 0, "wall_s": 300.0}])
+    assert list(merged["modes"]) == MODES + [f"{name}@0.19.8" for name in MODES]
+    assert merged["meta"]["deepspeed"] == ours["meta"]["deepspeed"]  # this checkout's run is the base
+    assert merged["ns_standalone"] == ours["ns_standalone"]
+    assert set(merged["meta"]["trees"]) == {"this", "0.19.8"}
+    assert "error" not in merged["meta"]["trees"]["0.19.8"]
+
+    results = report.finalize(merged)
+    summary = results["summary"]
+    for name in MODES:
+        release_name = f"{name}@0.19.8"
+        if name.startswith("ddp"):
+            assert summary[release_name] == {}  # not run there: no statistics, the reason in the report
+        else:
+            assert summary[release_name]["step_ms"]["median"] == pytest.approx(2 * summary[name]["step_ms"]["median"])
+    # The targets are this checkout's: the release's modes do not change them.
+    assert results["targets"][0]["value"] == pytest.approx(report.finalize(copy.deepcopy(ours))["targets"][0]["value"])
+    report.render(results, tmp_path, "merged")
+    table = (tmp_path / "merged.md").read_text()
+    assert "| ds-z2-bf16@0.19.8 |" in table  # Muon / AdamW of the release's own pair
+    assert "| 0.19.8 | 0.19.8 | deepspeed-0.19.8.tar.gz (sha256 abababababab) |" in table
+    assert "| ddp-bf16-muon@0.19.8 | torch DDP does not use DeepSpeed" in table
+    if has_matplotlib():
+        assert (tmp_path / "merged.png").is_file()
+
+
+def test_a_tree_without_results_or_with_another_model_is_recorded_not_merged():
+    merge_trees = bench_module("merge_trees")
+    with open(SAVED_RUN) as f:
+        ours = json.load(f)
+    other_model = as_release_run(ours, "0.19.8", 1.0)
+    other_model["model"] = other_model["model"] | {"n_layer": 20}
+    merged = merge_trees.merge([{"tree": "this", "results": ours, "exit_status": 0},
+                                {"tree": "0.19.8", "results": other_model, "exit_status": 0},
+                                {"tree": "0.19.6", "results": None, "exit_status": 1}])
+    assert list(merged["modes"]) == MODES
+    trees = merged["meta"]["trees"]
+    assert "not merged" in trees["0.19.8"]["error"] and "model" in trees["0.19.8"]["error"]
+    assert trees["0.19.6"]["error"] == "wrote no results (exit status 1)"
+    with pytest.raises(ValueError, match="no tree wrote results"):
+        merge_trees.merge([{"tree": "0.19.6", "results": None, "exit_status": 1}])
+
+
+def test_a_release_gets_only_the_config_keys_it_reads():
+    bench_modes = bench_module("bench_modes")
+    gpt_model = bench_module("gpt_model")
+    settings = bench_modes.Settings(gpt_model.GPTConfig(), 8, 1, 1.0, 0.02, 3e-4, 0.95, "gram", 5, "bf16", True,
+                                    50_000_000, True, 0)
+    modes = bench_modes.MODES_BY_NAME
+    ours = bench_modes.deepspeed_config(modes["ds-z3-bf16-muon"], settings)
+    assert {"ns_steps", "nesterov", "ns_dtype"} <= set(ours["optimizer"]["params"])
+    assert ours["zero_optimization"]["reduce_scatter"] is True
+    z3 = modes["ds-z3-bf16-muon"].in_tree("0.19.8")
+    assert z3.label == "ds-z3-bf16-muon@0.19.8"
+    theirs = bench_modes.deepspeed_config(z3, settings)
+    assert set(theirs["optimizer"]["params"]) == {"lr", "muon_lr", "adam_lr", "momentum", "betas", "eps",
+                                                  "weight_decay", "ns_method"}
+    assert theirs["zero_optimization"]["reduce_scatter"] is False  # the release refuses Muon at stage 3 with it
+    assert any("reduce_scatter false" in note for note in bench_modes.tree_notes(z3, settings))
+    z2 = modes["ds-z2-bf16-muon"].in_tree("0.19.8")
+    assert bench_modes.deepspeed_config(z2, settings)["zero_optimization"]["reduce_scatter"] is True
+    adamw = bench_modes.deepspeed_config(modes["ds-z2-bf16-adamw"].in_tree("0.19.8"), settings)
+    assert "fused" not in adamw["optimizer"]["params"]  # a torch.optim.AdamW argument, not the release's optimizer's
+    assert bench_modes.unsupported_reason(z2, settings) is None
+    assert "measured in this checkout" in bench_modes.unsupported_reason(modes["ddp-bf16-muon"].in_tree("0.19.8"),
+                                                                          settings)
+    seven = bench_modes.Settings(**{**vars(settings), "ns_steps": 7})
+    assert "--ns-steps 7" in bench_modes.unsupported_reason(z2, seven)
+    assert bench_modes.unsupported_reason(modes["ds-z2-bf16-muon"], seven) is None
+
+
+def fake_tree(root, release: str, extra_file: str = None):
+    """A prepared tree's layout without upstream's code: an empty package, its dist-info, TREE.json."""
+    tree = root / release
+    (tree / "deepspeed").mkdir(parents=True)
+    (tree / "deepspeed" / "__init__.py").write_text(f"__version__ = '{release}'\n")
+    dist_info = tree / f"deepspeed-{release}.dist-info"
+    dist_info.mkdir()
+    (dist_info / "WHEEL").write_text("Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+    (dist_info / "METADATA").write_text("Name: deepspeed\nRequires-Dist: hjson\nRequires-Dist: torch>=2.0.0\n"
+                                        "Requires-Dist: pytest; extra == \"dev\"\n")
+    (tree / "TREE.json").write_text(json.dumps({"release": release}))
+    if extra_file:
+        (tree / extra_file).parent.mkdir(parents=True, exist_ok=True)
+        (tree / extra_file).write_bytes(b"\0")
+    return tree
+
+
+def test_a_release_tree_is_pure_python_and_runs_apart_from_this_checkout(tmp_path, monkeypatch):
+    upstream_tree = bench_module("upstream_tree")
+    monkeypatch.setattr(upstream_tree, "TREES_DIR", tmp_path)
+    tree = fake_tree(tmp_path, "0.19.8")
+    assert upstream_tree.check_pure_python(tree, "0.19.8") == ["hjson", "torch"]
+    for compiled in ("deepspeed/ops/op.cpython-311-x86_64-linux-gnu.so", "deepspeed/__pycache__/x.cpython-311.pyc"):
+        bad = fake_tree(tmp_path / compiled.replace("/", "_"), "0.19.8", compiled)
+        with pytest.raises(upstream_tree.ToolError, match="compiled or version-specific"):
+            upstream_tree.check_pure_python(bad, "0.19.8")
+
+    base = {"PYTHONPATH": os.pathsep.join([REPO_ROOT, "/elsewhere"]), "TORCH_CUDA_ARCH_LIST": "9.0a;8.0 9.0"}
+    env = upstream_tree.tree_environment("0.19.8", base)
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(tree), "/elsewhere"]  # none of this checkout's folders
+    assert env["TORCH_CUDA_ARCH_LIST"] == "9.0;8.0"  # upstream's op builder reads each entry as numbers
+    assert env["TORCH_EXTENSIONS_DIR"].endswith("torch_extensions_deepspeed_0.19.8")
+    with pytest.raises(upstream_tree.ToolError, match="upstream_tree.py prepare 0.19.6"):
+        upstream_tree.locate("0.19.6")
+
+
+def test_run_trees_refuses_a_release_that_is_not_prepared_before_running_anything(tmp_path):
+    env = dict(os.environ, TREES="this 0.0.1", OUT=str(tmp_path))
+    result = subprocess.run([sys.executable, RUN_TREES, "--smoke"], env=env, capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "no prepared tree for deepspeed 0.0.1" in result.stderr and "Traceback" not in result.stderr
+    assert not any(tmp_path.iterdir())
