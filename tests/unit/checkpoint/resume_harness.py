@@ -21,7 +21,8 @@ POISON = float("inf")
 def checkpoint_config(stage, dtype, optimizer="adamw", gas=1, scheduler=True):
     """A small config whose every applied step has a different, non-zero lr (except WarmupCosineLR's first).
 
-    fp16 uses a dynamic scale that moves every good step (window 1) and hysteresis 2.
+    fp16 uses a dynamic scale that moves every good step (window 1) and hysteresis 2. At stage 3 the weight matrices
+    (HIDDEN**2 = 256 elements) are partitioned and the biases (16) stay whole on every rank.
     """
     if optimizer == "adamw":
         optim = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01, "eps": ADAM_EPS}}
@@ -39,6 +40,8 @@ def checkpoint_config(stage, dtype, optimizer="adamw", gas=1, scheduler=True):
         "zero_optimization": {"stage": stage},
         "steps_per_print": 1000,
     }
+    if stage == 3:
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 100
     if scheduler:
         config["scheduler"] = sched
     if dtype == "fp16":
@@ -63,10 +66,15 @@ def state_keys(param):
 
 
 def full_snapshot(engine):
-    """Everything a resumed run must reproduce, as full tensors (a collective: call on every rank)."""
+    """Everything a resumed run must reproduce, as full tensors (a collective: call on every rank).
+
+    Stage 3's partitioned weights are gathered (elsewhere GatheredParameters leaves parameters alone).
+    """
     params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        weights = [p.detach().cpu().clone() for p in params]
     return {
-        "params": [p.detach().cpu().clone() for p in params],
+        "params": weights,
         "masters": [safe_get_full_fp32_param(p).cpu().clone() for p in params],
         "states": {f"{i}.{key}": safe_get_full_optimizer_state(p, key).cpu().clone()
                    for i, p in enumerate(params) for key in state_keys(p)} if _any_rank_has_state(engine) else None,

@@ -3,9 +3,10 @@ everything equals the uninterrupted k + n run bit for bit.
 
 The distributed fixture trains the uninterrupted run in its own processes, saving a checkpoint after k
 steps and recording what the run looks like at the save and at the end; the test then resumes in new
-processes from a model with other initial weights. Covered: stages 0/1/2 x fp32/fp16/bf16 x AdamW/Muon x
+processes from a model with other initial weights. Covered: stages 0/1/2/3 x fp32/fp16/bf16 x AdamW/Muon x
 gradient accumulation 1/2, an overflow-skipped step just before the save and another after the resume
-(fp16, bf16), gradient clipping, and an LR schedule (WarmupLR for AdamW, WarmupCosineLR for Muon).
+(fp16, bf16), gradient clipping, and an LR schedule (WarmupLR for AdamW, WarmupCosineLR for Muon). At stage 3 the
+weight matrices are partitioned (the biases stay whole) and the weights compared are gathered from the partitions.
 """
 
 import os
@@ -13,6 +14,7 @@ import os
 import pytest
 import torch
 
+import deepspeed.comm as dist
 from unit.checkpoint.resume_harness import (assert_identical, batches_for, checkpoint_config, full_snapshot,
                                             new_engine, rank_file, train)
 from unit.common import DistributedFixture, DistributedTest
@@ -33,6 +35,12 @@ def _poisoned_after_resume(dtype):
 
 def _combo_dir(root, stage, optimizer, dtype, gas):
     return os.path.join(str(root), f"stage{stage}-{optimizer}-{dtype}-gas{gas}")
+
+
+def _model_file(directory, stage):
+    # Stage 3 writes one model file per data-parallel rank (upstream's names); stages 0-2 one for all.
+    name = f"zero_pp_rank_{dist.get_rank()}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+    return os.path.join(directory, f"global_step{K}", name)
 
 
 def _momentum_dtypes(local_states):
@@ -62,7 +70,7 @@ class TestResumeOracle(DistributedTest):
     world_size = 2
 
     @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-    @pytest.mark.parametrize("stage", [0, 1, 2])
+    @pytest.mark.parametrize("stage", [0, 1, 2, 3])
     def test_resume_equals_uninterrupted(self, UninterruptedRuns, class_tmpdir, stage, optimizer):
         for dtype, gas in COMBOS:
             where = f"stage {stage} {optimizer} {dtype} gas {gas}"
@@ -70,7 +78,7 @@ class TestResumeOracle(DistributedTest):
             reference = torch.load(rank_file(directory, "reference"), map_location="cpu", weights_only=True)
             engine = new_engine(checkpoint_config(stage, dtype, optimizer, gas), seed=1)
             load_path, client_state = engine.load_checkpoint(directory)
-            assert load_path == os.path.join(directory, f"global_step{K}", "mp_rank_00_model_states.pt"), where
+            assert load_path == _model_file(directory, stage), where
             assert client_state == {}, where
             after_load = full_snapshot(engine)
             assert_identical(torch.rand(4), reference["rng"], f"{where}: RNG after load")

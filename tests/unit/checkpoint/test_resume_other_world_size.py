@@ -22,7 +22,6 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.checkpoint.ds_to_universal import convert
 from deepspeed.runtime.checkpoint_io import CheckpointError
-from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 from unit.checkpoint.resume_harness import (HIDDEN, MICRO, assert_identical, checkpoint_config, full_snapshot,
                                             new_engine, state_keys, train)
@@ -47,24 +46,6 @@ SAVED_AT_TWO = {
 SAVED_ELSEWHERE = {(2, "muon", "bf16"): (2, 0), (1, "adamw", "fp16"): (2, )}
 
 
-def _config(stage, dtype, optimizer):
-    config = checkpoint_config(stage, dtype, optimizer)
-    if stage == 3:
-        # The weight matrices (256 elements) are partitioned, the biases (16) stay whole on every rank.
-        config["zero_optimization"]["stage3_param_persistence_threshold"] = 100
-    return config
-
-
-def _snapshot(engine):
-    """full_snapshot with stage 3's partitioned weights gathered (a collective)."""
-    snapshot = full_snapshot(engine)
-    if engine.zero_optimization_stage() == 3:
-        params = list(engine.module.parameters())
-        with GatheredParameters(params):
-            snapshot["params"] = [p.detach().cpu().clone() for p in params]
-    return snapshot
-
-
 def _name(stage, optimizer, dtype):
     return f"stage{stage}-{optimizer}-{dtype}"
 
@@ -83,10 +64,10 @@ def _save_all(root, combos):
     """Train k steps, save, convert to the universal form; rank 0 records the gathered state."""
     for (stage, optimizer, dtype) in combos:
         directory = os.path.join(str(root), _name(stage, optimizer, dtype))
-        engine = new_engine(_config(stage, dtype, optimizer))
+        engine = new_engine(checkpoint_config(stage, dtype, optimizer))
         train(engine, _batches(K, seed=11), dtype, _poisoned(dtype))
         engine.save_checkpoint(directory)
-        snapshot = _snapshot(engine)
+        snapshot = full_snapshot(engine)
         steps = [state["step"] for state in snapshot["local_states"] if "step" in state]
         if dist.get_rank() == 0:
             torch.save({**snapshot, "step": steps[0], "world_size": dist.get_world_size()},
@@ -142,10 +123,10 @@ def _resume_and_compare(directory, stage, optimizer, dtype):
     reference = _reference(directory)
     where = f"{os.path.basename(directory)} at {reference['world_size']} ranks -> stage {stage} at " \
         f"{dist.get_world_size()} ranks"
-    config = _config(stage, dtype, optimizer)
+    config = checkpoint_config(stage, dtype, optimizer)
     loaded = new_engine(config, seed=1)
     loaded.load_checkpoint(directory)
-    got = _snapshot(loaded)
+    got = full_snapshot(loaded)
     for key in ("params", "masters", "states", "counters"):
         assert_identical(got[key], reference[key], f"{where}: {key} after the load")
     if dtype != "fp32":
@@ -154,23 +135,23 @@ def _resume_and_compare(directory, stage, optimizer, dtype):
 
     oracle = new_engine(config, seed=2)
     _set_through_public_setters(oracle, reference)
-    assert_identical(_snapshot(oracle), got, f"{where}: oracle before training")
+    assert_identical(full_snapshot(oracle), got, f"{where}: oracle before training")
     batches = _batches(N, seed=12)
     losses = train(loaded, batches, dtype, _poisoned(dtype))
     assert losses == train(oracle, batches, dtype, _poisoned(dtype)), where
     assert loaded.skipped_steps == 2 * len(_poisoned(dtype)), where
-    assert_identical(_snapshot(loaded), _snapshot(oracle), f"{where}: after {N} more steps")
+    assert_identical(full_snapshot(loaded), full_snapshot(oracle), f"{where}: after {N} more steps")
     return got
 
 
 def _universal_equals(directory, stage, optimizer, dtype, regrouped):
     """The universal form (tag from latest_universal) loads to the same state as the ZeRO form."""
-    config = _config(stage, dtype, optimizer)
+    config = checkpoint_config(stage, dtype, optimizer)
     config["checkpoint"] = {"load_universal": True}
     engine = new_engine(config, seed=3)
     load_path, _ = engine.load_checkpoint(directory)
     assert load_path == os.path.join(directory, f"global_step{K}_universal", "mp_rank_00_model_states.pt")
-    assert_identical(_snapshot(engine), regrouped, f"{directory}: universal form at stage {stage}")
+    assert_identical(full_snapshot(engine), regrouped, f"{directory}: universal form at stage {stage}")
 
 
 class TestResumeAtOtherWorldSize(DistributedTest):
@@ -286,7 +267,7 @@ class TestRegroupFaults(DistributedTest):
     def test_corrupt_or_partial_stage3_checkpoints_name_the_file(self, SavedForFaults, class_tmpdir):
         directory = os.path.join(str(class_tmpdir), "faults", _name(3, "adamw", "bf16"))
         tag_dir = os.path.join(directory, f"global_step{K}")
-        engine = new_engine(_config(3, "bf16", "adamw"), seed=1)
+        engine = new_engine(checkpoint_config(3, "bf16", "adamw"), seed=1)
         model = [os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt") for r in range(2)]
         optim = os.path.join(tag_dir, "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
 
@@ -314,7 +295,7 @@ class TestRegroupFaults(DistributedTest):
         dist.barrier()
         restore(model[1])
         # The model files hold placeholders of the partitioned weights: only the weights, at stage 2, is refused.
-        stage2 = new_engine(_config(2, "bf16", "adamw"), seed=1)
+        stage2 = new_engine(checkpoint_config(2, "bf16", "adamw"), seed=1)
         _refused_everywhere(stage2, lambda: stage2.load_checkpoint(directory, load_module_only=True),
                             tag_dir, "model_states.pt", "linears.0.weight", "zero_to_fp32")
 

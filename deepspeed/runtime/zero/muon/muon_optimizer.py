@@ -235,6 +235,12 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                     updates = self._muon_updates_in_workspace(group) or self._muon_updates(group)
                 self._commit_muon_updates(group, updates)
         self.__dict__.pop("_operands", None)
+        workspace = self.__dict__.get("_step_workspace")
+        if workspace is not None and len(self.__dict__["_graphs"]) == 0:
+            # What did not fit in the lent buffers is held across steps only for a captured graph, which replays at
+            # its addresses. Otherwise it is this step's scratch: under ZeRO-3 the lent buffers are 1/N of the model
+            # and Newton-Schulz's scratch, kept, would be about 8 bytes per owned Muon element on top of model states.
+            workspace.release_fallbacks()
         return loss
 
     def lend_step_workspace(self, buffers: Sequence[Tensor]) -> None:

@@ -52,6 +52,10 @@ class GraphedCalls:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self.pool_bytes = 0
 
+    def __len__(self) -> int:
+        """The number of captured graphs held."""
+        return len(self._captured)
+
     def get(self, key: Hashable, call: Callable[[], list[Tensor]], device: torch.device) -> _Captured | None:
         """The graph of ``call`` for ``key``, captured now if it is new; None when capturing failed (once or now).
 

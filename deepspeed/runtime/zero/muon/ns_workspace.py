@@ -11,7 +11,8 @@ call needs no memory of its own.
 
 Carving is deterministic: after :meth:`NSWorkspace.reset` the same requests get the same addresses, which is what
 lets a captured graph and an eager call use the same memory. What does not fit is allocated once, kept for the
-same request after later resets (so it is deterministic too), and counted.
+same request after later resets (so it is deterministic too), and counted; :meth:`NSWorkspace.release_fallbacks`
+frees it where no captured graph needs those addresses.
 """
 
 from __future__ import annotations
@@ -81,6 +82,15 @@ class NSWorkspace:
         elif self._fallbacks[index].numel() != nbytes:
             self._fallbacks[index] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self._fallbacks[index].view(dtype).view(tuple(shape))
+
+    def release_fallbacks(self) -> None:
+        """Free the memory allocated for what did not fit; the next requests that do not fit allocate again.
+
+        For a borrower that keeps no addresses across steps (no captured graph replays them): the memory is then
+        scratch of one step, like any other, instead of being held for the whole run.
+        """
+        self._fallbacks = []
+        self._fallback_index = 0
 
     def contains(self, tensor: Tensor) -> bool:
         """Whether ``tensor``'s memory lies inside a lent buffer (a carved view, not a fallback allocation)."""

@@ -1,15 +1,21 @@
-"""The Muon suite's long-run, same-dtype, loss-scale and resume cases (fp16 and bf16) at ZeRO stage 3.
+"""The Muon suite at ZeRO stage 3: long run, same dtype, loss scale, resume (fp16 and bf16), bit-exact resume, an
+overflow seen by one rank (fp16 and bf16), fp32 reference parity and clipping.
 
-The test bodies are the upstream PR files' (test_muon_long_run.py, ...), which keep to stages 1-2 because
-deepspeed 0.19.8 refuses Muon at stage 3 with reduce_scatter. Each class here subclasses one of them and replaces
-its test method with one parametrized by stage 3 only, so the parents' stage-1/2 cases are not collected twice.
+The test bodies are the suite's files' (test_muon_long_run.py, ...): the upstream PR's keep to stages 1-2 because
+deepspeed 0.19.8 refuses Muon at stage 3 with reduce_scatter, and the others are parametrized by the stages their
+tables were measured at. Each class here subclasses one of them and replaces its test method with one parametrized
+by stage 3 only, so the parents' cases are not collected twice.
 """
 
 import pytest
 
+import test_muon_clipping as clipping
 import test_muon_long_run as long_run
 import test_muon_loss_scale as loss_scale
+import test_muon_overflow_agreement as overflow_agreement
+import test_muon_reference_parity as reference_parity
 import test_muon_resume as resume
+import test_muon_resume_exact as resume_exact
 import test_muon_same_dtype as same_dtype
 
 
@@ -37,3 +43,31 @@ class TestMuonResumeContinuesStage3(resume.TestMuonResumeContinues):
     @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
     def test_resumed_run_continues(self, dtype, tmpdir):
         super().test_resumed_run_continues(3, dtype, tmpdir)
+
+
+class TestMuonResumeStage3(resume_exact.TestMuonResume):
+
+    @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+    def test_resumed_run_equals_uninterrupted(self, dtype, tmpdir):
+        super().test_resumed_run_equals_uninterrupted(3, dtype, tmpdir)
+
+
+class TestOverflowSeenByOneRankStage3(overflow_agreement.TestOverflowSeenByOneRank):
+
+    @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+    def test_every_rank_skips(self, dtype):
+        super().test_every_rank_skips(3, dtype)
+
+
+class TestMuonReferenceParityStage3(reference_parity.TestMuonReferenceParity):
+    # Not stage-specific (it runs at stage 2): collected once, in the parent.
+    test_optimizer_step_leaves_gradients_alone = None
+
+    def test_fp32_update_equals_reference(self):
+        super().test_fp32_update_equals_reference(3)
+
+
+class TestMuonClippingStage3(clipping.TestMuonClipping):
+
+    def test_clipping_above_the_gradient_norm_changes_nothing(self):
+        super().test_clipping_above_the_gradient_norm_changes_nothing(3)
