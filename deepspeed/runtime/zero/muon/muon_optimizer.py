@@ -8,7 +8,8 @@ already, ``step()`` runs Muon itself, so the optimizer is correct on its own (st
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from deepspeed.runtime.zero.muon.host_step import HostStep
 from deepspeed.runtime.zero.muon.per_head import head_count
 from deepspeed.runtime.zero.muon.ns_graph import GraphedCalls
 from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
+from deepspeed.runtime.unscaled_chunks import unscaled, unscaled_chunks
 
 MUON_DEFAULTS: dict[str, Any] = {
     "lr": 0.02,
@@ -118,6 +120,10 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
     ``exp_avg_sq`` (fp32) and ``step``, a CPU float32 tensor as in ``torch.optim.Adam``, so it round
     trips through ``torch.load(weights_only=True)`` and never forces a device sync.
 
+    ``step(grad_factor=f)`` takes gradients that still carry a loss scale, in any float dtype (ZeRO's reduced
+    low-precision gradients): each is multiplied by ``f`` as it is read, a chunk at a time
+    (``zero/unscaled_chunks.py``), so no unscaled fp32 copy of all of them is made (``accepts_grad_factor``).
+
     Args:
         param_groups: dicts with ``params`` and ``use_muon``, plus the options above.
 
@@ -128,6 +134,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             ``ns_dtype`` that is not a torch.dtype. (Config values are checked earlier, with the config key in the
             message: deepspeed/runtime/optimizer_params.py.)
     """
+
+    # step() takes grad_factor (see the class docstring); ZeRO asks for this instead of unscaling the gradients.
+    accepts_grad_factor = True
 
     def __init__(self, param_groups: Iterable[dict[str, Any]]) -> None:
         super().__init__(list(param_groups), defaults={})
@@ -206,7 +215,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         return sorted(params, key=lambda entry: keys[id(entry)], reverse=True)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def step(self, closure: Callable[[], float] | None = None, grad_factor: Tensor | None = None) -> float | None:
         """Apply one Muon or Adam update to every param that has a gradient.
 
         Muon groups use the updates :meth:`prepare_muon_updates` computed for the current gradients, if it ran;
@@ -214,6 +223,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
         Args:
             closure: re-evaluates the model and returns the loss (run with gradients enabled).
+            grad_factor: a 0-d fp32 tensor every gradient is multiplied by as it is read (the caller's unscale and
+                clip); the gradients may then be in any float dtype. Updates prepared before are not used with it.
 
         Returns:
             The closure's loss, or None.
@@ -223,19 +234,33 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         prepared, self._prepared = self._prepared, {}
-        # Adam groups first: their few element-wise launches are queued at once, and the device works through
-        # them while the host is still issuing the Muon groups' launches.
-        for group in self.param_groups:
-            if not group["use_muon"]:
-                self._adam_group_step(group)
-        for index, group in enumerate(self.param_groups):
-            if group["use_muon"]:
-                updates = prepared.get(index)
-                if updates is None or not updates.is_for(group):
-                    updates = self._muon_updates_in_workspace(group) or self._muon_updates(group)
-                self._commit_muon_updates(group, updates)
-        self.__dict__.pop("_operands", None)
+        try:
+            # Adam groups first: their few element-wise launches are queued at once, and the device works through
+            # them while the host is still issuing the Muon groups' launches.
+            for group in self.param_groups:
+                if not group["use_muon"]:
+                    self._adam_group_step(group, grad_factor)
+            for index, group in enumerate(self.param_groups):
+                if group["use_muon"]:
+                    self._muon_group_step(group, prepared.get(index) if grad_factor is None else None, grad_factor)
+        finally:
+            self.__dict__.pop("_operands", None)
+            workspace = self.__dict__.get("_step_workspace")
+            if workspace is not None:
+                workspace.release()  # what did not fit in the lent buffers is step memory only
         return loss
+
+    def _muon_group_step(self, group: dict[str, Any], prepared: _MuonUpdates | None,
+                         grad_factor: Tensor | None) -> None:
+        if prepared is not None and prepared.is_for(group):
+            self._commit_muon_updates(group, prepared)
+            return
+        updates = self._muon_updates_in_workspace(group, grad_factor)
+        if updates is not None:
+            self._commit_muon_updates(group, updates)
+            return
+        with _unscaled_gradients(group["params"], grad_factor):
+            self._commit_muon_updates(group, self._muon_updates(group))
 
     def lend_step_workspace(self, buffers: Sequence[Tensor]) -> None:
         """Let :meth:`step` use ``buffers`` as scratch memory for Newton-Schulz from now on (an empty list stops it).
@@ -342,12 +367,14 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         return self.__dict__.get("_host_step")
 
     def _workspace_operands(self, group: dict[str, Any]
-                            ) -> tuple[dict[BatchKey, list[Tensor]], tuple[Tensor, Tensor]] | None:
-        """(params by batch key, flat gradients and momenta) when a workspace is lent and the group is one run.
+                            ) -> tuple[list[Tensor], dict[BatchKey, list[Tensor]], Tensor] | None:
+        """(params with a gradient, the same by batch key, their gradients as one 1-D view) when a workspace is lent
+        and the params and their gradients each lie in one run in batch order (ZeRO's layout), else None.
 
-        Remembered per group until the next call finds the params carrying other gradient tensors: the prepare
-        and the step of one optimizer step ask with the same gradients, and the answer is a few hundred Python
-        operations on a path bound by the host.
+        The gradients may be in any float dtype (the step converts them a chunk at a time). Remembered per group
+        until the next call finds the params carrying other gradient tensors: the prepare and the step of one
+        optimizer step ask with the same gradients, and the answer is a few hundred Python operations on a path
+        bound by the host.
         """
         if self.__dict__.get("_step_workspace") is None:
             return None
@@ -357,25 +384,32 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         if entry is not None and len(entry[0]) == len(grads) and all(a is b for a, b in zip(entry[0], grads)):
             return entry[1]
         params, by_key = _with_grads_by_key(group)
-        flat = self._flat_operands(params, by_key)
-        operands = None if flat is None else (by_key, flat)
-        # The entry holds the gradients (to compare identities, and in the flat views): step() and
+        operands = None
+        if params and all(a is b for a, b in zip(params, (p for batch in by_key.values() for p in batch))):
+            flat_grads = flat_view([p.grad for p in params])
+            if flat_grads is not None and flat_grads.is_floating_point():
+                operands = (params, by_key, flat_grads)
+        # The entry holds the gradients (to compare identities, and in the flat view): step() and
         # discard_prepared_updates() drop it, so they are freed when the caller drops them.
         remembered[id(group)] = (grads, operands)
         return operands
 
-    def _muon_updates_in_workspace(self, group: dict[str, Any]) -> _MuonUpdates | None:
+    def _muon_updates_in_workspace(self, group: dict[str, Any], grad_factor: Tensor | None = None
+                                   ) -> _MuonUpdates | None:
         """The group's updates computed inside ``step()`` in the lent workspace, momenta folded; None when the
         group cannot (no workspace lent, or not laid out as one run).
 
         The same operations as :meth:`_flat_muon_updates` and the fold of :meth:`_commit_muon_updates`, so the same
-        bits: the new momenta are written first (this is the step), the direction goes straight into the
-        workspace in the Newton-Schulz dtype, and Newton-Schulz runs there, replayed from a CUDA graph when it can.
+        bits: the momenta are packed into one run (created as zeros on the first step: this is the step, after the
+        caller's verdict), the new momenta are written, the direction goes straight into the workspace in the
+        Newton-Schulz dtype, and Newton-Schulz runs there, replayed from a CUDA graph when it can. Gradients that are
+        not fp32, or come with ``grad_factor``, are unscaled into fp32 a chunk at a time on their way into the fold.
         """
         operands = self._workspace_operands(group)
         if operands is None:
             return None
-        by_key, (grads, momenta) = operands
+        params, by_key, grads = operands
+        momenta = flat_view(self._packed_momenta(params))
         workspace: NSWorkspace = self.__dict__["_step_workspace"]
         method, steps = group["ns_method"], group["ns_steps"]
         dtype = resolve_ns_dtype(grads, group["ns_dtype"])
@@ -389,16 +423,27 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         def orthogonalise() -> list[Tensor]:
             return NS_FUNCTIONS[method](carved_input()[1], steps=steps, dtype=dtype, workspace=workspace)
 
+        graphed = (grads.is_cuda and group.get("ns_cuda_graph", True)
+                   and NS_FUNCTIONS[method] is _ORIGINAL_NS_FUNCTIONS[method])
+        key = (method, steps, dtype, tuple((batch_key, len(batch)) for batch_key, batch in by_key.items()))
+        plans = self.__dict__.setdefault("_fallback_plans", {})
+        if graphed:
+            # What did not fit in the lent buffers last time, allocated again first: a graph replays on that memory.
+            workspace.reserve(plans.get(key, ()))
         direction, batches = carved_input()
         captured = None
-        if grads.is_cuda and group.get("ns_cuda_graph", True) and NS_FUNCTIONS[method] is _ORIGINAL_NS_FUNCTIONS[
-                method]:
+        if graphed:
             # Captured before the input is written: the capture's warm-up call overwrites the input.
-            key = (method, steps, dtype, tuple(batch.shape for batch in batches))
-            captured = self.__dict__["_graphs"].get(key, orthogonalise, grads.device)
+            captured = self.__dict__["_graphs"].get(key, orthogonalise, grads.device, workspace.addresses)
+        beta, nesterov = group["momentum"], group["nesterov"]
         # The new momenta, then the direction straight into the Newton-Schulz input: one pass on a GPU with Triton.
-        fold_and_direction(grads, momenta, direction, group["momentum"], group["nesterov"])
+        if grad_factor is None and grads.dtype == torch.float32:
+            fold_and_direction(grads, momenta, direction, beta, nesterov)
+        else:
+            _fold_unscaled(grads, grad_factor, momenta, direction, beta, nesterov)
         updates = captured.replay() if captured is not None else orthogonalise()
+        if graphed:
+            plans[key] = workspace.fallback_sizes
         return _MuonUpdates(_recorded_batches(by_key, batches, group["adjust_lr_fn"]), updates, (grads, momenta),
                             folded=True)
 
@@ -513,7 +558,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             slots.append(slot)
         return slots
 
-    def _adam_group_step(self, group: dict[str, Any]) -> None:
+    def _adam_group_step(self, group: dict[str, Any], grad_factor: Tensor | None = None) -> None:
         lr, weight_decay = group["lr"], group["weight_decay"]
         fused = []
         for p in group["params"]:
@@ -528,7 +573,11 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
             state["step"] += 1
             if self._host is not None:
-                self._host.adam(p, state, group)
+                with _unscaled_gradients([p], grad_factor):
+                    self._host.adam(p, state, group)
+                continue
+            if grad_factor is not None or p.grad.dtype != torch.float32:
+                self._adam_in_chunks(p, state, group, grad_factor)
                 continue
             if _fusable(p, state):
                 fused.append((p, state))
@@ -541,6 +590,34 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             p.add_(update.to(p.dtype), alpha=-lr)
         if fused:
             _fused_adamw(fused, lr, group["betas"], group["eps"], weight_decay)
+
+    @staticmethod
+    def _adam_in_chunks(p: Tensor, state: dict[str, Any], group: dict[str, Any], grad_factor: Tensor | None) -> None:
+        """The Adam step of ``p`` (its step already counted) with the gradient unscaled into fp32 a chunk at a time:
+        element-wise, so the bits of the whole; no fp32 copy of the whole gradient (``unscaled_chunks``)."""
+        lr, weight_decay, betas, eps = group["lr"], group["weight_decay"], group["betas"], group["eps"]
+        if not (p.is_contiguous() and state["exp_avg"].is_contiguous() and state["exp_avg_sq"].is_contiguous()):
+            with _unscaled_gradients([p], grad_factor):
+                update = adam_update(p.grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"].item()), betas,
+                                     eps)
+                if weight_decay != 0:
+                    p.mul_(1 - lr * weight_decay)
+                p.add_(update.to(p.dtype), alpha=-lr)
+            return
+        flat, exp_avg, exp_avg_sq = p.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
+        fusable = _fusable_param(p, state)
+        step = float(state["step"])
+        step_tensor = torch.full((), step, dtype=torch.float32, device=p.device) if fusable else None
+        for start, end, grad in unscaled_chunks(p.grad, grad_factor):
+            if fusable:
+                torch._fused_adamw_([flat[start:end]], [grad], [exp_avg[start:end]], [exp_avg_sq[start:end]], [],
+                                    [step_tensor], lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay,
+                                    eps=eps, amsgrad=False, maximize=False)
+                continue
+            update = adam_update(grad, exp_avg[start:end], exp_avg_sq[start:end], int(step), betas, eps)
+            if weight_decay != 0:
+                flat[start:end].mul_(1 - lr * weight_decay)
+            flat[start:end].add_(update.to(p.dtype), alpha=-lr)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load like ``torch.optim.Optimizer`` but keep every state tensor's saved dtype.
@@ -612,11 +689,39 @@ def _recorded_batches(by_key: dict[BatchKey, list[Tensor]], views: list[Tensor],
             for params, view in zip(by_key.values(), views)]
 
 
+def _fold_unscaled(grads: Tensor, grad_factor: Tensor | None, momenta: Tensor, direction: Tensor, beta: float,
+                   nesterov: bool) -> None:
+    """``fold_and_direction`` on 1-D runs, the gradients unscaled into fp32 a chunk at a time (the chunk buffer is
+    freed on return, before Newton-Schulz allocates)."""
+    for start, end, chunk in unscaled_chunks(grads, grad_factor):
+        fold_and_direction(chunk, momenta[start:end], direction[start:end], beta, nesterov)
+
+
 def _fusable(p: Tensor, state: dict[str, Any]) -> bool:
     """torch's fused AdamW kernel takes fp32 params, gradients and moments of one device (ZeRO's masters)."""
-    return (hasattr(torch, "_fused_adamw_") and p.dtype == torch.float32 and p.grad.dtype == torch.float32
-            and p.device.type in ("cuda", "cpu") and state["exp_avg"].dtype == torch.float32
-            and state["exp_avg_sq"].dtype == torch.float32)
+    return p.grad.dtype == torch.float32 and _fusable_param(p, state)
+
+
+def _fusable_param(p: Tensor, state: dict[str, Any]) -> bool:
+    return (hasattr(torch, "_fused_adamw_") and p.dtype == torch.float32 and p.device.type in ("cuda", "cpu")
+            and state["exp_avg"].dtype == torch.float32 and state["exp_avg_sq"].dtype == torch.float32)
+
+
+@contextlib.contextmanager
+def _unscaled_gradients(params: Sequence[Tensor], grad_factor: Tensor | None) -> Iterator[None]:
+    """For the paths that read whole gradients: while inside, each param's gradient is replaced by a new fp32 tensor
+    multiplied by ``grad_factor`` (the bits of the chunked paths); the caller's gradients are put back after."""
+    if grad_factor is None:
+        yield
+        return
+    originals = [(p, p.grad) for p in params if p.grad is not None]
+    try:
+        for p, grad in originals:
+            p.grad = unscaled(grad, grad_factor).to(p.dtype)
+        yield
+    finally:
+        for p, grad in originals:
+            p.grad = grad
 
 
 def _fused_adamw(params_and_states: list[tuple[Tensor, dict[str, Any]]], lr: float, betas: tuple[float, float],
