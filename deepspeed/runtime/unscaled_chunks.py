@@ -6,7 +6,10 @@ parameter, beside the 2 of the model-dtype gradient) that lives through the opti
 time, the copy is one buffer of at most `UNSCALE_CHUNK_NUMEL` elements, reused: the update rules are element-wise
 up to Newton-Schulz, so the chunks give the bits of the whole.
 
-A chunk is computed as the whole would be: `grad.to(float32) * factor`, one rounding in fp32.
+A chunk is computed as the whole would be: `grad.to(float32) * factor`, one rounding in fp32. On a GPU the
+consumers' kernels treat every element alike, so any chunking gives the bits of the whole. A CPU kernel works in
+vector blocks and finishes a tensor's last elements one by one, sometimes with other rounding; chunks of a multiple
+of 64 elements leave those last elements where the whole tensor has them (for tensors that one thread steps).
 """
 
 from typing import Iterator, Optional, Tuple
@@ -15,7 +18,8 @@ import torch
 from torch import Tensor
 
 # Elements per unscaled chunk: 64 MiB of fp32. Each chunk costs a few launches per consumer, so fewer chunks keep a
-# step that is bound by the host cheap; tests lower it to see a small model's gradients in several chunks.
+# step that is bound by the host cheap; tests lower it (to a multiple of 64, see above) to see a small model's
+# gradients in several chunks.
 UNSCALE_CHUNK_NUMEL = 1 << 24
 
 

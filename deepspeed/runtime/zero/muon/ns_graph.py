@@ -28,8 +28,9 @@ logger = logging.getLogger(__name__)
 # Distinct captures kept per optimizer: a group whose set of matrices with gradients changes (a matrix unused
 # in a step), or whose step memory moved, gets another graph; an unbounded number would each hold a memory pool.
 MAX_GRAPHS = 4
-# Captures of one call (one kind of key) after which it runs eagerly: its memory keeps moving, and capturing again
-# every step would cost more than the graph saves.
+# A call (one kind of key) whose memory moved more than this many times, in more than a quarter of its calls, runs
+# eagerly from then on: capturing again nearly every step would cost more than the graph saves. (Memory that moves
+# now and then, e.g. when other work runs between steps, only costs a capture each time.)
 MAX_CAPTURES_PER_CALL = 8
 
 
@@ -58,6 +59,7 @@ class GraphedCalls:
         self._captured: collections.OrderedDict[Hashable, _Captured] = collections.OrderedDict()
         self._refused: set[Hashable] = set()
         self._captures: collections.Counter[Hashable] = collections.Counter()
+        self._calls: collections.Counter[Hashable] = collections.Counter()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self.pool_bytes = 0
 
@@ -73,15 +75,16 @@ class GraphedCalls:
         """
         if key in self._refused:
             return None
+        self._calls[key] += 1
         captured = self._captured.get((key, memory()))
         if captured is not None:
             self._captured.move_to_end((key, memory()))
             return captured
         self._captures[key] += 1
-        if self._captures[key] > MAX_CAPTURES_PER_CALL:
+        if self._captures[key] > MAX_CAPTURES_PER_CALL and 4 * self._captures[key] > self._calls[key]:
             self._refused.add(key)
-            logger.warning("Muon: the memory of the Newton-Schulz call moved in %d steps; it runs eagerly from now on",
-                           MAX_CAPTURES_PER_CALL)
+            logger.warning("Muon: the memory of the Newton-Schulz call moved in %d of %d steps; it runs eagerly from "
+                           "now on", self._captures[key], self._calls[key])
             return None
         try:
             captured = self._capture(call, device)

@@ -51,6 +51,27 @@ def test_what_does_not_fit_is_allocated_once_and_reused_after_reset():
     assert workspace.fallback_bytes == 4000
 
 
+def test_what_does_not_fit_is_step_memory_and_can_be_reserved_again():
+    """Released at the end of a step (memory held between steps would be held while the forward builds its
+    activations); reserved again in the same sizes, the same requests carve the reserved memory, which is what a
+    graph replay looks up by address."""
+    workspace = NSWorkspace([torch.zeros(128)])
+    requests = [((8,), torch.float32), ((1000,), torch.float32), ((300,), torch.bfloat16)]
+    first = [workspace.empty(shape, dtype) for shape, dtype in requests]
+    sizes = workspace.fallback_sizes
+    assert sizes == (4000, 600) and workspace.fallback_bytes == 4600
+    alive = weakref.ref(first[1].untyped_storage())
+    del first
+    workspace.release()
+    assert workspace.fallback_bytes == 0 and workspace.fallback_sizes == ()
+    assert alive() is None, "the released memory is still held"
+    workspace.reserve(sizes)
+    reserved = workspace.addresses()
+    again = [workspace.empty(shape, dtype) for shape, dtype in requests]
+    assert workspace.addresses() == reserved and workspace.fallback_sizes == sizes
+    assert [t.data_ptr() for t in again[1:]] == list(reserved[1:])
+
+
 def test_workspace_refuses_buffers_it_cannot_carve():
     with pytest.raises(ValueError, match="1-D contiguous"):
         NSWorkspace([torch.zeros(4, 4)])
@@ -123,6 +144,7 @@ def test_optimizer_in_a_lent_workspace_gives_the_same_bits(nesterov, room):
             assert torch.equal(p, q)
             assert torch.equal(lent_opt.state[p]["momentum_buffer"], plain_opt.state[q]["momentum_buffer"])
         assert not torch.isnan(lent).all(), "the lent buffer was not used"
+        assert lent_opt.__dict__["_step_workspace"].fallback_bytes == 0, "step memory outlived the step"
 
 
 def _recording(method, record):
