@@ -110,7 +110,8 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "                if group[\"use_muon\"]:\n                    self._muon_group_step(",
                   "                if group[\"use_muon\"]:\n"
                   "                    with_grad = [p for p in group['params'] if p.grad is not None]\n"
-                  "                    precomputed = [self.state[p].pop('precomputed_update', None) for p in with_grad]\n"
+                  "                    precomputed = [self.state[p].pop('precomputed_update', None)\n"
+                  "                                   for p in with_grad]\n"
                   "                    if precomputed and all(u is not None for u in precomputed):\n"
                   "                        torch._foreach_add_(with_grad, precomputed, alpha=-group['lr'])\n"
                   "                        continue\n"
@@ -158,8 +159,8 @@ MUTATIONS: Tuple[Mutation, ...] = (
         patches=(
             # Muon reads the loss-scaled gradient (no factor), and its update is scaled by the factor instead.
             Patch(MUON_OPTIMIZER,
-                  "                    self._muon_group_step(group, prepared.get(index) if grad_factor is None else None, "
-                  "grad_factor)\n",
+                  "                    self._muon_group_step(group, prepared.get(index) if grad_factor is None "
+                  "else None, grad_factor)\n",
                   "                    muon_lr = group['lr']\n"
                   "                    if grad_factor is not None:\n"
                   "                        group['lr'] = muon_lr * float(grad_factor)\n"

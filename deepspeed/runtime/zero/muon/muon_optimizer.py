@@ -266,12 +266,12 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         """Let :meth:`step` use ``buffers`` as scratch memory for Newton-Schulz from now on (an empty list stops it).
 
         The lender promises that the buffers' contents are dead during every ``step()`` call and restores them
-        after each: ZeRO lends its low-precision weights (rewritten from the fp32 masters right after the step)
-        and its reduced-gradient buffers (copied to fp32 before the step, zeroed after it). A Muon group whose
-        params, fp32 gradients and momenta each lie in one run (ZeRO's layout, from the second step) then computes
-        its update inside ``step()`` in that memory, so Newton-Schulz allocates nothing, and on a GPU replays it
-        from a CUDA graph (``ns_cuda_graph``). :meth:`prepare_muon_updates` leaves such groups to ``step()``. The
-        results are bit for bit those of the other paths.
+        after each: ZeRO lends its low-precision weights (rewritten from the fp32 masters right after the step). A
+        Muon group whose params and gradients each lie in one run (ZeRO's layout) then computes its update inside
+        ``step()`` in that memory (its momenta packed into one run there, created on the first step), allocating
+        for the step only what does not fit, and on a GPU replays Newton-Schulz from a CUDA graph
+        (``ns_cuda_graph``). :meth:`prepare_muon_updates` leaves such groups to ``step()``. The results are bit for
+        bit those of the other paths.
 
         Args:
             buffers: 1-D contiguous tensors on one device.
@@ -452,7 +452,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         """(gradients, momenta) as 1-D views when the whole group can be stepped as one run, else None.
 
         That needs the params of each batch to follow one another, the fp32 gradients to lie back to back in that
-        order, and the momenta too (they do once :meth:`_packed_momenta` has packed them, from the second step on).
+        order, and the momenta too (they do once :meth:`_packed_momenta` has packed them).
         """
         if not params or any(a is not b for a, b in zip(params, (p for batch in by_key.values() for p in batch))):
             return None
