@@ -158,7 +158,7 @@ def _recording(method, record):
 def test_prepared_updates_are_left_to_the_step_when_a_workspace_is_lent():
     optimizer, params, numels = optimizer_and_params(torch.Generator().manual_seed(3), [(16, 8)] * 2, True)
     optimizer.lend_step_workspace([torch.zeros(10_000)])
-    for step in range(2):
+    for _ in range(2):
         for p, grad in zip(params, torch.randn(sum(numels)).split(numels)):
             p.grad = grad.view(p.shape)
         optimizer.prepare_muon_updates()
