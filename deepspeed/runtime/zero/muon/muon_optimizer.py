@@ -8,8 +8,7 @@ already, ``step()`` runs Muon itself, so the optimizer is correct on its own (st
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,12 +27,13 @@ from deepspeed.runtime.zero.muon.original_muon import (
     stacked_view,
     update_scale,
 )
+from deepspeed.runtime.zero.muon.aux_adam import adam_in_chunks, fusable, fused_adamw, unscaled_gradients
 from deepspeed.runtime.zero.muon.fused_momentum import fold_and_direction
 from deepspeed.runtime.zero.muon.host_step import HostStep
 from deepspeed.runtime.zero.muon.per_head import head_count
 from deepspeed.runtime.zero.muon.ns_graph import GraphedCalls
 from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
-from deepspeed.runtime.unscaled_chunks import unscaled, unscaled_chunks
+from deepspeed.runtime.unscaled_chunks import unscaled_chunks
 
 MUON_DEFAULTS: dict[str, Any] = {
     "lr": 0.02,
@@ -259,7 +259,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         if updates is not None:
             self._commit_muon_updates(group, updates)
             return
-        with _unscaled_gradients(group["params"], grad_factor):
+        with unscaled_gradients(group["params"], grad_factor):
             self._commit_muon_updates(group, self._muon_updates(group))
 
     def lend_step_workspace(self, buffers: Sequence[Tensor]) -> None:
@@ -573,13 +573,13 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
             state["step"] += 1
             if self._host is not None:
-                with _unscaled_gradients([p], grad_factor):
+                with unscaled_gradients([p], grad_factor):
                     self._host.adam(p, state, group)
                 continue
             if grad_factor is not None or p.grad.dtype != torch.float32:
-                self._adam_in_chunks(p, state, group, grad_factor)
+                adam_in_chunks(p, state, group, grad_factor)
                 continue
-            if _fusable(p, state):
+            if fusable(p, state):
                 fused.append((p, state))
                 continue
             update = adam_update(
@@ -589,35 +589,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 p.mul_(1 - lr * weight_decay)
             p.add_(update.to(p.dtype), alpha=-lr)
         if fused:
-            _fused_adamw(fused, lr, group["betas"], group["eps"], weight_decay)
-
-    @staticmethod
-    def _adam_in_chunks(p: Tensor, state: dict[str, Any], group: dict[str, Any], grad_factor: Tensor | None) -> None:
-        """The Adam step of ``p`` (its step already counted) with the gradient unscaled into fp32 a chunk at a time:
-        element-wise, so the bits of the whole; no fp32 copy of the whole gradient (``unscaled_chunks``)."""
-        lr, weight_decay, betas, eps = group["lr"], group["weight_decay"], group["betas"], group["eps"]
-        if not (p.is_contiguous() and state["exp_avg"].is_contiguous() and state["exp_avg_sq"].is_contiguous()):
-            with _unscaled_gradients([p], grad_factor):
-                update = adam_update(p.grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"].item()), betas,
-                                     eps)
-                if weight_decay != 0:
-                    p.mul_(1 - lr * weight_decay)
-                p.add_(update.to(p.dtype), alpha=-lr)
-            return
-        flat, exp_avg, exp_avg_sq = p.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
-        fusable = _fusable_param(p, state)
-        step = float(state["step"])
-        step_tensor = torch.full((), step, dtype=torch.float32, device=p.device) if fusable else None
-        for start, end, grad in unscaled_chunks(p.grad, grad_factor):
-            if fusable:
-                torch._fused_adamw_([flat[start:end]], [grad], [exp_avg[start:end]], [exp_avg_sq[start:end]], [],
-                                    [step_tensor], lr=lr, beta1=betas[0], beta2=betas[1], weight_decay=weight_decay,
-                                    eps=eps, amsgrad=False, maximize=False)
-                continue
-            update = adam_update(grad, exp_avg[start:end], exp_avg_sq[start:end], int(step), betas, eps)
-            if weight_decay != 0:
-                flat[start:end].mul_(1 - lr * weight_decay)
-            flat[start:end].add_(update.to(p.dtype), alpha=-lr)
+            fused_adamw(fused, lr, group["betas"], group["eps"], weight_decay)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load like ``torch.optim.Optimizer`` but keep every state tensor's saved dtype.
@@ -695,53 +667,6 @@ def _fold_unscaled(grads: Tensor, grad_factor: Tensor | None, momenta: Tensor, d
     freed on return, before Newton-Schulz allocates)."""
     for start, end, chunk in unscaled_chunks(grads, grad_factor):
         fold_and_direction(chunk, momenta[start:end], direction[start:end], beta, nesterov)
-
-
-def _fusable(p: Tensor, state: dict[str, Any]) -> bool:
-    """torch's fused AdamW kernel takes fp32 params, gradients and moments of one device (ZeRO's masters)."""
-    return p.grad.dtype == torch.float32 and _fusable_param(p, state)
-
-
-def _fusable_param(p: Tensor, state: dict[str, Any]) -> bool:
-    return (hasattr(torch, "_fused_adamw_") and p.dtype == torch.float32 and p.device.type in ("cuda", "cpu")
-            and state["exp_avg"].dtype == torch.float32 and state["exp_avg_sq"].dtype == torch.float32)
-
-
-@contextlib.contextmanager
-def _unscaled_gradients(params: Sequence[Tensor], grad_factor: Tensor | None) -> Iterator[None]:
-    """For the paths that read whole gradients: while inside, each param's gradient is replaced by a new fp32 tensor
-    multiplied by ``grad_factor`` (the bits of the chunked paths); the caller's gradients are put back after."""
-    if grad_factor is None:
-        yield
-        return
-    originals = [(p, p.grad) for p in params if p.grad is not None]
-    try:
-        for p, grad in originals:
-            p.grad = unscaled(grad, grad_factor).to(p.dtype)
-        yield
-    finally:
-        for p, grad in originals:
-            p.grad = grad
-
-
-def _fused_adamw(params_and_states: list[tuple[Tensor, dict[str, Any]]], lr: float, betas: tuple[float, float],
-                 eps: float, weight_decay: float) -> None:
-    """AdamW on fp32 tensors in one read and write per element (``torch._fused_adamw_``).
-
-    The same update as :func:`adam_update` with decoupled weight decay, to rounding: m_hat / (sqrt(v_hat) + eps)
-    computed as (m / (1 - b1^t)) / (sqrt(v) / sqrt(1 - b2^t) + eps). The step count stays a CPU tensor in the
-    state (checkpoint format unchanged); the kernel gets it as a device scalar made by a fill, not a copy, so
-    the step never waits for the device.
-    """
-    by_device: dict[tuple[torch.device, float], list[tuple[Tensor, dict[str, Any]]]] = {}
-    for p, state in params_and_states:
-        by_device.setdefault((p.device, float(state["step"])), []).append((p, state))
-    for (device, step), members in by_device.items():
-        params = [p for p, _ in members]
-        steps = [torch.full((), step, dtype=torch.float32, device=device) for _ in members]
-        torch._fused_adamw_(params, [p.grad for p in params], [s["exp_avg"] for _, s in members],
-                            [s["exp_avg_sq"] for _, s in members], [], steps, lr=lr, beta1=betas[0],
-                            beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
 
 
 def _restored(key: str, value: Any, param: Tensor) -> Any:
