@@ -22,14 +22,15 @@ from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 # (owner, attribute, label) in the order the step runs them.
 DEEPSPEED_PHASES = [
     (optimizer_step, "reduced_statistics", "inspect: grad norm + overflow all-reduce"),
-    (DeepSpeedZeroOptimizer, "_prepare", "prepare (before the verdict): unscale, Muon updates"),
+    (DeepSpeedZeroOptimizer, "_prepare", "prepare (before the verdict): gradients to the masters"),
     (optimizer_step._Verdict, "overflow", "wait for the overflow verdict"),
-    (MuonWithAuxAdam, "_muon_updates", "- muon: directions + Newton-Schulz"),
     (DeepSpeedZeroOptimizer, "_apply", "apply: optimizer, publish"),
     (MuonWithAuxAdam, "_adam_group_step", "- adam group of MuonWithAuxAdam"),
-    (MuonWithAuxAdam, "_commit_muon_updates", "- muon: fold momenta + update"),
-    (torch.optim.AdamW, "step", "- torch AdamW.step"),
-    (DeepSpeedZeroOptimizer, "update_lp_params", "- publish: copy to lp + all-gather"),
+    (MuonWithAuxAdam, "_muon_updates_in_workspace", "- muon: fold + Newton-Schulz in the workspace"),
+    (MuonWithAuxAdam, "_muon_updates", "- muon: directions + Newton-Schulz (no workspace)"),
+    (MuonWithAuxAdam, "_commit_muon_updates", "- muon: update"),
+    (torch.optim.AdamW, "step", "- torch AdamW.step (per chunk, summed)"),
+    (DeepSpeedZeroOptimizer, "_publish", "- publish: copy to lp + all-gather"),
 ]
 DDP_PHASES = [
     (torch.nn.utils, "clip_grad_norm_", "clip_grad_norm_"),

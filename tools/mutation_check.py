@@ -107,14 +107,15 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "    def _apply(self, factor: torch.Tensor) -> None:\n"),
             # The optimizer applies the update computed before the decision instead of computing its own.
             Patch(MUON_OPTIMIZER,
-                  "            if group[\"use_muon\"]:\n                updates = prepared.get(index)\n",
-                  "            if group[\"use_muon\"]:\n"
-                  "                with_grad = [p for p in group['params'] if p.grad is not None]\n"
-                  "                precomputed = [self.state[p].pop('precomputed_update', None) for p in with_grad]\n"
-                  "                if precomputed and all(u is not None for u in precomputed):\n"
-                  "                    torch._foreach_add_(with_grad, precomputed, alpha=-group['lr'])\n"
-                  "                    continue\n"
-                  "                updates = prepared.get(index)\n"),
+                  "                if group[\"use_muon\"]:\n                    self._muon_group_step(",
+                  "                if group[\"use_muon\"]:\n"
+                  "                    with_grad = [p for p in group['params'] if p.grad is not None]\n"
+                  "                    precomputed = [self.state[p].pop('precomputed_update', None)\n"
+                  "                                   for p in with_grad]\n"
+                  "                    if precomputed and all(u is not None for u in precomputed):\n"
+                  "                        torch._foreach_add_(with_grad, precomputed, alpha=-group['lr'])\n"
+                  "                        continue\n"
+                  "                    self._muon_group_step("),
         ),
     ),
     Mutation(
@@ -156,23 +157,17 @@ MUTATIONS: Tuple[Mutation, ...] = (
         upstream=("the orthogonalised update is treated as a gradient: unscaled (divided by the loss scale) "
                   "and clipped; Muon itself sees the loss-scaled gradient"),
         patches=(
-            Patch(STAGE,
-                  "        fp32_grads = [self._unscaled(grad, factor) for grad in reduced]\n",
-                  "        fp32_grads = [grad.to(torch.float32)\n"
-                  "                      * (1.0 if is_muon_group(self.optimizer.param_groups[g]) else factor)\n"
-                  "                      for g, grad in enumerate(reduced)]\n"),
-            Patch(STAGE,
-                  "            else:\n                self.optimizer.step()\n",
-                  "            else:\n"
-                  "                muon_lrs = {id(group): group['lr'] for group in self.optimizer.param_groups\n"
-                  "                            if is_muon_group(group)}\n"
-                  "                for group in self.optimizer.param_groups:\n"
-                  "                    if id(group) in muon_lrs:\n"
-                  "                        group['lr'] = group['lr'] * float(factor)\n"
-                  "                self.optimizer.step()\n"
-                  "                for group in self.optimizer.param_groups:\n"
-                  "                    if id(group) in muon_lrs:\n"
-                  "                        group['lr'] = muon_lrs[id(group)]\n"),
+            # Muon reads the loss-scaled gradient (no factor), and its update is scaled by the factor instead.
+            Patch(MUON_OPTIMIZER,
+                  "                    self._muon_group_step(group, prepared.get(index) if grad_factor is None "
+                  "else None, grad_factor)\n",
+                  "                    muon_lr = group['lr']\n"
+                  "                    if grad_factor is not None:\n"
+                  "                        group['lr'] = muon_lr * float(grad_factor)\n"
+                  "                    try:\n"
+                  "                        self._muon_group_step(group, None, None)\n"
+                  "                    finally:\n"
+                  "                        group['lr'] = muon_lr\n"),
         ),
     ),
     Mutation(

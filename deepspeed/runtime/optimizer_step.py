@@ -18,6 +18,7 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 import torch
 
 import deepspeed.comm as dist
+from deepspeed.runtime.unscaled_chunks import unscaled_chunks
 
 # Upstream reports a norm of -1 when it is not finite.
 NON_FINITE_NORM = -1.0
@@ -66,8 +67,9 @@ def reduced_statistics(grads: Sequence[torch.Tensor], replicated: bool, group=No
     device = grads[0].device if grads else torch.device("cpu")
     stats = torch.zeros(2, dtype=torch.float64, device=device)
     for grad in grads:
-        norm = torch.linalg.vector_norm(grad, dtype=torch.float32).double()
-        stats[0] += norm * norm
+        for part in _norm_parts(grad):
+            norm = torch.linalg.vector_norm(part, dtype=torch.float32).double()
+            stats[0] += norm * norm
     # The flag rides in the same tensor as the norm: a non-finite sum of squares means a non-finite
     # gradient element, and summing or max-ing the 0/1 flags both give "any rank saw one".
     stats[1] = (~torch.isfinite(stats[0])).double()
@@ -75,6 +77,15 @@ def reduced_statistics(grads: Sequence[torch.Tensor], replicated: bool, group=No
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(stats, op=dist.ReduceOp.MAX if replicated else dist.ReduceOp.SUM, group=group)
     return stats
+
+
+def _norm_parts(grad: torch.Tensor):
+    """What `reduced_statistics` takes norms of: the gradient itself, except where the norm would first cast a
+    low-precision gradient whole into fp32 (the CPU's kernel does; CUDA's reads it as it is): there fp32 chunks of
+    it, one bounded buffer at a time (one chunk, and so the same bits, for a gradient of up to a chunk)."""
+    if grad.dtype == torch.float32 or grad.device.type == "cuda":
+        return (grad, )
+    return (chunk for _, _, chunk in unscaled_chunks(grad, None))
 
 
 def norm_and_factor(stats: torch.Tensor, scale: float, clip: float) -> Tuple[torch.Tensor, torch.Tensor]:

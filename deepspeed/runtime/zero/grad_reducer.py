@@ -4,7 +4,12 @@ Stages 0 and 1 accumulate every micro-step's gradients into a full flat buffer a
 accumulation boundary (stage 0 all-reduces, stage 1 reduce-scatters). Stage 2 keeps only its partition:
 gradients are copied into static buckets as autograd produces them, and each bucket is reduce-scattered
 as soon as it and every bucket before it are complete, so all ranks issue the same collectives in the
-same order even when a parameter gets no gradient on some rank.
+same order even when a parameter gets no gradient on some rank. With one rank nothing is reduced: stage 2 adds
+each gradient straight into the partition.
+
+Memory: a group's gradient buffer exists only from the first gradient of an accumulation to `release()` (after
+the optimizer step), so it is not allocated while the forward holds the activations; with `overlap_comm` at most
+`MAX_PENDING_FLUSHES` buckets are in flight, so their staging copies do not pile up over the backward.
 
 The reducer knows nothing of loss scales or optimizers; it produces sums (or means) of what it was given.
 """
@@ -16,6 +21,10 @@ import torch
 
 import deepspeed.comm as dist
 from deepspeed.runtime.zero.flat_layout import GroupLayout
+
+# Buckets (stage 2) or chunks (stages 0 and 1) whose collectives may be in flight at once: each holds a staging copy
+# of its gradients until it is unpacked. Two keep the network busy while the next one fills.
+MAX_PENDING_FLUSHES = 2
 
 
 @dataclass
@@ -86,16 +95,25 @@ class GradReducer:
         self.options = options
         self.device = device
         self._pending: List[Tuple[object, _Bucket]] = []
+        # One buffer per group, allocated by its first gradient (see `_buffer`) and dropped by `release`.
+        self._grads: List[Optional[torch.Tensor]] = [None] * len(self.layouts)
         if options.partition_grads:
-            self._partition = [self._zeros(layout.partition_size, options.accum_dtype) for layout in layouts]
             self._buckets = self._plan_buckets(param_order)
             self._bucket_of = {p: k for k, bucket in enumerate(self._buckets) for p in bucket.params}
             self._next_bucket = 0
-        else:
-            self._flat = [self._zeros(layout.total_numel, options.accum_dtype) for layout in layouts]
 
     def _zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype, device=self.device)
+
+    def _buffer(self, group: int) -> torch.Tensor:
+        """The group's gradient buffer (this rank's partition with stage 2, the whole flat group otherwise), zeros
+        when this accumulation has not written it yet."""
+        buffer = self._grads[group]
+        if buffer is None:
+            layout = self.layouts[group]
+            numel = layout.partition_size if self.options.partition_grads else layout.total_numel
+            buffer = self._grads[group] = self._zeros(numel, self.options.accum_dtype)
+        return buffer
 
     # ---------------------------------------------------------------- bucket plan (stage 2)
     def _plan_buckets(self, param_order: Sequence[Tuple[int, int]]) -> List[_Bucket]:
@@ -151,7 +169,14 @@ class GradReducer:
         flat_grad = grad.reshape(-1)
         if not self.options.partition_grads:
             start, end = self.layouts[group].param_range(index)
-            self._flat[group][start:end].add_(flat_grad)
+            self._buffer(group)[start:end].add_(flat_grad)
+            return
+        if self.dp_world_size == 1:
+            # Nothing to reduce: the bucket's round trip would only copy. The gradient still passes through the wire
+            # dtype, as the bucket would round it (and the partition is the whole group).
+            start, end = self.layouts[group].param_range(index)
+            wire = flat_grad if flat_grad.dtype == self.options.comm_dtype else flat_grad.to(self.options.comm_dtype)
+            self._buffer(group)[start:end].add_(wire)
             return
         bucket = self._buckets[self._bucket_of[(group, index)]]
         if bucket.send is None:
@@ -184,6 +209,10 @@ class GradReducer:
         entry = (work, bucket, recv)
         if async_op:
             self._pending.append(entry)
+            # Unpack the oldest flushes once more are in flight than needed to keep the network busy: each holds a
+            # staging copy of its gradients, and over a whole backward they would add up to two copies of them all.
+            while len(self._pending) > MAX_PENDING_FLUSHES:
+                self._finish_flush(self._pending.pop(0))
         else:
             self._finish_flush(entry)
 
@@ -193,10 +222,10 @@ class GradReducer:
             work.wait()
         if recv is None:
             recv = bucket.send.view(self.dp_world_size, bucket.row_numel)[self.dp_rank]
-        if self.options.average:
-            recv = recv.div(self.dp_world_size) if recv.dtype.is_floating_point else recv
+        if self.options.average and recv.dtype.is_floating_point:
+            recv.div_(self.dp_world_size)  # the staging row is ours to overwrite
         for run in bucket.own_runs:
-            target = self._partition[run.group]
+            target = self._buffer(run.group)
             target[run.partition_offset:run.partition_offset + run.numel].add_(
                 recv[run.row_offset:run.row_offset + run.numel])
         bucket.send = None
@@ -205,6 +234,8 @@ class GradReducer:
     def end_of_backward(self, is_boundary: bool) -> None:
         """Complete this backward's reductions (stage 2 always; stages 0/1 only at the boundary)."""
         if self.options.partition_grads:
+            if self.dp_world_size == 1:
+                return
             while self._next_bucket < len(self._buckets):
                 self._flush(self._buckets[self._next_bucket])
                 self._next_bucket += 1
@@ -225,23 +256,26 @@ class GradReducer:
         world = self.dp_world_size
         if world == 1:
             return
-        flat = self._flat[group]
+        flat = self._buffer(group)
         if layout.num_partitions == 1:
             works = []
             for begin in range(0, flat.numel(), self.options.bucket_numel):
                 chunk = flat[begin:begin + self.options.bucket_numel]
                 send = chunk if chunk.dtype == self.options.comm_dtype else chunk.to(self.options.comm_dtype)
                 works.append((dist.all_reduce(send, group=self.dp_group, async_op=True), send, chunk))
-            for work, send, chunk in works:
-                work.wait()
-                if send is not chunk:
-                    chunk.copy_(send)
+                _finish_all_but(works, MAX_PENDING_FLUSHES, _copy_back)
+            _finish_all_but(works, 0, _copy_back)
             if self.options.average:
                 flat.div_(world)
             return
         rows = flat.view(world, layout.partition_size)
         step = max(1, self.options.bucket_numel // world)
         works = []
+
+        def unpack(work, recv, begin, end) -> None:
+            work.wait()
+            rows[self.dp_rank, begin:end].copy_(recv)
+
         for begin in range(0, layout.partition_size, step):
             end = min(begin + step, layout.partition_size)
             send = rows[:, begin:end].to(self.options.comm_dtype, copy=True).contiguous()
@@ -252,30 +286,43 @@ class GradReducer:
                 work = dist.all_reduce(send, group=self.dp_group, async_op=True)
                 recv = send.view(world, end - begin)[self.dp_rank]
             works.append((work, recv, begin, end))
-        for work, recv, begin, end in works:
-            work.wait()
-            rows[self.dp_rank, begin:end].copy_(recv)
+            # Each chunk in flight holds a staging copy: unpack the oldest, or the copies add up to the whole buffer.
+            _finish_all_but(works, MAX_PENDING_FLUSHES, unpack)
+        _finish_all_but(works, 0, unpack)
         if self.options.average:
             rows[self.dp_rank].div_(world)
 
     # ---------------------------------------------------------------- results
     def partition_grad(self, group: int) -> torch.Tensor:
-        """This rank's reduced gradient partition of `group` (the whole buffer when not partitioned)."""
-        if self.options.partition_grads:
-            return self._partition[group]
+        """This rank's reduced gradient partition of `group` (the whole buffer when not partitioned); zeros when no
+        gradient has arrived since the last `release`."""
+        buffer = self._buffer(group)
         layout = self.layouts[group]
-        if layout.num_partitions == 1:
-            return self._flat[group]
-        return self._flat[group].view(layout.num_partitions, layout.partition_size)[self.dp_rank]
+        if self.options.partition_grads or layout.num_partitions == 1:
+            return buffer
+        return buffer.view(layout.num_partitions, layout.partition_size)[self.dp_rank]
 
     def buffers(self) -> List[torch.Tensor]:
-        """The flat buffers the reduced gradients live in (static for the reducer's life)."""
-        return list(self._partition if self.options.partition_grads else self._flat)
+        """The flat buffers the gradients of this accumulation live in (those allocated so far)."""
+        return [buffer for buffer in self._grads if buffer is not None]
 
-    def zero(self) -> None:
-        """Forget all accumulated gradients (after a step, applied or skipped)."""
-        for buffer in self.buffers():
-            buffer.zero_()
+    def release(self) -> None:
+        """Forget all accumulated gradients and free their memory (after a step, applied or skipped): the next
+        gradient allocates a group's buffer again, so none is held while the forward builds its activations."""
+        self._grads = [None] * len(self.layouts)
+
+
+def _finish_all_but(works: list, keep: int, finish) -> None:
+    """Finish (oldest first, with `finish(*entry)`) and drop the in-flight entries of `works` beyond the newest
+    `keep`."""
+    while len(works) > keep:
+        finish(*works.pop(0))
+
+
+def _copy_back(work, send: torch.Tensor, chunk: torch.Tensor) -> None:
+    work.wait()
+    if send is not chunk:
+        chunk.copy_(send)
 
 
 def _extend_runs(runs: List[_Run], piece: _Run) -> None:

@@ -21,11 +21,13 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
 from deepspeed.runtime.optimizer_step import StepOutcome, transactional_step
+from deepspeed.runtime.zero import chunked_torch_adam
 from deepspeed.runtime.zero.config import DeepSpeedZeroOffloadOptimizerConfig
 from deepspeed.runtime.zero.flat_layout import GroupLayout, even_layout, newton_schulz_cost, owner_layout
 from deepspeed.runtime.zero.grad_reducer import GradReducer, ReducerOptions
 from deepspeed.runtime.zero.muon.per_head import NUM_HEADS_ATTRIBUTE, head_count
 from deepspeed.runtime.zero.offload import HostOffload
+from deepspeed.runtime.unscaled_chunks import unscaled
 
 
 @dataclass
@@ -198,10 +200,19 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
 
     def _configure_basic_optimizer(self) -> None:
         """Tell the basic optimizer what it may use: on the accelerator, buffers dead during its step; offloaded, that
-        it steps on the host (where Muon still orthogonalises on the accelerator, see MuonWithAuxAdam.run_on_host)."""
+        it steps on the host (where Muon still orthogonalises on the accelerator, see MuonWithAuxAdam.run_on_host).
+        Decide how it reads the gradients (see `_prepare`)."""
         # DeepSpeedCPUAdam declares that its step takes the unscale-and-clip factor and writes the model-dtype copy
         # in the same pass; other optimizers get unscaled fp32 gradients and the copy is a separate pass.
         self._fuses_grad_scale = self._offload is not None and getattr(self.optimizer, "fuses_grad_scale", False)
+        # On the accelerator an optimizer that takes the factor (MuonWithAuxAdam), or torch's Adam/AdamW stepped in
+        # chunks, reads the reducer's model-dtype gradients directly: no unscaled fp32 copy of the partition.
+        self._steps_on_scaled_grads = None
+        if self._offload is None and _GRAD_DTYPE_SETTABLE:
+            if getattr(self.optimizer, "accepts_grad_factor", False):
+                self._steps_on_scaled_grads = self._step_with_grad_factor
+            elif chunked_torch_adam.steps_in_chunks(self.optimizer):
+                self._steps_on_scaled_grads = self._step_torch_adam_in_chunks
         if self._offload is not None:
             run_on_host = getattr(self.optimizer, "run_on_host", None)
             if run_on_host is not None:
@@ -212,11 +223,11 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
             lend_step_workspace(self._buffers_dead_during_step())
 
     def _buffers_dead_during_step(self) -> List[torch.Tensor]:
-        """Buffers whose contents nothing needs while the basic optimizer steps (see `_apply`): the lp weights,
-        which `update_lp_params` rewrites from the fp32 masters right after, and the reducer's gradient buffers,
-        which `_prepare` has read into new fp32 tensors before and `step` zeroes after. The basic optimizer may use
-        them as scratch memory (Muon's Newton-Schulz does), so the step needs none of its own."""
-        return [*self.bit16_groups_flat, *self.reducer.buffers()]
+        """Buffers whose contents nothing needs while the basic optimizer steps (see `_apply`): the lp weights, which
+        `update_lp_params` rewrites from the fp32 masters right after. The basic optimizer may use them as scratch
+        memory (Muon's Newton-Schulz does), so the step needs less of its own. (The reduced gradients are not lent:
+        the step reads them, and they exist only from the backward to the end of the step.)"""
+        return list(self.bit16_groups_flat)
 
     def _partition_base(self, group: int) -> int:
         return self.layouts[group].partition_range(self._owner_rank(group))[0]
@@ -344,17 +355,19 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
             self._release_master_grads()
         self.overflow = not outcome.applied
         self._last_outcome = outcome
-        self.reducer.zero()
+        self.reducer.release()
         self._grads_ready = False
         self.micro_step_id = 0
         return outcome
 
     def _prepare(self, factor: torch.Tensor) -> None:
-        """Before the verdict: unscaled, clipped fp32 gradients for the masters, and the Muon updates from them.
+        """Before the verdict: give the masters their gradients, and compute what can be computed without mutating.
 
-        Nothing the step protects changes here (the gradients are new tensors, and the basic optimizer computes
-        its Muon updates out of place), so a skipped step drops both. Queuing Newton-Schulz now lets the host
-        issue its many launches while the device finishes the backward, instead of after the verdict.
+        On the accelerator, an optimizer that reads the gradients with the factor (`_steps_on_scaled_grads`) gets the
+        reducer's model-dtype gradients as they are; nothing is computed before the verdict, and no fp32 copy of
+        them is made. Otherwise the masters get unscaled, clipped fp32 gradients (new tensors), and Muon updates
+        that cannot wait for the step are computed from them (`prepare_muon_updates`, out of place). Nothing the
+        step protects changes here, so a skipped step drops both.
 
         Offloaded, the gradients first travel to host staging buffers; an optimizer that unscales in its own step
         (DeepSpeedCPUAdam) needs nothing else before the verdict.
@@ -365,8 +378,11 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
             if self._fuses_grad_scale:
                 return
             reduced, factor = self._offload.host_grads(), factor.cpu()
+        elif self._steps_on_scaled_grads is not None:
+            self._set_master_grads(reduced)
+            return
         # A new fp32 tensor per group: multiplying in place would write the reducer's buffer when it is fp32.
-        fp32_grads = [self._unscaled(grad, factor) for grad in reduced]
+        fp32_grads = [unscaled(grad, factor) for grad in reduced]
         self._set_master_grads(fp32_grads)
         prepare_muon_updates = getattr(self.optimizer, "prepare_muon_updates", None)
         if prepare_muon_updates is not None:
@@ -388,12 +404,6 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
                     param.grad_dtype = None
                 param.grad = buffer.as_strided(slot.shape, param.stride(), buffer.storage_offset() + slot.start)
 
-    @staticmethod
-    def _unscaled(grad: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-        if grad.dtype == torch.float32:
-            return grad * factor
-        return grad.to(torch.float32).mul_(factor)
-
     def _apply(self, factor: torch.Tensor) -> None:
         """Step the basic optimizer on the gradients `_prepare` set, then publish the lp weights.
 
@@ -404,12 +414,20 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         try:
             if self._fuses_grad_scale:
                 is_written = self._fused_host_step(factor)
+            elif self._steps_on_scaled_grads is not None:
+                self._steps_on_scaled_grads(factor)
             else:
                 self.optimizer.step()
         finally:
-            # The fp32 gradients are dead now: free them before the publishing all-gather allocates.
+            # The gradients are dead now: free what was made of them before the publishing all-gather allocates.
             self._release_master_grads()
             self._publish(is_written)
+
+    def _step_with_grad_factor(self, factor: torch.Tensor) -> None:
+        self.optimizer.step(grad_factor=factor)
+
+    def _step_torch_adam_in_chunks(self, factor: torch.Tensor) -> None:
+        chunked_torch_adam.chunked_step(self.optimizer, factor)
 
     def _fused_host_step(self, factor: torch.Tensor) -> bool:
         """The offloaded step in one pass per group: unscale and clip, update the host masters, write the model-dtype
@@ -448,8 +466,9 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
             else:
                 lp_partition.copy_(master)
             if layout.num_partitions > 1:
-                dist.all_gather_into_tensor(self.bit16_groups_flat[g], lp_partition.clone(),
-                                            group=self.dp_process_group)
+                # In place: the partition is this rank's slot of the output (NCCL and gloo both read it before the
+                # slot is written), so no copy of it is made.
+                dist.all_gather_into_tensor(self.bit16_groups_flat[g], lp_partition, group=self.dp_process_group)
 
     def refresh_fp32_params(self) -> None:
         """Rebuild the fp32 masters from the current lp weights (after loading only the module)."""
@@ -638,6 +657,6 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         if not load_from_fp32_weights:
             self.refresh_fp32_params()
         self.update_lp_params()
-        self.reducer.zero()
+        self.reducer.release()
         self._grads_ready = False
         self.micro_step_id = 0

@@ -27,11 +27,13 @@ from deepspeed.runtime.zero.muon.original_muon import (
     stacked_view,
     update_scale,
 )
+from deepspeed.runtime.zero.muon.aux_adam import adam_in_chunks, fusable, fused_adamw, unscaled_gradients
 from deepspeed.runtime.zero.muon.fused_momentum import fold_and_direction
 from deepspeed.runtime.zero.muon.host_step import HostStep
 from deepspeed.runtime.zero.muon.per_head import head_count
 from deepspeed.runtime.zero.muon.ns_graph import GraphedCalls
 from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
+from deepspeed.runtime.unscaled_chunks import unscaled_chunks
 
 MUON_DEFAULTS: dict[str, Any] = {
     "lr": 0.02,
@@ -118,6 +120,10 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
     ``exp_avg_sq`` (fp32) and ``step``, a CPU float32 tensor as in ``torch.optim.Adam``, so it round
     trips through ``torch.load(weights_only=True)`` and never forces a device sync.
 
+    ``step(grad_factor=f)`` takes gradients that still carry a loss scale, in any float dtype (ZeRO's reduced
+    low-precision gradients): each is multiplied by ``f`` as it is read, a chunk at a time
+    (``zero/unscaled_chunks.py``), so no unscaled fp32 copy of all of them is made (``accepts_grad_factor``).
+
     Args:
         param_groups: dicts with ``params`` and ``use_muon``, plus the options above.
 
@@ -128,6 +134,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             ``ns_dtype`` that is not a torch.dtype. (Config values are checked earlier, with the config key in the
             message: deepspeed/runtime/optimizer_params.py.)
     """
+
+    # step() takes grad_factor (see the class docstring); ZeRO asks for this instead of unscaling the gradients.
+    accepts_grad_factor = True
 
     def __init__(self, param_groups: Iterable[dict[str, Any]]) -> None:
         super().__init__(list(param_groups), defaults={})
@@ -206,7 +215,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         return sorted(params, key=lambda entry: keys[id(entry)], reverse=True)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def step(self, closure: Callable[[], float] | None = None, grad_factor: Tensor | None = None) -> float | None:
         """Apply one Muon or Adam update to every param that has a gradient.
 
         Muon groups use the updates :meth:`prepare_muon_updates` computed for the current gradients, if it ran;
@@ -214,6 +223,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
         Args:
             closure: re-evaluates the model and returns the loss (run with gradients enabled).
+            grad_factor: a 0-d fp32 tensor every gradient is multiplied by as it is read (the caller's unscale and
+                clip); the gradients may then be in any float dtype. Updates prepared before are not used with it.
 
         Returns:
             The closure's loss, or None.
@@ -223,36 +234,44 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         prepared, self._prepared = self._prepared, {}
-        # Adam groups first: their few element-wise launches are queued at once, and the device works through
-        # them while the host is still issuing the Muon groups' launches.
-        for group in self.param_groups:
-            if not group["use_muon"]:
-                self._adam_group_step(group)
-        for index, group in enumerate(self.param_groups):
-            if group["use_muon"]:
-                updates = prepared.get(index)
-                if updates is None or not updates.is_for(group):
-                    updates = self._muon_updates_in_workspace(group) or self._muon_updates(group)
-                self._commit_muon_updates(group, updates)
-        self.__dict__.pop("_operands", None)
-        workspace = self.__dict__.get("_step_workspace")
-        if workspace is not None and len(self.__dict__["_graphs"]) == 0:
-            # What did not fit in the lent buffers is held across steps only for a captured graph, which replays at
-            # its addresses. Otherwise it is this step's scratch: under ZeRO-3 the lent buffers are 1/N of the model
-            # and Newton-Schulz's scratch, kept, would be about 8 bytes per owned Muon element on top of model states.
-            workspace.release_fallbacks()
+        try:
+            # Adam groups first: their few element-wise launches are queued at once, and the device works through
+            # them while the host is still issuing the Muon groups' launches.
+            for group in self.param_groups:
+                if not group["use_muon"]:
+                    self._adam_group_step(group, grad_factor)
+            for index, group in enumerate(self.param_groups):
+                if group["use_muon"]:
+                    self._muon_group_step(group, prepared.get(index) if grad_factor is None else None, grad_factor)
+        finally:
+            self.__dict__.pop("_operands", None)
+            workspace = self.__dict__.get("_step_workspace")
+            if workspace is not None:
+                workspace.release()  # what did not fit in the lent buffers is step memory only
         return loss
+
+    def _muon_group_step(self, group: dict[str, Any], prepared: _MuonUpdates | None,
+                         grad_factor: Tensor | None) -> None:
+        if prepared is not None and prepared.is_for(group):
+            self._commit_muon_updates(group, prepared)
+            return
+        updates = self._muon_updates_in_workspace(group, grad_factor)
+        if updates is not None:
+            self._commit_muon_updates(group, updates)
+            return
+        with unscaled_gradients(group["params"], grad_factor):
+            self._commit_muon_updates(group, self._muon_updates(group))
 
     def lend_step_workspace(self, buffers: Sequence[Tensor]) -> None:
         """Let :meth:`step` use ``buffers`` as scratch memory for Newton-Schulz from now on (an empty list stops it).
 
         The lender promises that the buffers' contents are dead during every ``step()`` call and restores them
-        after each: ZeRO lends its low-precision weights (rewritten from the fp32 masters right after the step)
-        and its reduced-gradient buffers (copied to fp32 before the step, zeroed after it). A Muon group whose
-        params, fp32 gradients and momenta each lie in one run (ZeRO's layout, from the second step) then computes
-        its update inside ``step()`` in that memory, so Newton-Schulz allocates nothing, and on a GPU replays it
-        from a CUDA graph (``ns_cuda_graph``). :meth:`prepare_muon_updates` leaves such groups to ``step()``. The
-        results are bit for bit those of the other paths.
+        after each: ZeRO lends its low-precision weights (rewritten from the fp32 masters right after the step). A
+        Muon group whose params and gradients each lie in one run (ZeRO's layout) then computes its update inside
+        ``step()`` in that memory (its momenta packed into one run there, created on the first step), allocating
+        for the step only what does not fit, and on a GPU replays Newton-Schulz from a CUDA graph
+        (``ns_cuda_graph``). :meth:`prepare_muon_updates` leaves such groups to ``step()``. The results are bit for
+        bit those of the other paths.
 
         Args:
             buffers: 1-D contiguous tensors on one device.
@@ -348,12 +367,14 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         return self.__dict__.get("_host_step")
 
     def _workspace_operands(self, group: dict[str, Any]
-                            ) -> tuple[dict[BatchKey, list[Tensor]], tuple[Tensor, Tensor]] | None:
-        """(params by batch key, flat gradients and momenta) when a workspace is lent and the group is one run.
+                            ) -> tuple[list[Tensor], dict[BatchKey, list[Tensor]], Tensor] | None:
+        """(params with a gradient, the same by batch key, their gradients as one 1-D view) when a workspace is lent
+        and the params and their gradients each lie in one run in batch order (ZeRO's layout), else None.
 
-        Remembered per group until the next call finds the params carrying other gradient tensors: the prepare
-        and the step of one optimizer step ask with the same gradients, and the answer is a few hundred Python
-        operations on a path bound by the host.
+        The gradients may be in any float dtype (the step converts them a chunk at a time). Remembered per group
+        until the next call finds the params carrying other gradient tensors: the prepare and the step of one
+        optimizer step ask with the same gradients, and the answer is a few hundred Python operations on a path
+        bound by the host.
         """
         if self.__dict__.get("_step_workspace") is None:
             return None
@@ -363,25 +384,32 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         if entry is not None and len(entry[0]) == len(grads) and all(a is b for a, b in zip(entry[0], grads)):
             return entry[1]
         params, by_key = _with_grads_by_key(group)
-        flat = self._flat_operands(params, by_key)
-        operands = None if flat is None else (by_key, flat)
-        # The entry holds the gradients (to compare identities, and in the flat views): step() and
+        operands = None
+        if params and all(a is b for a, b in zip(params, (p for batch in by_key.values() for p in batch))):
+            flat_grads = flat_view([p.grad for p in params])
+            if flat_grads is not None and flat_grads.is_floating_point():
+                operands = (params, by_key, flat_grads)
+        # The entry holds the gradients (to compare identities, and in the flat view): step() and
         # discard_prepared_updates() drop it, so they are freed when the caller drops them.
         remembered[id(group)] = (grads, operands)
         return operands
 
-    def _muon_updates_in_workspace(self, group: dict[str, Any]) -> _MuonUpdates | None:
+    def _muon_updates_in_workspace(self, group: dict[str, Any], grad_factor: Tensor | None = None
+                                   ) -> _MuonUpdates | None:
         """The group's updates computed inside ``step()`` in the lent workspace, momenta folded; None when the
         group cannot (no workspace lent, or not laid out as one run).
 
         The same operations as :meth:`_flat_muon_updates` and the fold of :meth:`_commit_muon_updates`, so the same
-        bits: the new momenta are written first (this is the step), the direction goes straight into the
-        workspace in the Newton-Schulz dtype, and Newton-Schulz runs there, replayed from a CUDA graph when it can.
+        bits: the momenta are packed into one run (created as zeros on the first step: this is the step, after the
+        caller's verdict), the new momenta are written, the direction goes straight into the workspace in the
+        Newton-Schulz dtype, and Newton-Schulz runs there, replayed from a CUDA graph when it can. Gradients that are
+        not fp32, or come with ``grad_factor``, are unscaled into fp32 a chunk at a time on their way into the fold.
         """
         operands = self._workspace_operands(group)
         if operands is None:
             return None
-        by_key, (grads, momenta) = operands
+        params, by_key, grads = operands
+        momenta = flat_view(self._packed_momenta(params))
         workspace: NSWorkspace = self.__dict__["_step_workspace"]
         method, steps = group["ns_method"], group["ns_steps"]
         dtype = resolve_ns_dtype(grads, group["ns_dtype"])
@@ -395,16 +423,27 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         def orthogonalise() -> list[Tensor]:
             return NS_FUNCTIONS[method](carved_input()[1], steps=steps, dtype=dtype, workspace=workspace)
 
+        graphed = (grads.is_cuda and group.get("ns_cuda_graph", True)
+                   and NS_FUNCTIONS[method] is _ORIGINAL_NS_FUNCTIONS[method])
+        key = (method, steps, dtype, tuple((batch_key, len(batch)) for batch_key, batch in by_key.items()))
+        plans = self.__dict__.setdefault("_fallback_plans", {})
+        if graphed:
+            # What did not fit in the lent buffers last time, allocated again first: a graph replays on that memory.
+            workspace.reserve(plans.get(key, ()))
         direction, batches = carved_input()
         captured = None
-        if grads.is_cuda and group.get("ns_cuda_graph", True) and NS_FUNCTIONS[method] is _ORIGINAL_NS_FUNCTIONS[
-                method]:
+        if graphed:
             # Captured before the input is written: the capture's warm-up call overwrites the input.
-            key = (method, steps, dtype, tuple(batch.shape for batch in batches))
-            captured = self.__dict__["_graphs"].get(key, orthogonalise, grads.device)
+            captured = self.__dict__["_graphs"].get(key, orthogonalise, grads.device, workspace.addresses)
+        beta, nesterov = group["momentum"], group["nesterov"]
         # The new momenta, then the direction straight into the Newton-Schulz input: one pass on a GPU with Triton.
-        fold_and_direction(grads, momenta, direction, group["momentum"], group["nesterov"])
+        if grad_factor is None and grads.dtype == torch.float32:
+            fold_and_direction(grads, momenta, direction, beta, nesterov)
+        else:
+            _fold_unscaled(grads, grad_factor, momenta, direction, beta, nesterov)
         updates = captured.replay() if captured is not None else orthogonalise()
+        if graphed:
+            plans[key] = workspace.fallback_sizes
         return _MuonUpdates(_recorded_batches(by_key, batches, group["adjust_lr_fn"]), updates, (grads, momenta),
                             folded=True)
 
@@ -413,7 +452,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         """(gradients, momenta) as 1-D views when the whole group can be stepped as one run, else None.
 
         That needs the params of each batch to follow one another, the fp32 gradients to lie back to back in that
-        order, and the momenta too (they do once :meth:`_packed_momenta` has packed them, from the second step on).
+        order, and the momenta too (they do once :meth:`_packed_momenta` has packed them).
         """
         if not params or any(a is not b for a, b in zip(params, (p for batch in by_key.values() for p in batch))):
             return None
@@ -519,7 +558,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             slots.append(slot)
         return slots
 
-    def _adam_group_step(self, group: dict[str, Any]) -> None:
+    def _adam_group_step(self, group: dict[str, Any], grad_factor: Tensor | None = None) -> None:
         lr, weight_decay = group["lr"], group["weight_decay"]
         fused = []
         for p in group["params"]:
@@ -534,9 +573,13 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
             state["step"] += 1
             if self._host is not None:
-                self._host.adam(p, state, group)
+                with unscaled_gradients([p], grad_factor):
+                    self._host.adam(p, state, group)
                 continue
-            if _fusable(p, state):
+            if grad_factor is not None or p.grad.dtype != torch.float32:
+                adam_in_chunks(p, state, group, grad_factor)
+                continue
+            if fusable(p, state):
                 fused.append((p, state))
                 continue
             update = adam_update(
@@ -546,7 +589,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 p.mul_(1 - lr * weight_decay)
             p.add_(update.to(p.dtype), alpha=-lr)
         if fused:
-            _fused_adamw(fused, lr, group["betas"], group["eps"], weight_decay)
+            fused_adamw(fused, lr, group["betas"], group["eps"], weight_decay)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load like ``torch.optim.Optimizer`` but keep every state tensor's saved dtype.
@@ -618,31 +661,12 @@ def _recorded_batches(by_key: dict[BatchKey, list[Tensor]], views: list[Tensor],
             for params, view in zip(by_key.values(), views)]
 
 
-def _fusable(p: Tensor, state: dict[str, Any]) -> bool:
-    """torch's fused AdamW kernel takes fp32 params, gradients and moments of one device (ZeRO's masters)."""
-    return (hasattr(torch, "_fused_adamw_") and p.dtype == torch.float32 and p.grad.dtype == torch.float32
-            and p.device.type in ("cuda", "cpu") and state["exp_avg"].dtype == torch.float32
-            and state["exp_avg_sq"].dtype == torch.float32)
-
-
-def _fused_adamw(params_and_states: list[tuple[Tensor, dict[str, Any]]], lr: float, betas: tuple[float, float],
-                 eps: float, weight_decay: float) -> None:
-    """AdamW on fp32 tensors in one read and write per element (``torch._fused_adamw_``).
-
-    The same update as :func:`adam_update` with decoupled weight decay, to rounding: m_hat / (sqrt(v_hat) + eps)
-    computed as (m / (1 - b1^t)) / (sqrt(v) / sqrt(1 - b2^t) + eps). The step count stays a CPU tensor in the
-    state (checkpoint format unchanged); the kernel gets it as a device scalar made by a fill, not a copy, so
-    the step never waits for the device.
-    """
-    by_device: dict[tuple[torch.device, float], list[tuple[Tensor, dict[str, Any]]]] = {}
-    for p, state in params_and_states:
-        by_device.setdefault((p.device, float(state["step"])), []).append((p, state))
-    for (device, step), members in by_device.items():
-        params = [p for p, _ in members]
-        steps = [torch.full((), step, dtype=torch.float32, device=device) for _ in members]
-        torch._fused_adamw_(params, [p.grad for p in params], [s["exp_avg"] for _, s in members],
-                            [s["exp_avg_sq"] for _, s in members], [], steps, lr=lr, beta1=betas[0],
-                            beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+def _fold_unscaled(grads: Tensor, grad_factor: Tensor | None, momenta: Tensor, direction: Tensor, beta: float,
+                   nesterov: bool) -> None:
+    """``fold_and_direction`` on 1-D runs, the gradients unscaled into fp32 a chunk at a time (the chunk buffer is
+    freed on return, before Newton-Schulz allocates)."""
+    for start, end, chunk in unscaled_chunks(grads, grad_factor):
+        fold_and_direction(chunk, momenta[start:end], direction[start:end], beta, nesterov)
 
 
 def _restored(key: str, value: Any, param: Tensor) -> Any:

@@ -7,8 +7,11 @@ down to 0.03-0.05 ms, and 1.8 -> 1.4 ms on the device since the gaps between lau
 
 A graph replays fixed kernels on fixed addresses, so the call must read its input from and write its results to
 memory that stays put: the optimizer runs it in an ``NSWorkspace`` (whose carving is deterministic) and refills
-the same input before each replay. The graph keeps its own memory pool for whatever the call allocates beyond the
-workspace (the per-matrix norms); its size is measured at capture and reported, so it is counted in peak memory.
+the same input before each replay. Part of that memory may be allocated for the step only (what the lent buffers
+cannot hold); a graph is therefore looked up by the workspace's addresses as well, and replayed only where the
+step got the same memory back, which a training loop's allocator does from one step to the next. The graph keeps
+its own memory pool for whatever the call allocates beyond the workspace (the per-matrix norms); its size is
+measured at capture and reported, so it is counted in peak memory.
 """
 
 from __future__ import annotations
@@ -23,16 +26,21 @@ from torch import Tensor
 logger = logging.getLogger(__name__)
 
 # Distinct captures kept per optimizer: a group whose set of matrices with gradients changes (a matrix unused
-# in a step) gets another graph; an unbounded number would each hold a memory pool.
+# in a step), or whose step memory moved, gets another graph; an unbounded number would each hold a memory pool.
 MAX_GRAPHS = 4
+# A call (one kind of key) whose memory moved more than this many times, in more than a quarter of its calls, runs
+# eagerly from then on: capturing again nearly every step would cost more than the graph saves. (Memory that moves
+# now and then, e.g. when other work runs between steps, only costs a capture each time.)
+MAX_CAPTURES_PER_CALL = 8
 
 
 class _Captured:
-    __slots__ = ("graph", "outputs")
+    __slots__ = ("graph", "outputs", "pool_bytes")
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, outputs: list[Tensor]) -> None:
+    def __init__(self, graph: torch.cuda.CUDAGraph, outputs: list[Tensor], pool_bytes: int) -> None:
         self.graph = graph
         self.outputs = outputs
+        self.pool_bytes = pool_bytes
 
     def replay(self) -> list[Tensor]:
         self.graph.replay()
@@ -40,44 +48,55 @@ class _Captured:
 
 
 class GraphedCalls:
-    """Captured calls by key. A call that cannot be captured is remembered and run eagerly from then on.
+    """Captured calls by key and memory. A call that cannot be captured (or whose memory keeps moving) is remembered
+    and run eagerly from then on.
 
     Attributes:
-        pool_bytes: device memory the captured graphs' pools reserve, measured at each capture.
+        pool_bytes: device memory the pools of the graphs kept reserve, measured at each capture.
     """
 
     def __init__(self) -> None:
         self._captured: collections.OrderedDict[Hashable, _Captured] = collections.OrderedDict()
         self._refused: set[Hashable] = set()
+        self._captures: collections.Counter[Hashable] = collections.Counter()
+        self._calls: collections.Counter[Hashable] = collections.Counter()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self.pool_bytes = 0
 
-    def __len__(self) -> int:
-        """The number of captured graphs held."""
-        return len(self._captured)
-
-    def get(self, key: Hashable, call: Callable[[], list[Tensor]], device: torch.device) -> _Captured | None:
-        """The graph of ``call`` for ``key``, captured now if it is new; None when capturing failed (once or now).
+    def get(self, key: Hashable, call: Callable[[], list[Tensor]], device: torch.device,
+            memory: Callable[[], Hashable] = tuple) -> _Captured | None:
+        """The graph of ``call`` for ``key`` on the memory ``memory()`` names, captured now if it is new; None when
+        capturing failed or was given up (once or now).
 
         Capturing runs ``call`` once eagerly (a warm-up on the capture stream, so cuBLAS has its handle and
-        workspace there) and records it once. Neither leaves useful results: the caller writes the input and
-        replays afterwards.
+        workspace there; it may allocate the memory the call needs beyond what it was lent, which ``memory()``
+        then names) and records it once. Neither leaves useful results: the caller writes the input and replays
+        afterwards.
         """
         if key in self._refused:
             return None
-        captured = self._captured.get(key)
+        self._calls[key] += 1
+        captured = self._captured.get((key, memory()))
         if captured is not None:
-            self._captured.move_to_end(key)
+            self._captured.move_to_end((key, memory()))
             return captured
+        self._captures[key] += 1
+        if self._captures[key] > MAX_CAPTURES_PER_CALL and 4 * self._captures[key] > self._calls[key]:
+            self._refused.add(key)
+            logger.warning("Muon: the memory of the Newton-Schulz call moved in %d of %d steps; it runs eagerly from "
+                           "now on", self._captures[key], self._calls[key])
+            return None
         try:
             captured = self._capture(call, device)
         except RuntimeError as error:
             self._refused.add(key)
             logger.warning("Muon: Newton-Schulz could not be captured in a CUDA graph (%s); it runs eagerly", error)
             return None
-        self._captured[key] = captured
+        self._captured[(key, memory())] = captured
+        self.pool_bytes += captured.pool_bytes
         while len(self._captured) > MAX_GRAPHS:
-            self._captured.popitem(last=False)
+            _, evicted = self._captured.popitem(last=False)
+            self.pool_bytes -= evicted.pool_bytes
         return captured
 
     def _capture(self, call: Callable[[], list[Tensor]], device: torch.device) -> _Captured:
@@ -96,7 +115,6 @@ class GraphedCalls:
         with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
             outputs = call()
         pool = max(0, torch.cuda.memory_reserved(device) - reserved)
-        self.pool_bytes += pool
         logger.info("Muon: Newton-Schulz captured in a CUDA graph (%d outputs); its pool reserves %.1f MiB",
                     len(outputs), pool / 2**20)
-        return _Captured(graph, outputs)
+        return _Captured(graph, outputs, pool)

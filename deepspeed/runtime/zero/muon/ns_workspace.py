@@ -10,9 +10,11 @@ partitions (copied to fp32 before the step, zeroed after it). A workspace hands 
 call needs no memory of its own.
 
 Carving is deterministic: after :meth:`NSWorkspace.reset` the same requests get the same addresses, which is what
-lets a captured graph and an eager call use the same memory. What does not fit is allocated once, kept for the
-same request after later resets (so it is deterministic too), and counted; :meth:`NSWorkspace.release_fallbacks`
-frees it where no captured graph needs those addresses.
+lets a captured graph and an eager call use the same memory. What does not fit is allocated, kept for the same
+request after later resets (so it is deterministic too) and counted, until :meth:`NSWorkspace.release` frees it at
+the end of the step: memory held from one step to the next would be held while the forward builds its activations
+too. A graph that used such memory is replayed only where :meth:`NSWorkspace.reserve` got the same addresses back
+(see ``addresses``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ class NSWorkspace:
             storage, never their values.
 
     Attributes:
-        fallback_bytes: bytes this workspace allocated itself because no lent buffer had room (held for reuse).
+        fallback_bytes: bytes this workspace allocated itself because no lent buffer had room (held until
+            :meth:`release`).
     """
 
     def __init__(self, lent: Sequence[Tensor]) -> None:
@@ -57,6 +60,32 @@ class NSWorkspace:
     @property
     def fallback_bytes(self) -> int:
         return sum(fallback.numel() for fallback in self._fallbacks)
+
+    @property
+    def fallback_sizes(self) -> tuple[int, ...]:
+        """The bytes of each allocation made beyond the lent buffers, in order: what :meth:`reserve` needs to give a
+        call the memory its previous run used."""
+        return tuple(fallback.numel() for fallback in self._fallbacks)
+
+    def addresses(self) -> tuple[int, ...]:
+        """Where the lent buffers and the allocations beyond them are: two calls that carve the same requests use
+        the same memory exactly when their workspaces' addresses are equal."""
+        return tuple(region.data_ptr() for region in self._regions) + tuple(f.data_ptr() for f in self._fallbacks)
+
+    def reserve(self, sizes: Sequence[int]) -> None:
+        """Allocate, in order, what does not fit in the lent buffers (``fallback_sizes`` of an earlier run), keeping
+        what is already allocated at those sizes."""
+        for index, nbytes in enumerate(sizes):
+            if index == len(self._fallbacks):
+                self._fallbacks.append(torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+            elif self._fallbacks[index].numel() != nbytes:
+                self._fallbacks[index] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        del self._fallbacks[len(sizes):]
+
+    def release(self) -> None:
+        """Free what was allocated beyond the lent buffers (tensors carved from it must be dead by now)."""
+        self._fallbacks = []
+        self.reset()
 
     def reset(self) -> None:
         """Forget every tensor handed out: the next requests reuse the same memory, in the same order."""
@@ -82,15 +111,6 @@ class NSWorkspace:
         elif self._fallbacks[index].numel() != nbytes:
             self._fallbacks[index] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self._fallbacks[index].view(dtype).view(tuple(shape))
-
-    def release_fallbacks(self) -> None:
-        """Free the memory allocated for what did not fit; the next requests that do not fit allocate again.
-
-        For a borrower that keeps no addresses across steps (no captured graph replays them): the memory is then
-        scratch of one step, like any other, instead of being held for the whole run.
-        """
-        self._fallbacks = []
-        self._fallback_index = 0
 
     def contains(self, tensor: Tensor) -> bool:
         """Whether ``tensor``'s memory lies inside a lent buffer (a carved view, not a fallback allocation)."""

@@ -1,6 +1,6 @@
 """Newton-Schulz in lent memory: the workspace carves deterministically and never hands out one byte twice, Newton-
 Schulz run in it gives the bits of the allocating run, and MuonWithAuxAdam stepping in a lent workspace (what ZeRO
-does from the second step on) gives the bits of the optimizer that was lent nothing.
+does) gives the bits of the optimizer that was lent nothing.
 """
 
 import weakref
@@ -49,6 +49,27 @@ def test_what_does_not_fit_is_allocated_once_and_reused_after_reset():
     workspace.empty((8,), torch.float32)
     assert workspace.empty((1000,), torch.float32).data_ptr() == outside.data_ptr()
     assert workspace.fallback_bytes == 4000
+
+
+def test_what_does_not_fit_is_step_memory_and_can_be_reserved_again():
+    """Released at the end of a step (memory held between steps would be held while the forward builds its
+    activations); reserved again in the same sizes, the same requests carve the reserved memory, which is what a
+    graph replay looks up by address."""
+    workspace = NSWorkspace([torch.zeros(128)])
+    requests = [((8,), torch.float32), ((1000,), torch.float32), ((300,), torch.bfloat16)]
+    first = [workspace.empty(shape, dtype) for shape, dtype in requests]
+    sizes = workspace.fallback_sizes
+    assert sizes == (4000, 600) and workspace.fallback_bytes == 4600
+    alive = weakref.ref(first[1].untyped_storage())
+    del first
+    workspace.release()
+    assert workspace.fallback_bytes == 0 and workspace.fallback_sizes == ()
+    assert alive() is None, "the released memory is still held"
+    workspace.reserve(sizes)
+    reserved = workspace.addresses()
+    again = [workspace.empty(shape, dtype) for shape, dtype in requests]
+    assert workspace.addresses() == reserved and workspace.fallback_sizes == sizes
+    assert [t.data_ptr() for t in again[1:]] == list(reserved[1:])
 
 
 def test_workspace_refuses_buffers_it_cannot_carve():
@@ -114,20 +135,21 @@ def test_optimizer_in_a_lent_workspace_gives_the_same_bits(nesterov, room):
             optimizer.prepare_muon_updates()
             with count_newton_schulz_calls() as calls:
                 optimizer.step()
-            # Step 0 (no momenta yet) is prepared before the step; later ones run in the step, once either way.
-            assert sum(calls.values()) == (0 if optimizer is plain_opt or step == 0 else 1)
+            # Lent a workspace, every step (the first too: it packs the momenta) runs Newton-Schulz in the step;
+            # the other optimizer took what was prepared before it.
+            assert sum(calls.values()) == (0 if optimizer is plain_opt else 1)
         del lent_opt._muon_updates_in_workspace
-        assert computed_in_step == ([] if step == 0 else [True])  # step 0 took what was prepared
+        assert computed_in_step == [True]
         for p, q in zip(lent_params, plain_params):
             assert torch.equal(p, q)
             assert torch.equal(lent_opt.state[p]["momentum_buffer"], plain_opt.state[q]["momentum_buffer"])
-        if step > 0:
-            assert not torch.isnan(lent).all(), "the lent buffer was not used"
+        assert not torch.isnan(lent).all(), "the lent buffer was not used"
+        assert lent_opt.__dict__["_step_workspace"].fallback_bytes == 0, "step memory outlived the step"
 
 
 def _recording(method, record):
-    def recorded(group):
-        updates = method(group)
+    def recorded(group, *args):
+        updates = method(group, *args)
         record.append(updates is not None)
         return updates
     return recorded
@@ -136,12 +158,13 @@ def _recording(method, record):
 def test_prepared_updates_are_left_to_the_step_when_a_workspace_is_lent():
     optimizer, params, numels = optimizer_and_params(torch.Generator().manual_seed(3), [(16, 8)] * 2, True)
     optimizer.lend_step_workspace([torch.zeros(10_000)])
-    for step in range(2):
+    for _ in range(2):
         for p, grad in zip(params, torch.randn(sum(numels)).split(numels)):
             p.grad = grad.view(p.shape)
         optimizer.prepare_muon_updates()
-        # Nothing is computed before the step once the group can step in the workspace (from the second step).
-        assert (0 in optimizer._prepared) == (step == 0)
+        # Nothing is computed before the step when the group can step in the workspace: from the first step on,
+        # since the step packs the momenta it creates.
+        assert 0 not in optimizer._prepared
         optimizer.step()
 
 
@@ -198,23 +221,23 @@ def test_a_lent_buffer_that_is_itself_a_view_works():
 
 
 def test_what_did_not_fit_is_freed_after_each_step_without_a_captured_graph():
-    """Only a captured CUDA graph replays at the fallback's addresses; without one the fallback is one step's scratch.
-    Kept, it cost about 8 bytes per owned Muon element under ZeRO-3, whose lent buffers are 1/N of the model."""
+    """What did not fit in the lent buffers is one step's scratch. Kept, it cost about 8 bytes per owned Muon element
+    under ZeRO-3, whose lent buffers are 1/N of the model, and it would be held while the forward builds activations."""
     optimizer, params, numels = optimizer_and_params(torch.Generator().manual_seed(5), [(48, 16)] * 2, True)
     optimizer.lend_step_workspace([torch.zeros(64)])  # room for almost nothing
     workspace = optimizer.__dict__["_step_workspace"]
     held_at_release = []
-    release = workspace.release_fallbacks
+    release = workspace.release
 
     def recording_release():
         held_at_release.append(workspace.fallback_bytes)
         release()
 
-    workspace.release_fallbacks = recording_release
+    workspace.release = recording_release
     for _ in range(3):
         for p, grad in zip(params, torch.randn(sum(numels)).split(numels)):
             p.grad = grad.view(p.shape)
         optimizer.step()
         assert workspace.fallback_bytes == 0
-    # Steps 1 and 2 ran Newton-Schulz in the workspace (step 0 has no packed momenta yet) and needed the fallback.
-    assert held_at_release[0] == 0 and all(held > 0 for held in held_at_release[1:]), held_at_release
+    # Newton-Schulz ran in the workspace and needed the fallback (it was there until the end of each step).
+    assert all(held > 0 for held in held_at_release[1:]), held_at_release
