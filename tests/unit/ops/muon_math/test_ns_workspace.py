@@ -220,9 +220,9 @@ def test_a_lent_buffer_that_is_itself_a_view_works():
             assert torch.equal(p, q)
 
 
-def test_what_did_not_fit_is_freed_after_each_step_without_a_captured_graph():
+def test_what_did_not_fit_is_freed_after_each_step():
     """What did not fit in the lent buffers is one step's scratch. Kept, it cost about 8 bytes per owned Muon element
-    under ZeRO-3, whose lent buffers are 1/N of the model, and it would be held while the forward builds activations."""
+    under ZeRO-3, whose lent buffers are 1/N of the model, held while the forward builds activations."""
     optimizer, params, numels = optimizer_and_params(torch.Generator().manual_seed(5), [(48, 16)] * 2, True)
     optimizer.lend_step_workspace([torch.zeros(64)])  # room for almost nothing
     workspace = optimizer.__dict__["_step_workspace"]
