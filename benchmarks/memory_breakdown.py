@@ -3,7 +3,8 @@
 Builds the benchmark's GPT (gpt_model.py) for one mode (ZeRO stage, precision, Muon or AdamW; the config is the one
 bench_modes.py builds) and trains a few steps through the public API only (deepspeed.initialize, the engine's
 forward, engine.backward, engine.step), so the same script runs against an upstream release's tree
-(`PYTHONPATH=path/to/release`). Every figure is read from the allocator, none is estimated:
+(`--tree 0.19.8`: the release prepared by upstream_tree.py, run in a process of its own with the release's
+environment, and only the config keys that release reads). Every figure is read from the allocator, none is estimated:
 
 - ``lp_params``: what the model holds after it is moved to the device in the model dtype;
 - ``initialize``: what deepspeed.initialize adds (fp32 masters, flat buffers, anything allocated up front);
@@ -23,6 +24,7 @@ under torch.profiler: the running sum of allocations and frees in time order (ma
     DS_ACCELERATOR=cpu python benchmarks/memory_breakdown.py --size tiny --mode ds-z2-bf16-muon
     python benchmarks/memory_breakdown.py --size gpt2-small --mode ds-z2-bf16-muon --out $OUT/memory.json
     python -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/memory_breakdown.py --size tiny
+    python benchmarks/memory_breakdown.py --tree 0.19.8 --size gpt2-small --mode ds-z2-bf16-muon   # the release
 
 JSON goes to --out (default: printed). Figures are per rank (the JSON keeps every rank's) and per step: the first
 step allocates the optimizer state, later steps show the steady state.
@@ -71,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--fused-adamw", action=argparse.BooleanOptionalAction, default=None,
                         help="fused torch AdamW (default: on CUDA)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tree", default="this",
+                        help="'this' checkout, or an upstream release prepared by upstream_tree.py (e.g. 0.19.8)")
     parser.add_argument("--out", default=None, help="JSON file (default: print the JSON)")
     return parser.parse_args(argv)
 
@@ -224,10 +228,25 @@ def per_parameter(values: dict, parameters: int) -> dict:
     return {key: round(value / parameters, 3) for key, value in values.items()}
 
 
+def _run_in_tree(release: str, argv) -> None:
+    """Run this script again in the release's own environment (its deepspeed first on the path, none of ours)."""
+    import upstream_tree
+
+    env = upstream_tree.tree_environment(release, os.environ)
+    env[_TREE_ENV] = release
+    script = str(Path(__file__).resolve())
+    os.execve(sys.executable, [sys.executable, script, *(sys.argv[1:] if argv is None else argv)], env)
+
+
+_TREE_ENV = "DS_MEMORY_BREAKDOWN_TREE"  # set in the release's process: it is already in its environment
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.steps < 1:
         raise SystemExit("--steps must be at least 1")
+    if args.tree != "this" and os.environ.get(_TREE_ENV) != args.tree:
+        _run_in_tree(args.tree, argv)
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.accelerator import get_accelerator
@@ -238,6 +257,11 @@ def main(argv=None) -> None:
     if mode is None or mode.backend != "deepspeed":
         names = [name for name, m in MODES_BY_NAME.items() if m.backend == "deepspeed"]
         raise SystemExit(f"--mode must be one of {names}, got {args.mode!r}")
+    if args.tree != "this":
+        if deepspeed.__version__.split("+")[0] != args.tree:
+            raise SystemExit(f"--tree {args.tree}: imported deepspeed {deepspeed.__version__} from "
+                             f"{Path(deepspeed.__file__).parent}")
+        mode = mode.in_tree(args.tree)
     if "RANK" not in os.environ:  # one process without a launcher: a group of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
@@ -261,7 +285,7 @@ def main(argv=None) -> None:
         worst = {key: max(r["bytes"]["overall"][key] for r in gathered) for key in gathered[0]["bytes"]["overall"]}
         cfg = settings.model
         result = {
-            "mode": mode.name, "world_size": world, "device": str(device.type),
+            "mode": mode.name, "tree": args.tree, "world_size": world, "device": str(device.type),
             "deepspeed": deepspeed.__version__, "torch": torch.__version__,
             "model": {"n_layer": cfg.n_layer, "d_model": cfg.d_model, "n_head": cfg.n_head, "seq_len": cfg.seq_len,
                       "vocab_size": cfg.vocab_size, "parameters": parameters},
