@@ -202,7 +202,8 @@ def build_zero_optimizer(engine, basic_optimizer):
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
         residency = ResidencyOptions(persistence_threshold=int(zero.param_persistence_threshold),
                                      model_persistence_threshold=int(zero.model_persistence_threshold),
-                                     prefetch_numel=int(zero.prefetch_bucket_size))
+                                     prefetch_numel=int(zero.prefetch_bucket_size),
+                                     max_live_numel=int(zero.max_live_parameters))
         return DeepSpeedZeroOptimizer_Stage3(engine.module, basic_optimizer, param_names, options, loss_scaler,
                                              engine.dp_process_group, engine.device, residency)
     return DeepSpeedZeroOptimizer(basic_optimizer, param_names, options, loss_scaler, engine.dp_process_group,

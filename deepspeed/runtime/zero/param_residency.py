@@ -81,6 +81,9 @@ class _Unit:
     work: Optional[object] = None
     position: Optional[int] = None
     waiting_grads: set = field(default_factory=set)
+    # Elements of the unit's parameters: what the prefetch bucket and the live limit count, as upstream's do (the
+    # buffer is larger: rows padded to the largest contribution, and the stitch region).
+    param_numel: int = 0
 
 
 @dataclass
@@ -91,11 +94,14 @@ class ResidencyOptions:
         persistence_threshold: parameters with fewer elements stay gathered.
         model_persistence_threshold: at most this many elements stay gathered in all (first come, model order).
         prefetch_numel: elements gathered ahead of use, in the recorded order (0 disables prefetch).
+        max_live_numel: parameter elements of partitioned units gathered at once that prefetch may bring about;
+            the unit in use is gathered whole even when it alone is larger.
     """
 
     persistence_threshold: int = 100_000
     model_persistence_threshold: int = 2**63 - 1
     prefetch_numel: int = 50_000_000
+    max_live_numel: int = 1_000_000_000
 
 
 class ParamResidency:
@@ -127,8 +133,11 @@ class ParamResidency:
         self._order: List[_Unit] = []
         self._recording = True
         self._handles = self._register_hooks(module)
+        self._live_numel = 0  # parameter elements of partitioned units with a gather buffer: what max_live bounds
         for unit in self._units:
             self._partition(unit)
+        self._live_numel = sum(unit.param_numel for unit in self._units
+                               if not unit.persistent and unit.buffer.untyped_storage().nbytes())
 
     # ---------------------------------------------------------------- construction
     def _build_units(self, module: torch.nn.Module, keys) -> List[_Unit]:
@@ -191,7 +200,8 @@ class ParamResidency:
                 start = self.layouts[group].param_range(index)[0]
                 in_place.append(self.lp_partitions[group][start:start + shape.numel()].view(shape))
         unit = _Unit(plan, list(params), persistent, buffer, views, rows, own_row, pack, stitch, in_place,
-                     placeholder=torch.empty(0, dtype=buffer.dtype, device=buffer.device))
+                     placeholder=torch.empty(0, dtype=buffer.dtype, device=buffer.device),
+                     param_numel=sum(shape.numel() for shape in shapes))
         if owner is not None:
             owner._ds_unit = unit
         return unit
@@ -307,6 +317,8 @@ class ParamResidency:
         storage = unit.buffer.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(unit.plan.numel * unit.buffer.element_size())
+            if not unit.persistent:
+                self._live_numel += unit.param_numel
         self._fill_rows(unit, async_op)
         self._set_status(unit, ZeroParamStatus.INFLIGHT)
 
@@ -356,16 +368,18 @@ class ParamResidency:
         storage = unit.buffer.untyped_storage()
         if storage.nbytes():
             storage.resize_(0)
+            if not unit.persistent:
+                self._live_numel -= unit.param_numel
         unit.waiting_grads = set()
 
     def _prefetch_after(self, unit: _Unit) -> None:
         if self._recording or self.options.prefetch_numel <= 0 or unit.position is None:
             return
-        budget = self.options.prefetch_numel
+        budget = min(self.options.prefetch_numel, self.options.max_live_numel - self._live_numel)
         for following in self._order[unit.position + 1:]:
-            if following.plan.numel > budget:
+            if following.param_numel > budget:
                 break
-            budget -= following.plan.numel
+            budget -= following.param_numel
             if following.status == ZeroParamStatus.NOT_AVAILABLE and following.in_place is None:
                 self._start_gather(following, async_op=True)
 
