@@ -253,10 +253,10 @@ def _reject_unimplemented_stage3(zero) -> None:
         if value != default:
             raise DeepSpeedConfigError(f"zero_optimization.{key} {value!r} is not supported with "
                                        f"zero_optimization.stage 3 by this fork: {advice}")
-    if zero.has_optimizer_offload:
-        raise DeepSpeedConfigError("zero_optimization.offload_optimizer is not supported with "
-                                   "zero_optimization.stage 3 by this fork (it runs at stages 1 and 2): "
-                                   "use stage 1 or 2 with it, or stage 3 without it")
+    if zero.has_optimizer_offload and zero.offload_optimizer.ratio < 1:
+        raise DeepSpeedConfigError(f"zero_optimization.offload_optimizer.ratio {zero.offload_optimizer.ratio} "
+                                   "(partial offload) is not implemented in this fork: every master and all "
+                                   "optimizer state go to the CPU; use 1.0")
     if zero.has_param_offload:
         device = getattr(zero.offload_param.device, "value", zero.offload_param.device)
         raise DeepSpeedConfigError(f"zero_optimization.offload_param.device '{device}' is "

@@ -120,7 +120,7 @@ class HostOffload:
         if not is_written:
             self._wait_for_send(group)
             staging.copy_(master)
-        # Asynchronous from pinned memory: the host goes on while the copy runs; the all-gather that publishes the
-        # partition is queued behind it on the same stream.
+        # Asynchronous from pinned memory: the host goes on while the copy runs; what reads the partition next (the
+        # all-gather that publishes it at stages 1-2, the gathers of stage 3) is queued behind it on the same stream.
         lp_partition.copy_(staging, non_blocking=self.pin_memory)
         self._lp_sent[group] = self._event()

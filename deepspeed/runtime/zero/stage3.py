@@ -103,26 +103,30 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (upst
         self.residency.end_of_forward_trace()
 
     def _publish(self, is_written: bool) -> None:
-        """Copy the fp32 masters into this rank's lp partition; republish what stays gathered.
+        """Bring the fp32 masters into this rank's lp partition; republish what stays gathered.
 
-        Nothing is all-gathered here: the module hooks gather before use. (`is_written` is the offloaded step's;
-        optimizer offload is refused at stage 3, so the masters are always copied.)
+        Nothing is all-gathered here: the module hooks gather before use. Offloaded, the weights come from the host
+        (`is_written`: the host step already wrote them in the model dtype); the copy to the device is queued on the
+        stream before the gathers that read the partition.
         """
         for g in range(len(self.layouts)):
-            self.fp16_partitioned_groups_flat[g].copy_(self.single_partition_of_fp32_groups[g])
+            self._refresh_lp_partition(g, is_written)
         residency = getattr(self, "residency", None)
         if residency is not None:
             residency.refresh()
 
     def set_full_hp_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
-        """Write `value` into this rank's fragments of the masters and the lp partition (whole where gathered)."""
+        """Write `value` into this rank's fragments of the masters and the lp partition (whole where gathered).
+
+        Offloaded, the masters are on the host and the lp partition on the device.
+        """
         group, _ = self._check_param(param)
         self._scatter_full(param, value, self.single_partition_of_fp32_groups[group])
-        lp = torch.zeros_like(self.single_partition_of_fp32_groups[group])
+        partition = self.fp16_partitioned_groups_flat[group]
+        lp = torch.zeros_like(partition, dtype=torch.float32)
         self._scatter_full(param, value, lp)
         mask = torch.zeros_like(lp)
         self._scatter_full(param, torch.ones(param.ds_numel), mask)
-        partition = self.fp16_partitioned_groups_flat[group]
         partition.copy_(torch.where(mask > 0, lp.to(partition.dtype), partition))
         if param.numel() == param.ds_numel:
             param.data.copy_(value.detach().view(param.ds_shape))

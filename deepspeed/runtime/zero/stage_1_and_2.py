@@ -35,7 +35,7 @@ class ZeroOptions:
     """Everything the ZeRO optimizer needs from the config, resolved by the engine.
 
     Attributes:
-        stage: 0, 1 or 2.
+        stage: 0, 1, 2 or 3.
         model_dtype: dtype of the model's parameters (fp32, fp16 or bf16).
         accum_dtype: dtype in which gradients accumulate.
         comm_dtype: dtype of gradient collectives.
@@ -46,7 +46,7 @@ class ZeroOptions:
         clip_grad: gradient_clipping (<= 0 disables).
         check_overflow: skip steps with non-finite gradients.
         average: average (True) or sum (False) gradients over data-parallel ranks.
-        offload_optimizer: zero_optimization.offload_optimizer when its device is "cpu" (stages 1, 2), else None.
+        offload_optimizer: zero_optimization.offload_optimizer when its device is "cpu" (stages 1-3), else None.
     """
 
     stage: int
@@ -459,16 +459,22 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         """Bring the masters into this rank's lp partition (offloaded: from the host; `is_written`: the step already
         wrote them in the model dtype) and all-gather the partitions."""
         for g, layout in enumerate(self.layouts):
-            lp_partition = self._lp_partition(g)
-            master = self.single_partition_of_fp32_groups[g]
-            if self._offload is not None:
-                self._offload.send_weights(g, lp_partition, master, is_written)
-            else:
-                lp_partition.copy_(master)
+            lp_partition = self._refresh_lp_partition(g, is_written)
             if layout.num_partitions > 1:
                 # In place: the partition is this rank's slot of the output (NCCL and gloo both read it before the
                 # slot is written), so no copy of it is made.
                 dist.all_gather_into_tensor(self.bit16_groups_flat[g], lp_partition, group=self.dp_process_group)
+
+    def _refresh_lp_partition(self, group: int, is_written: bool) -> torch.Tensor:
+        """Bring the masters of `group` into this rank's lp partition and return it (offloaded: from the host, or
+        only the copy back to the device when the step already wrote the weights, `is_written`)."""
+        lp_partition = self._lp_partition(group)
+        master = self.single_partition_of_fp32_groups[group]
+        if self._offload is not None:
+            self._offload.send_weights(group, lp_partition, master, is_written)
+        else:
+            lp_partition.copy_(master)
+        return lp_partition
 
     def refresh_fp32_params(self) -> None:
         """Rebuild the fp32 masters from the current lp weights (after loading only the module)."""

@@ -63,8 +63,8 @@ class TestAtInitialize(DistributedTest):
     @pytest.mark.parametrize("change, message", [
         ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}},
          "zero_optimization.zero_hpz_partition_size 2 is not supported with zero_optimization.stage 3"),
-        ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}},
-         "zero_optimization.offload_optimizer is not supported with zero_optimization.stage 3"),
+        ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
+         "zero_optimization.offload_optimizer.ratio 0.3 (partial offload) is not implemented"),
         ({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
          "zero_optimization.offload_optimizer.device 'nvme' is not implemented"),
         ({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": -1.0}}},

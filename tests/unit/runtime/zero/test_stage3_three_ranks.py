@@ -8,7 +8,8 @@
 * The two smallest biases stay whole on every rank (persistence threshold 10); everything else is partitioned.
 
 On it: parity with single-process torch (AdamW, Muon), the overflow oracle with the non-finite gradient seen by one
-rank's partition only, and the safe_get_full_* / safe_set_full_* accessors.
+rank's partition only, and the safe_get_full_* / safe_set_full_* accessors; each also with the optimizer offloaded
+(zero_optimization.offload_optimizer), which at stage 3 also takes stage 2's offloaded steps bit for bit.
 """
 
 import copy
@@ -64,16 +65,26 @@ def batches(steps, global_batch, seed=1234):
              torch.randint(0, CLASSES, (global_batch, ), generator=generator)) for _ in range(steps)]
 
 
-def stage3(config):
+def stage3(config, offload=False):
     config["zero_optimization"] = {"stage": 3, "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD}
+    if offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     return config
 
 
-def adamw_config(dtype, micro=4, gas=1, clip=0.0):
-    config = stage3(make_config(3, dtype, micro=micro, gas=gas, clip=clip))
+def adamw_config(dtype, micro=4, gas=1, clip=0.0, offload=False):
+    config = stage3(make_config(3, dtype, micro=micro, gas=gas, clip=clip), offload)
     if dtype == "fp16":
         config["fp16"]["initial_scale_power"] = 4
     return config
+
+
+def is_offloaded(engine):
+    """The optimizer steps on the host: its masters and every state tensor are CPU tensors."""
+    basic = engine.optimizer.optimizer
+    tensors = list(engine.optimizer.single_partition_of_fp32_groups)
+    tensors += [value for state in basic.state.values() for value in state.values() if torch.is_tensor(value)]
+    return engine.optimizer.cpu_offload and all(t.device.type == "cpu" for t in tensors)
 
 
 def assert_tracks(engine, reference, step, dtype):
@@ -108,27 +119,30 @@ class TestStage3ThreeRanks(DistributedTest):
             i in [f.param_index for f in vectors.fragments(r)] for r in range(3))]
         assert len(crossing) == 1 and vectors.numels[crossing[0]] == 160
 
-    @pytest.mark.parametrize("dtype,gas", [("fp32", 1), ("bf16", 2)])
-    def test_adamw_matches_single_process_torch(self, dtype, gas):
+    @pytest.mark.parametrize("dtype,gas,offload", [("fp32", 1, False), ("bf16", 2, False), ("fp32", 2, True)])
+    def test_adamw_matches_single_process_torch(self, dtype, gas, offload):
         micro = 4
         model = new_model()
         data = batches(4, micro * gas * 3)
         reference = reference_adamw(model, data, dtype=dtype, clip=0.5)
-        engine = deepspeed.initialize(model=model, config=adamw_config(dtype, micro, gas, clip=0.5))[0]
+        engine = deepspeed.initialize(model=model, config=adamw_config(dtype, micro, gas, clip=0.5,
+                                                                       offload=offload))[0]
+        assert offload == is_offloaded(engine)
         for step, batch in enumerate(data):
             train_steps(engine, [batch], dtype)
             assert engine.was_step_applied(), f"step {step} was skipped"
             assert_tracks(engine, reference, step, dtype)
 
-    @pytest.mark.parametrize("dtype", ["fp32", "fp16"])
-    def test_muon_matches_single_process_muon(self, dtype):
+    @pytest.mark.parametrize("dtype,offload", [("fp32", False), ("fp16", False), ("fp32", True)])
+    def test_muon_matches_single_process_muon(self, dtype, offload):
         # 48 samples: more than every matrix's smaller side, so the gradients are full rank (see test_muon_zero).
         model = new_model()
         data = batches(4, 48)
-        config = stage3(muon_config(3, dtype, micro=16))
+        config = stage3(muon_config(3, dtype, micro=16), offload)
         scale = 2.0**16 if dtype == "fp16" else 1.0
         reference = reference_muon(model, data, config["optimizer"]["params"], dtype=dtype, loss_scale=scale)
         engine = deepspeed.initialize(model=model, config=config)[0]
+        assert offload == is_offloaded(engine)
         for step, batch in enumerate(data):
             train_steps(engine, [batch], dtype)
             assert engine.was_step_applied(), f"step {step} was skipped"
@@ -138,14 +152,16 @@ class TestStage3ThreeRanks(DistributedTest):
             for got, want, start in zip(fp32_masters(engine), reference[-1], reference[0], strict=True):
                 assert relative_error(got - start, want - start) <= MUON_FP16_TOLERANCE
 
-    @pytest.mark.parametrize("optimizer,dtype", [("adamw", "fp16"), ("muon", "bf16")])
-    def test_a_skip_seen_by_one_partition_equals_never_taking_the_step(self, optimizer, dtype):
+    @pytest.mark.parametrize("optimizer,dtype,offload", [("adamw", "fp16", False), ("muon", "bf16", False),
+                                                         ("adamw", "bf16", True), ("muon", "fp16", True)])
+    def test_a_skip_seen_by_one_partition_equals_never_taking_the_step(self, optimizer, dtype, offload):
         """Rank 2 alone makes one element of fc1.weight's gradient infinite: after the reduction it lies only in rank
         0's partition (AdamW: fc1.weight starts there; Muon: rank 0 owns the matrix). Every rank must skip, and the
         skipped step leaves every tensor (weights, masters, lp partitions, optimizer state and step counts) as if
         the step had never been taken."""
         k = 2
-        config = adamw_config(dtype) if optimizer == "adamw" else stage3(muon_config(3, dtype, micro=4))
+        config = adamw_config(dtype, offload=offload) if optimizer == "adamw" else stage3(
+            muon_config(3, dtype, micro=4), offload)
         if dtype == "bf16":
             config["bf16"]["check_grad_overflow"] = True
         else:
@@ -172,12 +188,13 @@ class TestStage3ThreeRanks(DistributedTest):
         assert after_skip["states"], "no optimizer state to compare"
         assert_identical(after_skip, state_without_counters(clean), "after the skipped step vs never taking it")
 
-    def test_full_getters_and_setters(self):
+    @pytest.mark.parametrize("offload", [False, True])
+    def test_full_getters_and_setters(self, offload):
         micro = 4
         model = new_model()
         reference = copy.deepcopy(model)
         batch = batches(1, micro * 3)[0]
-        engine = deepspeed.initialize(model=model, config=adamw_config("fp32", micro))[0]
+        engine = deepspeed.initialize(model=model, config=adamw_config("fp32", micro, offload=offload))[0]
         params = dict(engine.module.named_parameters())
 
         # Getters against one torch AdamW step on the whole batch.
@@ -210,6 +227,7 @@ class TestStage3ThreeRanks(DistributedTest):
             assert torch.equal(safe_get_full_fp32_param(param).cpu(), values[name]), name
             assert torch.equal(safe_get_full_optimizer_state(param, "exp_avg").cpu(), -values[name]), name
         assert torch.equal(params["head.bias"].detach().cpu(), values["head.bias"])  # persistent: whole everywhere
+        assert offload == is_offloaded(engine)
 
         x, y = micro_batch(batches(1, micro * 3, seed=7)[0], micro, 0, dist.get_rank(), 3, engine.device,
                            torch.float32)
@@ -219,6 +237,23 @@ class TestStage3ThreeRanks(DistributedTest):
             safe_set_full_grad(param, grads[name])
         for name, param in params.items():
             assert torch.equal(safe_get_full_grad(param).cpu(), grads[name]), name
+
+    @pytest.mark.parametrize("optimizer,dtype", [("adamw", "bf16"), ("muon", "fp16")])
+    def test_offloaded_steps_equal_stage_2_offloaded_bit_for_bit(self, optimizer, dtype):
+        """The same layout, reducer and host step as stage 2: the same bits, every tensor of the state, with one
+        partition boundary inside fc1.weight, Muon's padding-only partitions and the persistent biases."""
+        configs = []
+        for stage in (3, 2):
+            config = adamw_config(dtype, offload=True) if optimizer == "adamw" else stage3(
+                muon_config(3, dtype, micro=4), offload=True)
+            config["zero_optimization"]["stage"] = stage
+            configs.append(config)
+        stage_3, stage_2 = (deepspeed.initialize(model=new_model(), config=config)[0] for config in configs)
+        assert is_offloaded(stage_3) and stage_3.zero_optimization_stage() == 3
+        for step, batch in enumerate(batches(3, 12)):
+            assert train_steps(stage_3, [batch], dtype) == train_steps(stage_2, [batch], dtype), f"step {step}"
+            assert stage_3.was_step_applied()
+            assert_identical(full_snapshot(stage_3), full_snapshot(stage_2), f"step {step}")
 
     def test_muon_momentum_is_read_and_written_on_each_matrix_owner(self):
         engine = deepspeed.initialize(model=new_model(), config=stage3(muon_config(3, micro=4)))[0]

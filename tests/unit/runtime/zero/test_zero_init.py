@@ -80,8 +80,10 @@ class TestInitParity(DistributedTest):
     """A model built under zero.Init trains bit for bit like the same model built normally (same seed)."""
     world_size = [2, 3]
 
-    @pytest.mark.parametrize("optimizer,dtype", [("adamw", "bf16"), ("adamw", "fp16"), ("muon", "fp32")])
-    def test_same_masters_and_losses(self, optimizer, dtype):
+    @pytest.mark.parametrize("optimizer,dtype,offload", [("adamw", "bf16", False), ("adamw", "fp16", False),
+                                                         ("muon", "fp32", False), ("adamw", "bf16", True),
+                                                         ("muon", "fp32", True)])
+    def test_same_masters_and_losses(self, optimizer, dtype, offload):
         if optimizer == "muon":
             config = muon_config(3, dtype, micro=8)
             args = (TinyNet, )
@@ -89,11 +91,15 @@ class TestInitParity(DistributedTest):
             config = make_config(3, dtype, micro=4)
             args = (SimpleModel, HIDDEN)
         config["zero_optimization"]["stage3_param_persistence_threshold"] = HIDDEN + 1
+        if offload:
+            # The host masters are built from the lp partitions that adopting the Init shards filled.
+            config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         batches = global_batches(3, config["train_micro_batch_size_per_gpu"] * dist.get_world_size(), HIDDEN)
         results = []
         for under_init in (False, True):
             model = build(args[0], under_init, config, *args[1:])
             engine = deepspeed.initialize(model=model, config=config)[0]
+            assert engine.optimizer.cpu_offload == offload
             if optimizer == "muon":
                 tags = {name: p.use_muon for name, p in engine.module.named_parameters()}
                 assert tags == {name: name.endswith("weight") for name in tags}, tags

@@ -1,9 +1,13 @@
-"""ZeRO-Offload (zero_optimization.offload_optimizer {device: cpu}) at stages 1 and 2, on 2 CPU ranks.
+"""ZeRO-Offload (zero_optimization.offload_optimizer {device: cpu}) at stages 1, 2 and 3, on 2 CPU ranks.
 
-Offload vs no offload in fp32 (AdamW and Muon, step by step); the overflow oracle (a skipped step equals never
-taking it, bit for bit, host state included); the resume oracle (save, resume in a fresh engine, continue: bit for
-bit); the reporter's table of upstream issue #8432 with offload; and what the engine refuses.
+Offload vs no offload in fp32 (AdamW and Muon, step by step), and stage 3 vs stage 2 with offload (bit for bit);
+the overflow oracle (a skipped step equals never taking it, bit for bit, host state included); the resume oracle
+(save, resume in a fresh engine, continue: bit for bit); the reporter's table of upstream issue #8432 with offload;
+and what the engine refuses. The three-rank stage-3 layout with offload is in test_stage3_three_ranks.py.
 """
+
+import copy
+import os
 
 import pytest
 import torch
@@ -17,7 +21,7 @@ from deepspeed.runtime.zero.utils import ZeRORuntimeException
 from unit.checkpoint.resume_harness import assert_identical, checkpoint_config, full_snapshot
 from unit.common import DistributedTest
 from unit.runtime.engine_harness import (fp32_masters, global_batches, initialize, make_config, make_model,
-                                         model_params, relative_error, train_steps)
+                                         relative_error, train_steps)
 from unit.simple_model import SimpleModel, random_dataloader
 
 HIDDEN = 16
@@ -33,9 +37,27 @@ def cpu_adam_op():
 
 def offload_config(stage, dtype, optimizer=None, offload=True, **extra):
     config = make_config(stage, dtype, micro=4, optimizer=optimizer, **extra)
+    if stage == 3:
+        # The weight matrices are partitioned (gathered around their use); the biases stay whole on every rank and are
+        # republished after each step.
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = HIDDEN + 1
     if offload:
-        config["zero_optimization"].update(OFFLOAD)
+        # A copy: tests change the section of their own config.
+        config["zero_optimization"].update(copy.deepcopy(OFFLOAD))
     return config
+
+
+def gathered_weights(engine):
+    """The model's weights, whole (stage 3 gathers its partitioned parameters; other stages hold them whole)."""
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        return [p.detach().cpu().clone() for p in params]
+
+
+def lp_partitions(engine):
+    """This rank's lp partitions (stage 3: the only lp storage; stages 1-2: its slices of the flat groups)."""
+    optimizer = engine.optimizer
+    return [optimizer._lp_partition(g).detach().cpu().clone() for g in range(len(optimizer.layouts))]
 
 
 def host_state_tensors(engine):
@@ -50,7 +72,7 @@ class TestOffloadParity(DistributedTest):
     world_size = 2
 
     @pytest.mark.parametrize("optimizer, gas", [("adamw", 1), ("muon", 1), ("adamw", 2)])
-    @pytest.mark.parametrize("stage", [1, 2])
+    @pytest.mark.parametrize("stage", [1, 2, 3])
     def test_offload_follows_the_run_without_it(self, stage, optimizer, gas):
         optim = MUON if optimizer == "muon" else None
         batches = global_batches(5, 8 * gas, HIDDEN)
@@ -67,8 +89,8 @@ class TestOffloadParity(DistributedTest):
             for index, (a, b) in enumerate(zip(fp32_masters(offloaded), fp32_masters(plain))):
                 assert relative_error(a, b) < 1e-5, f"param {index} step {step}"
             assert offloaded.get_global_grad_norm() == pytest.approx(plain.get_global_grad_norm(), rel=1e-5)
-        for a, b in zip(model_params(offloaded), model_params(plain)):
-            assert relative_error(a, b) < 1e-5
+        for a, b in zip(gathered_weights(offloaded), gathered_weights(plain), strict=True):
+            assert a.numel() > 0 and relative_error(a, b) < 1e-5
         key = "momentum_buffer" if optimizer == "muon" else "exp_avg"
         for param_a, param_b in zip(offloaded.module.parameters(), plain.module.parameters()):
             if param_a.ndim >= 2:
@@ -77,12 +99,35 @@ class TestOffloadParity(DistributedTest):
                 assert a.device == b.device and relative_error(a, b) < 1e-5
 
 
+class TestStage3OffloadFollowsStage2(DistributedTest):
+    """Stage 3 with offload is stage 2 with offload plus parameter residency: the same steps bit for bit, the fused
+    write of the 16-bit weights into the lp partition included."""
+
+    world_size = 2
+
+    @pytest.mark.parametrize("optimizer, dtype, gas", [("adamw", "bf16", 1), ("adamw", "fp16", 2), ("muon", "bf16", 2),
+                                                       ("muon", "fp16", 1)])
+    def test_the_same_steps_bit_for_bit(self, optimizer, dtype, gas):
+        optim = MUON if optimizer == "muon" else None
+        batches = global_batches(4, 8 * gas, HIDDEN)
+        stage3, _ = initialize(make_model(HIDDEN), offload_config(3, dtype, optim, clip=1.0, gas=gas))
+        stage2, _ = initialize(make_model(HIDDEN), offload_config(2, dtype, optim, clip=1.0, gas=gas))
+        assert stage3.optimizer.cpu_offload and stage3.zero_optimization_stage() == 3
+        assert all(t.device.type == "cpu" for t in host_state_tensors(stage3))
+        partitioned = [p for p in stage3.module.parameters() if not p.ds_persist]
+        assert partitioned and all(p.numel() == 0 for p in partitioned)
+        for step, batch in enumerate(batches):
+            assert train_steps(stage3, [batch], dtype) == train_steps(stage2, [batch], dtype), f"step {step}"
+            assert_identical(full_snapshot(stage3), full_snapshot(stage2), f"step {step}")
+        assert stage3.skipped_steps == stage2.skipped_steps
+
+
 class TestOffloadOverflowOracle(DistributedTest):
     world_size = 2
 
     @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
     @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-    @pytest.mark.parametrize("stage", [1, 2])
+    @pytest.mark.parametrize("stage", [1, 2, 3])
     def test_skipped_step_equals_never_taking_it(self, stage, dtype, optimizer):
         k = 2
         optim = MUON if optimizer == "muon" else None
@@ -95,13 +140,15 @@ class TestOffloadOverflowOracle(DistributedTest):
             assert poisoned.was_step_applied() == (step != k)
         after_skip = full_snapshot(poisoned)
         host_after_skip = [t.clone() for t in host_state_tensors(poisoned)]
+        lp_after_skip = lp_partitions(poisoned)
         clean, _ = initialize(make_model(HIDDEN), config)
         train_steps(clean, batches[:k], dtype)
         never_taken = full_snapshot(clean)
         for key in ("masters", "params", "states", "local_states", "local_devices"):
             assert_identical(after_skip[key], never_taken[key], key)
-        for index, (a, b) in enumerate(zip(host_after_skip, host_state_tensors(clean))):
+        for index, (a, b) in enumerate(zip(host_after_skip, host_state_tensors(clean), strict=True)):
             assert torch.equal(a, b), f"host tensor {index}"
+        assert_identical(lp_after_skip, lp_partitions(clean), "lp partitions")
         train_steps(poisoned, batches[k + 1:], dtype)
         assert poisoned.was_step_applied() and all(torch.isfinite(t).all() for t in fp32_masters(poisoned))
 
@@ -110,7 +157,7 @@ class TestOffloadResume(DistributedTest):
     world_size = 2
 
     @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-    @pytest.mark.parametrize("stage", [1, 2])
+    @pytest.mark.parametrize("stage", [1, 2, 3])
     def test_resume_equals_uninterrupted(self, stage, optimizer, tmpdir):
         for dtype in ("fp32", "fp16", "bf16"):
             config = checkpoint_config(stage, dtype, optimizer)
@@ -119,6 +166,11 @@ class TestOffloadResume(DistributedTest):
             batches = global_batches(6, 2 * 2, HIDDEN)
             train_steps(engine, batches[:3], dtype)
             engine.save_checkpoint(str(tmpdir), tag=dtype)
+            if stage == 3:
+                prefix = "bf16_" if dtype == "bf16" else ""
+                assert sorted(os.listdir(os.path.join(str(tmpdir), dtype))) == sorted(
+                    [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(2)]
+                    + [f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)])
             expected_losses = train_steps(engine, batches[3:], dtype)
             resumed = deepspeed.initialize(model=make_model(HIDDEN, seed=1), config=config)[0]
             resumed.load_checkpoint(str(tmpdir), tag=dtype)
@@ -134,11 +186,12 @@ class TestOffloadAcrossCheckpoints(DistributedTest):
 
     @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
     @pytest.mark.parametrize("saved_with_offload", [False, True])
-    def test_turning_offload_on_or_off_at_a_resume(self, saved_with_offload, optimizer, tmpdir):
+    @pytest.mark.parametrize("stage", [2, 3])
+    def test_turning_offload_on_or_off_at_a_resume(self, stage, saved_with_offload, optimizer, tmpdir):
         dtype = "bf16"
         batches = global_batches(5, 4, HIDDEN)
-        saving_config = checkpoint_config(2, dtype, optimizer)
-        loading_config = checkpoint_config(2, dtype, optimizer)
+        saving_config = checkpoint_config(stage, dtype, optimizer)
+        loading_config = checkpoint_config(stage, dtype, optimizer)
         (saving_config if saved_with_offload else loading_config)["zero_optimization"].update(OFFLOAD)
         engine = deepspeed.initialize(model=make_model(HIDDEN, seed=0), config=saving_config)[0]
         train_steps(engine, batches[:3], dtype)
@@ -161,11 +214,14 @@ class TestOffloadReporterTable(DistributedTest):
 
     world_size = 2
 
-    @pytest.mark.parametrize("stage", [1, 2])
+    @pytest.mark.parametrize("stage", [1, 2, 3])
     def test_every_parameter_moves(self, stage):
         config = {"train_micro_batch_size_per_gpu": 8, "steps_per_print": 10**6,
                   "optimizer": {"type": "muon", "params": {"lr": 0.05}}, "fp16": {"enabled": True},
                   "zero_optimization": {"stage": stage, **OFFLOAD}}
+        if stage == 3:
+            # The default threshold (100,000 elements) would keep this model's every parameter whole on each rank.
+            config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
         torch.manual_seed(0)
         engine = deepspeed.initialize(model=SimpleModel(hidden_dim=128, nlayers=5), config=config)[0]
         torch.manual_seed(1 + deepspeed.comm.get_rank())
@@ -179,7 +235,7 @@ class TestOffloadReporterTable(DistributedTest):
         assert engine.global_steps == 30 and 1 <= engine.skipped_steps < 15
         moved = [i for i, (a, b) in enumerate(zip(before, after)) if relative_error(b, a) > 1e-3]
         assert len(moved) == len(before) == 10
-        assert all(torch.isfinite(t).all() for t in after + model_params(engine))
+        assert all(torch.isfinite(t).all() for t in after + gathered_weights(engine))
 
 
 class TestOffloadConfig(DistributedTest):
@@ -204,6 +260,41 @@ class TestOffloadConfig(DistributedTest):
                            "DeepSpeedCPUAdam"):
             initialize(model, offload_config(2, "fp32", {"type": "AdamW", "params": {"lr": 1e-3, "foreach": True}}))
 
+    def test_what_the_engine_refuses_at_stage_3(self):
+        model = make_model(HIDDEN)
+        partial = offload_config(3, "fp32")
+        partial["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5
+        with pytest.raises(DeepSpeedConfigError, match=r"zero_optimization.offload_optimizer.ratio 0.5 \(partial "
+                           r"offload\) is not implemented in this fork"):
+            initialize(model, partial)
+        nvme = offload_config(3, "fp32")
+        nvme["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": "/tmp"}
+        with pytest.raises(DeepSpeedConfigError, match="offload_optimizer.device 'nvme' is not implemented"):
+            initialize(model, nvme)
+        # Parameter offload is another feature: refused by name, also beside optimizer offload.
+        params_too = offload_config(3, "fp32")
+        params_too["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+        with pytest.raises(DeepSpeedConfigError, match="zero_optimization.offload_param.device 'cpu' is not "
+                           "implemented"):
+            initialize(model, params_too)
+        client = torch.optim.AdamW(model.parameters())
+        with pytest.raises(ZeRORuntimeException, match=r"client optimizer \(AdamW\) has no CPU step"):
+            deepspeed.initialize(model=model, optimizer=client, config=offload_config(3, "fp32"))
+
+    def test_client_optimizers_at_stage_3(self):
+        model = make_model(HIDDEN)
+        engine = deepspeed.initialize(model=model, optimizer=DeepSpeedCPUAdam(model.parameters(), lr=1e-3),
+                                      config=offload_config(3, "bf16"))[0]
+        assert engine.optimizer.cpu_offload and engine.optimizer._fuses_grad_scale
+        config = offload_config(3, "fp32", zero_force_ds_cpu_optimizer=False)
+        model = make_model(HIDDEN)
+        engine = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config)[0]
+        before = fp32_masters(engine)
+        train_steps(engine, global_batches(2, 4, HIDDEN), "fp32")
+        after = fp32_masters(engine)
+        assert all(not torch.equal(a, b) for a, b in zip(before, after))
+        assert all(torch.equal(a, b) for a, b in zip(gathered_weights(engine), after))
+
     def test_client_optimizers_that_step_on_the_host_and_the_opt_out(self):
         model = make_model(HIDDEN)
         engine = deepspeed.initialize(model=model, optimizer=DeepSpeedCPUAdam(model.parameters(), lr=1e-3),
@@ -225,8 +316,6 @@ class TestOffloadNeedsTheOp(DistributedTest):
 
     @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
     def test_an_op_that_cannot_be_built_stops_initialize(self, optimizer):
-        import os
-
         from deepspeed.ops.op_builder import OpBuildError, OpBuilder
 
         # This rank is a forked process: what it changes here dies with it.
