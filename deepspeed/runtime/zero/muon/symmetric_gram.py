@@ -15,13 +15,15 @@ Precision. Treating a computed product as symmetric uses its upper blocks for it
 iteration's m x m recursion tolerates only with finer rounding than bf16's 8 bits: in bf16 the error against
 the exact iteration grew to 5-20x the standard iteration's. So when the compute dtype is bf16 or fp16, wide
 matrices run in fp16 (11 bits, the same tensor-core rate), scaled by sqrt(FP16_SCALE) so that X's entries and
-R's stay clear of fp16's subnormals and R^2 far below its largest value; and the restart that re-forms R from
-the iterate comes one step later than the Gram iteration's, after three steps, so fewer propagated products
-follow it. Measured against a float64 polar factor on random, nearly low-rank, spread and spiked spectra,
-this is as accurate as the standard iteration in bf16, and closer to the float64 iteration (see
-tests/unit/ops/muon_math/test_symmetric_gram.py and benchmarks/probes/ns_methods_gpu.py). Square matrices
-stay in the compute dtype: their symmetric products are Gram products (A A^T with A = X X^T), whose halves
-are exactly those of the whole product. Results come back in the compute dtype.
+R's stay clear of fp16's subnormals and R^2 far below its largest value; the product of the first factors is
+held as a^k I + W (see ``_symmetric_gram_iterations``); and R is re-formed from the iterate after three steps
+(one later than the Gram iteration does) and every two steps after that (see FIRST_RESTART). Measured against a
+float64 polar factor on random, nearly low-rank, decaying, spiked and row-scaled spectra, this is as accurate as
+the standard iteration in bf16, and 2-3x closer to the float64 iteration (see docs/muon.md, "Newton-Schulz
+methods", tests/unit/ops/muon_math/test_symmetric_gram.py and benchmarks/probes/ns_methods_gpu.py). Square
+matrices, and wide ones with a small side below MIN_GRAM_ROWS, stay in the compute dtype: their symmetric
+products are Gram products (X X^T, and A A^T with A = X X^T), whose halves are those of the whole product.
+Results come back in the compute dtype.
 """
 
 from __future__ import annotations
@@ -56,10 +58,13 @@ FIRST_RESTART, RESTART_PERIOD = 3, 2
 def _restarts_at(k: int) -> bool:
     return k >= FIRST_RESTART and (k - FIRST_RESTART) % RESTART_PERIOD == 0
 
+
 # Wide matrices in fp16 iterate on sqrt(FP16_SCALE) X, so R = FP16_SCALE X X^T, with the coefficients rescaled to
-# match. A power of four, so the scaling is exact. With X at unit Frobenius norm, R's eigenvalues stay below about
-# 1.2 * 64 and R^2's below 6e3, far from fp16's 65504 even where partial sums are kept in fp16; a typical entry of
-# a 2048 x 8192 X becomes 2e-3, 30x above the subnormal range.
+# match (a power of four: scaling by its square root is exact). With X at unit Frobenius norm, R's eigenvalues stay
+# below about 1.2 * 64 and R^2's below 6e3, far from fp16's 65504 even where partial sums are kept in fp16; a
+# typical entry of a 2048 x 8192 X becomes 2e-3, 30x above the subnormal range. (Entries far below the typical one,
+# rows scaled by 1e-3 say, fall into it and keep fewer bits: on such inputs the result was still as close to the
+# polar factor as the standard iteration's, and 2-3x closer to the float64 iteration.)
 FP16_SCALE = 64.0
 
 # Wide matrices with a smaller side below this take the standard iteration (with its symmetric products halved):
@@ -112,7 +117,10 @@ def symmetric_product(A: Tensor, B: Tensor, out: Tensor, addend: Tensor | None =
         if addend is None:
             torch.bmm(rows, cols, out=target)
         else:
-            torch.baddbmm(_block(addend, row, col), rows, cols, beta=beta, alpha=alpha, out=target)
+            # With the addend already in ``out``, the block itself is passed: torch then accumulates in place rather
+            # than copying the block onto itself first.
+            torch.baddbmm(target if addend is out else _block(addend, row, col), rows, cols, beta=beta,
+                          alpha=alpha, out=target)
 
 
 def symmetric_left_product(S: Tensor, X: Tensor, out: Tensor, beta: float | None = None, tall: bool = False) -> Tensor:
