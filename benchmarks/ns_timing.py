@@ -19,11 +19,13 @@ from dataclasses import asdict, dataclass
 import torch
 
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.zero.muon import original_muon
+from deepspeed.runtime.zero.muon import original_muon, symmetric_gram
 from deepspeed.runtime.zero.flat_layout import assign_owners, newton_schulz_cost
 from deepspeed.runtime.zero.muon.original_muon import GRAM_RESTART_ITERATIONS, NS_FUNCTIONS, resolve_ns_dtype
 
 TORCH_MUON_MODULE = "torch.optim._muon"
+# The iterations timed and counted beside the configured one.
+TIMED_METHODS = ("standard", "gram", "gram_sym")
 TORCH_NS_NAME = "_zeropower_via_newtonschulz"
 
 
@@ -68,15 +70,53 @@ def gram_macs(shape, steps: int = 5) -> int:
     return mmn * m * m * n + mmm * m**3
 
 
+def symmetric_gram_macs(shape, steps: int = 5) -> int:
+    """Multiply-adds of `zeropower_via_symmetric_gram` ("gram_sym"), counted by replaying its loop structure.
+
+    With h = m // 2 (the first block of the 2 x 2 split): X X^T on its upper blocks costs h m n + (m - h)^2 n, an
+    m x m product on its upper blocks m (h^2 + h (m - h) + (m - h)^2) (3/4 of m^3 for even m), and S X with S
+    upper-stored m^2 n. Squares and wide matrices with m < MIN_GRAM_ROWS take the standard iteration with its two
+    symmetric products halved.
+    """
+    m, n = wide_dims(shape)
+    h = m // 2
+    gram = h * m * n + (m - h) ** 2 * n
+    product = m * (h * h + h * (m - h) + (m - h) ** 2)
+    left = m * m * n
+    if m == n or m < symmetric_gram.MIN_GRAM_ROWS:
+        return steps * (gram + product + left)
+    macs = gram  # R = X X^T
+    has_q = False
+    for k in range(steps):
+        if symmetric_gram._restarts_at(k) and has_q:
+            macs += left + gram  # X = Q X, R = X X^T
+            has_q = False
+        macs += product  # the factor from R R
+        if has_q:
+            macs += product  # Q <- P Q
+        has_q = True
+        if not (k + 1 == steps or symmetric_gram._restarts_at(k + 1)):
+            macs += 2 * product  # P R, P (P R)
+    if has_q:
+        macs += left  # Q X
+    return macs
+
+
 def dispatched_algorithm(method: str, shape) -> str:
-    """What `NS_FUNCTIONS[method]` actually runs on `shape`: the Gram function falls back on squares."""
+    """What `NS_FUNCTIONS[method]` actually runs on `shape`: the Gram function falls back on squares, the
+    symmetric Gram function on squares and small sides to the standard iteration with halved symmetric
+    products ("standard_sym")."""
     m, n = wide_dims(shape)
     if method == "gram" and m == n:
         return "standard"
+    if method == "gram_sym":
+        return "standard_sym" if m == n or m < symmetric_gram.MIN_GRAM_ROWS else "gram_sym"
     return method if method in ("gram", "standard") else "standard"
 
 
 def ns_flops(method: str, shape, steps: int = 5) -> int:
+    if method == "gram_sym":
+        return 2 * symmetric_gram_macs(shape, steps)
     algorithm = dispatched_algorithm(method, shape)
     return 2 * (gram_macs(shape, steps) if algorithm == "gram" else standard_macs(shape, steps))
 
@@ -202,12 +242,12 @@ def newton_schulz_floor_flops(shapes: list, world: int, ns_steps: int) -> dict:
 
     The floor of a step's Newton-Schulz time is the busiest owner's flops at the device's matmul rate (the report
     divides by the rate measured with --matmul-size): the step cannot end before that owner's matrices are done.
-    Both iterations are counted on the same owner assignment (the engine's, by the standard iteration's cost);
-    "gram" runs the standard iteration on square matrices, as the engine does.
+    Every iteration is counted on the same owner assignment (the engine's, by the standard iteration's cost);
+    "gram" runs the standard iteration on square matrices, "gram_sym" its halved form, as the engine does.
     """
     subsets = [owner_subset(shapes, world, rank) for rank in range(world)]
     methods = {}
-    for method in ("standard", "gram"):
+    for method in TIMED_METHODS:
         per_rank = [sum(ns_flops(method, shape, ns_steps) for shape in subset) for subset in subsets]
         methods[method] = {"flops_all": sum(ns_flops(method, shape, ns_steps) for shape in shapes),
                            "flops_per_rank": per_rank, "flops_owner": max(per_rank, default=0)}
@@ -293,7 +333,7 @@ def _time_set(fn: Callable, matrices: list, reps: int) -> dict:
 
 
 def _engine_call_by_method(matrices: list, ns_steps: int, dtype: torch.dtype, reps: int) -> dict:
-    """Both iterations on one rank's matrices as the engine calls them: one call on the list of per-shape stacks.
+    """Every iteration on one rank's matrices as the engine calls them: one call on the list of per-shape stacks.
 
     This is the call whose cost the choice of iteration decides: with the Gram iteration the small-side work
     of all shapes runs as one batch, so per-shape timings alone do not show what the engine pays.
@@ -305,7 +345,7 @@ def _engine_call_by_method(matrices: list, ns_steps: int, dtype: torch.dtype, re
         groups.setdefault(tuple(matrix.shape), []).append(matrix)
     stacks = [torch.stack(group) for group in groups.values()]
     timings = {}
-    for name in ("standard", "gram"):
+    for name in TIMED_METHODS:
         call = functools.partial(NS_FUNCTIONS[name], stacks, steps=ns_steps, dtype=dtype)
         call()
         timings[name] = 1e3 * _median_seconds(call, reps)
@@ -317,7 +357,7 @@ def _accuracy(shapes: list, ns_steps: int, dtype: torch.dtype, device: torch.dev
     generator = torch.Generator(device="cpu").manual_seed(4321)
     matrices = [torch.randn(shape, generator=generator).to(device) for shape in shapes]
     accuracy = {}
-    for name in ("standard", "gram"):
+    for name in TIMED_METHODS:
         worst = 0.0
         for matrix in matrices:
             exact = NS_FUNCTIONS["standard"](matrix, steps=ns_steps, dtype=torch.float32)
@@ -345,7 +385,7 @@ def _per_call_ms(fn: Callable, tensor: torch.Tensor, ns_steps: int, dtype: torch
 
 def _compare_methods(shape: tuple, count: int, batch: int, ns_steps: int, dtype: torch.dtype, method: str,
                      device: torch.device, reps: int) -> dict:
-    """Time both iterations on `shape`: on the engine's batch (which the verdict uses) and on one matrix.
+    """Time every iteration on `shape`: on the engine's batch (which the verdict uses) and on one matrix.
 
     The engine makes one call per shape on a (batch, rows, cols) stack, so the batched call is what the
     choice of iteration costs in a step; the one-matrix timing shows how much batching changes the order.
@@ -355,8 +395,11 @@ def _compare_methods(shape: tuple, count: int, batch: int, ns_steps: int, dtype:
     for dim in shape[1:]:
         cols *= dim
     stack = torch.randn(batch, rows, cols, device=device)  # conv kernels run as (out, -1), as in the engine
-    row = {"shape": list(shape), "count": count, "batch": batch, "uses": dispatched_algorithm(method, shape)}
-    for name in ("standard", "gram"):
+    # "uses" names the timing that applies to the configured method: the Gram function's squares are the standard
+    # iteration's; "gram_sym" is timed as itself on every shape.
+    uses = method if method == "gram_sym" else dispatched_algorithm(method, shape)
+    row = {"shape": list(shape), "count": count, "batch": batch, "uses": uses}
+    for name in TIMED_METHODS:
         fn = NS_FUNCTIONS[name]
         row[f"{name}_ms"] = _per_call_ms(fn, stack, ns_steps, dtype, reps)
         row[f"{name}_single_ms"] = _per_call_ms(fn, stack[0], ns_steps, dtype, reps)
@@ -364,8 +407,8 @@ def _compare_methods(shape: tuple, count: int, batch: int, ns_steps: int, dtype:
     m, n = wide_dims(shape)
     row["square"] = m == n
     # On a square matrix the Gram function runs the standard iteration itself: the two timings are one.
-    row["faster"] = "standard" if m == n else ("gram" if row["gram_ms"] < row["standard_ms"] else "standard")
-    row["faster_single"] = "standard" if m == n else (
-        "gram" if row["gram_single_ms"] < row["standard_single_ms"] else "standard")
-    row["fewer_flops"] = "gram" if row["gram_gflop"] < row["standard_gflop"] else "standard"
+    candidates = [name for name in TIMED_METHODS if not (m == n and name == "gram")]
+    row["faster"] = min(candidates, key=lambda name: row[f"{name}_ms"])
+    row["faster_single"] = min(candidates, key=lambda name: row[f"{name}_single_ms"])
+    row["fewer_flops"] = min(candidates, key=lambda name: row[f"{name}_gflop"])
     return row

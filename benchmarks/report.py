@@ -181,7 +181,7 @@ def evaluate_targets(results: dict, summaries: dict) -> list:
         faster = min(engine_call, key=engine_call.get)
         gram_value = 0.0 if configured == faster else 1.0
         detail = (f"rank 0's engine call (one call, {standalone['owner_subset']['num_matrices']} matrices): "
-                  f"uses {configured}; standard {engine_call['standard']:.3f} ms, gram {engine_call['gram']:.3f} ms. "
+                  f"uses {configured}; " + ", ".join(f"{name} {ms:.3f} ms" for name, ms in engine_call.items()) + ". "
                   "Per shape, one call on the engine's batch: ")
         unit = "calls"
     else:
@@ -191,8 +191,8 @@ def evaluate_targets(results: dict, summaries: dict) -> list:
     targets.append(_check(f"Gram Newton-Schulz used where it is cheaper ({unit} where the faster one is not used)",
                           gram_value, 0, unit,
                           detail + "; ".join(
-                              f"{r['batch']} x {_shape(r['shape'])}: uses {r['uses']}, standard "
-                              f"{r['standard_ms']:.3f} ms, gram {r['gram_ms']:.3f} ms" for r in shapes)))
+                              f"{r['batch']} x {_shape(r['shape'])}: uses {r['uses']}, " + ", ".join(
+                                  f"{name} {r[name + '_ms']:.3f} ms" for name in _timed(r)) for r in shapes)))
     peak_muon = summaries.get(muon, {}).get("peak_mem_gib")
     peak_adamw = summaries.get(adamw, {}).get("peak_mem_gib")
     targets.append(_check("peak memory per GPU: Muon <= AdamW", None if peak_muon is None or peak_adamw is None
@@ -200,6 +200,11 @@ def evaluate_targets(results: dict, summaries: dict) -> list:
                           f"Muon {_fmt(peak_muon, '.2f')} GiB, AdamW {_fmt(peak_adamw, '.2f')} GiB"))
     targets.append(_floor_check(results, summaries))
     return targets
+
+
+def _timed(row: dict) -> list:
+    """The iterations a per-shape row has timings for, in the order the benchmark times them."""
+    return [name for name in ("standard", "gram", "gram_sym") if f"{name}_ms" in row]
 
 
 def newton_schulz_floors_ms(results: dict) -> dict:
@@ -544,17 +549,20 @@ def _ns_lines(results: dict) -> list:
         lines += ["", "Relative error against the standard iteration in fp32 (max over shapes): " + "; ".join(
             f"{key}: {value:.2e}" for key, value in accuracy.items()) + "."]
     in_step = in_step_batches(results)
-    lines += ["", "Both iterations per distinct shape, one call on the batch the engine uses (the most matrices of "
+    symmetric = any("gram_sym_ms" in row for row in standalone["per_shape"])
+    lines += ["", "Each iteration per distinct shape, one call on the batch the engine uses (the most matrices of "
               "that shape one rank owns; \"in-step batch\" is what the engine's calls had inside the steps, per "
               "rank), mean of 5 back-to-back calls, median over reps. The verdict (\"faster\") uses the batched "
               "call; one matrix alone is shown for comparison.", "",
               "| shape | count | batch | in-step batch | GFLOP standard | GFLOP gram | ms standard | ms gram | "
-              "ms standard / gram, 1 matrix | used | faster | faster, 1 matrix |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              + ("GFLOP gram_sym | ms gram_sym | " if symmetric else "")
+              + "ms standard / gram, 1 matrix | used | faster | faster, 1 matrix |",
+              "|---|---|---|---|---|---|---|---|" + ("---|---|" if symmetric else "") + "---|---|---|---|"]
     for row in standalone["per_shape"]:
+        extra = (f"{row['gram_sym_gflop']:.2f} | {row['gram_sym_ms']:.3f} | " if symmetric else "")
         lines.append(f"| {_shape(row['shape'])} | {row['count']} | {row['batch']} | "
                      f"{_fmt_list(in_step.get(_matrix_key(row['shape'])), 'd')} | {row['standard_gflop']:.2f} | "
-                     f"{row['gram_gflop']:.2f} | {row['standard_ms']:.3f} | {row['gram_ms']:.3f} | "
+                     f"{row['gram_gflop']:.2f} | {row['standard_ms']:.3f} | {row['gram_ms']:.3f} | {extra}"
                      f"{row['standard_single_ms']:.3f} / {row['gram_single_ms']:.3f} | {row['uses']} | "
                      f"{row['faster']} | {row['faster_single']} |")
     lines += ["", "In the training steps (after the blocks, every call synchronised):", "",

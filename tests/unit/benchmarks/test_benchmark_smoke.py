@@ -61,7 +61,7 @@ def test_smoke_run_writes_every_mode_and_target(tmp_path):
     assert "our Muon step <= 1.05 x our AdamW step (whole step, back to back)" in targets
     assert all(target["value"] is not None for target in targets.values()), targets
     engine_call = results["ns_standalone"]["owner_subset"]["engine_call_ms"]
-    assert set(engine_call) == {"standard", "gram"}
+    assert set(engine_call) == {"standard", "gram", "gram_sym"}
 
 
 def test_report_renders_results_written_before_the_back_to_back_phase(tmp_path):

@@ -20,6 +20,7 @@ from deepspeed.runtime.zero.muon.original_muon import (
     ADJUST_LR_FNS,
     NS_FUNCTIONS,
     adam_update,
+    check_ns_method,
     flat_view,
     fold_momenta,
     momentum_directions,
@@ -165,8 +166,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         group = {**defaults, **param_group}
         if is_muon:
             group["params"] = self._sorted_muon_params(index, group["params"])
-            if not isinstance(group["ns_method"], str) or group["ns_method"] not in NS_FUNCTIONS:
-                raise ValueError(f"ns_method must be one of {{'standard', 'gram'}}, got {group['ns_method']}")
+            check_ns_method(group["ns_method"])
             if not isinstance(group["ns_cuda_graph"], bool):
                 raise ValueError(f"MuonWithAuxAdam param group {index}: ns_cuda_graph must be true or false, "
                                  f"got {group['ns_cuda_graph']!r}")

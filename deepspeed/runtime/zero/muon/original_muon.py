@@ -21,12 +21,18 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor
 
+from deepspeed.runtime.zero.muon.ns_common import (  # noqa: F401  (NS_NORM_EPS: re-exported)
+    NS_COEFFICIENTS,
+    NS_NORM_EPS,
+    _allocator,
+    _memory_of,
+    _normalized_wide,
+    _restored_layout,
+    _tall,
+    resolve_ns_dtype,
+)
 from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
-
-# Quintic coefficients from Keller Jordan's Muon: they push singular values in (0, 1] into roughly
-# [0.68, 1.13] within five steps, trading exact orthogonality for speed.
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-NS_NORM_EPS = 1e-7
+from deepspeed.runtime.zero.muon.symmetric_gram import zeropower_via_symmetric_gram
 
 # Iteration indices (0-based) at which the Gram iteration rebuilds X = Q X and R = X X^T from
 # scratch. R is propagated by multiplication rather than recomputed from X, so rounding in the first,
@@ -74,85 +80,6 @@ def head_rows(rows: int, num_heads: int) -> int:
         raise ValueError(f"a matrix of {rows} rows cannot be split into {num_heads} heads of equal rows "
                          f"({rows} is not divisible by {num_heads})")
     return rows // num_heads
-
-
-def resolve_ns_dtype(tensor: Tensor, dtype: torch.dtype | None = None) -> torch.dtype:
-    """Pick the Newton-Schulz compute dtype for ``tensor``.
-
-    Args:
-        tensor: the matrix to orthogonalise (only its device is consulted).
-        dtype: an explicit compute dtype; it wins when given.
-
-    Returns:
-        ``dtype`` if given; otherwise bf16 for CUDA tensors on a GPU with bf16 support, else fp32.
-        bf16 matmuls on CPU are slow and would lose the fp32 parity that reference tests rely on.
-    """
-    if dtype is not None:
-        return dtype
-    if tensor.is_cuda and _cuda_bf16_supported(tensor.device.index):
-        return torch.bfloat16
-    return torch.float32
-
-
-@functools.cache
-def _cuda_bf16_supported(index: int | None) -> bool:
-    # Asked once per device: torch's check queries the device's properties, several times a step otherwise.
-    with torch.cuda.device(index):
-        return torch.cuda.is_bf16_supported()
-
-
-def _normalized_wide(G: Tensor, dtype: torch.dtype | None, workspace: NSWorkspace | None = None
-                     ) -> tuple[Tensor, bool]:
-    """Cast to the compute dtype, view as a batch of wide matrices (rows <= cols), scale to unit Frobenius norm.
-
-    Returns a 3-D tensor and whether it was transposed. Without a workspace the division allocates (the result
-    never aliases ``G``); with one, ``G`` must already be in the compute dtype and is divided in place (the same
-    bits). Working on 3-D batches lets every product be one ``bmm``/``baddbmm`` launch.
-    """
-    if G.ndim < 2:
-        raise ValueError(f"Newton-Schulz needs a matrix (or a batch of matrices), got shape {tuple(G.shape)}")
-    compute_dtype = resolve_ns_dtype(G, dtype)
-    if workspace is not None and G.dtype != compute_dtype:
-        raise ValueError(f"Newton-Schulz with a workspace normalises its input in place, so the input must be in the "
-                         f"compute dtype {compute_dtype}, got {G.dtype}")
-    X = G if G.dtype == compute_dtype else G.to(compute_dtype)
-    if X.ndim != 3:
-        X = X.reshape(-1, *G.shape[-2:])
-    is_transposed = X.size(-2) > X.size(-1)
-    if is_transposed:
-        X = X.mT
-    # A unit Frobenius norm bounds every singular value by 1, inside the quintic's convergence range.
-    norm = X.norm(dim=(-2, -1), keepdim=True) + NS_NORM_EPS
-    return (X.div_(norm) if workspace is not None else X / norm), is_transposed
-
-
-def _allocator(workspace: NSWorkspace | None, like: Tensor) -> Callable[[Sequence[int]], Tensor]:
-    """Memory for a new result of a given shape in ``like``'s dtype: from the workspace when there is one."""
-    if workspace is None:
-        return like.new_empty
-    return functools.partial(workspace.empty, dtype=like.dtype)
-
-
-def _memory_of(dead: Tensor, shape: torch.Size, empty: Callable[[Sequence[int]], Tensor]) -> Tensor:
-    """``dead``'s memory as a contiguous tensor of ``shape`` (same numel) for the next result, when it is one block
-    (a contiguous tensor or the transpose of one); else new memory."""
-    if dead.is_contiguous():
-        return dead.view(shape)
-    if dead.mT.is_contiguous():
-        return dead.mT.view(shape)
-    return empty(shape)
-
-
-def _restored_layout(X: Tensor, like: Tensor) -> Tensor:
-    """Undo :func:`_normalized_wide`'s batch view: ``like``'s shape, the compute dtype. (Its transpose the iterations
-    undo themselves, by writing their last product transposed.)"""
-    return X if X.shape == like.shape else X.reshape(like.shape)
-
-
-def _tall(memory: Tensor, wide_shape: torch.Size) -> Tensor:
-    """``memory`` (contiguous) viewed as the tall (count, cols, rows) form of a wide (count, rows, cols) result."""
-    count, rows, cols = wide_shape
-    return memory.view(count, cols, rows)
 
 
 def _standard_iterations(X: Tensor, steps: int, workspace: NSWorkspace | None = None, tall: bool = False) -> Tensor:
@@ -333,7 +260,16 @@ NSFunction = Callable[..., Tensor]
 NS_FUNCTIONS: dict[str, NSFunction] = {
     "standard": zeropower_via_newtonschulz5,
     "gram": zeropower_via_gram_newtonschulz,
+    "gram_sym": zeropower_via_symmetric_gram,
 }
+
+
+def check_ns_method(ns_method: object) -> None:
+    """Raise ValueError unless ``ns_method`` names an entry of :data:`NS_FUNCTIONS` (upstream's message, listing
+    every method this fork has)."""
+    if not isinstance(ns_method, str) or ns_method not in NS_FUNCTIONS:
+        names = ", ".join(repr(name) for name in NS_FUNCTIONS)
+        raise ValueError(f"ns_method must be one of {{{names}}}, got {ns_method}")
 
 
 @contextlib.contextmanager
@@ -341,7 +277,7 @@ def count_newton_schulz_calls() -> Iterator[collections.Counter[str]]:
     """Count Newton-Schulz calls made through :data:`NS_FUNCTIONS` in this process while the block runs.
 
     Yields:
-        A ``Counter`` keyed by method name ("standard", "gram"), updated live.
+        A ``Counter`` keyed by method name ("standard", "gram", "gram_sym"), updated live.
     """
     calls: collections.Counter[str] = collections.Counter()
     originals = dict(NS_FUNCTIONS)
@@ -389,7 +325,7 @@ def muon_update(
         beta: momentum coefficient.
         ns_steps: Newton-Schulz iterations.
         nesterov: use the Nesterov direction.
-        ns_method: "standard" or "gram" (see :data:`NS_FUNCTIONS`).
+        ns_method: "standard", "gram" or "gram_sym" (see :data:`NS_FUNCTIONS`).
         ns_dtype: Newton-Schulz compute dtype; ``None`` applies :func:`resolve_ns_dtype`.
         num_heads: equal row blocks orthogonalised separately (1: the whole matrix).
         adjust_lr_fn: one of :data:`ADJUST_LR_FNS`.
@@ -403,8 +339,7 @@ def muon_update(
             not divide its rows, or a momentum that is not fp32 or has another shape (fp32 momentum with
             low-precision gradients is upstream issue #7746).
     """
-    if ns_method not in NS_FUNCTIONS:
-        raise ValueError(f"ns_method must be one of {{'standard', 'gram'}}, got {ns_method}")
+    check_ns_method(ns_method)
     if grad.ndim < 2:
         raise ValueError(f"if use muon, then tensor dim > 1, got {grad.size()}")
     check_adjust_lr_fn(adjust_lr_fn)
@@ -583,8 +518,7 @@ def muon_update_batch(
     """
     if not grads:
         return []
-    if ns_method not in NS_FUNCTIONS:
-        raise ValueError(f"ns_method must be one of {{'standard', 'gram'}}, got {ns_method}")
+    check_ns_method(ns_method)
     direction, scale = momentum_directions(grads, momenta, beta, nesterov, num_heads=num_heads,
                                            adjust_lr_fn=adjust_lr_fn)
     update = NS_FUNCTIONS[ns_method](direction, steps=ns_steps, dtype=ns_dtype)

@@ -29,7 +29,7 @@ def optimizer_for(params, nesterov, ns_method):
                              "nesterov": nesterov, "weight_decay": 0.1, "ns_method": ns_method}])
 
 
-@pytest.mark.parametrize("ns_method", ["gram", "standard"])
+@pytest.mark.parametrize("ns_method", ["gram", "standard", "gram_sym"])
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_whole_group_path_matches_per_shape_path_bit_for_bit(nesterov, ns_method):
     flat, numels = flat_params(torch.Generator().manual_seed(0))

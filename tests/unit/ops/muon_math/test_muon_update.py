@@ -17,9 +17,9 @@ def random(*shape, seed, dtype=torch.float32):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-@pytest.mark.parametrize("ns_method", ["standard", "gram"])
+@pytest.mark.parametrize("ns_method", ["standard", "gram", "gram_sym"])
 @pytest.mark.parametrize("nesterov", [True, False])
-@pytest.mark.parametrize("shape", [(48, 160), (160, 48), (64, 64), (16, 8, 3, 3), (2, 24, 40)], ids=str)
+@pytest.mark.parametrize("shape", [(48, 160), (160, 48), (64, 64), (16, 8, 3, 3), (2, 24, 40), (64, 160)], ids=str)
 def test_matches_fp64_reference(shape, nesterov, ns_method):
     grad, momentum = random(*shape, seed=0), random(*shape, seed=1) * 0.1
     expected_update, expected_momentum = muon_update_fp64(grad, momentum, 0.9, nesterov)
@@ -78,7 +78,7 @@ def test_explicit_ns_dtype_is_used_and_update_is_fp32():
 
 
 def test_rejects_unknown_method_vector_and_wrong_momentum():
-    with pytest.raises(ValueError, match=r"ns_method must be one of \{'standard', 'gram'\}, got svd"):
+    with pytest.raises(ValueError, match=r"ns_method must be one of \{'standard', 'gram', 'gram_sym'\}, got svd"):
         muon_update(torch.randn(4, 4), torch.zeros(4, 4), ns_method="svd")
     with pytest.raises(ValueError, match=r"if use muon, then tensor dim > 1, got torch.Size\(\[4\]\)"):
         muon_update(torch.randn(4), torch.zeros(4))

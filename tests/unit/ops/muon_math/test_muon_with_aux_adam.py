@@ -70,7 +70,7 @@ class ReferenceMuonAdam:
             self.params[name] = p * (1 - lr * wd) - lr * update
 
 
-@pytest.mark.parametrize("ns_method", ["gram", "standard"])
+@pytest.mark.parametrize("ns_method", ["gram", "standard", "gram_sym"])
 def test_matches_reference_loop_for_five_steps(ns_method):
     params = make_params()
     optimizer = make_optimizer(params, ns_method=ns_method)
@@ -246,9 +246,9 @@ def test_group_contract_errors():
         MuonWithAuxAdam([{"params": [b], "use_muon": False, "momentum": 0.9}])
     with pytest.raises(ValueError, match=r"Muon needs matrices \(ndim >= 2\), got a parameter of shape \(4,\)"):
         MuonWithAuxAdam([{"params": [b], "use_muon": True}])
-    with pytest.raises(ValueError, match=r"ns_method must be one of \{'standard', 'gram'\}, got svd"):
+    with pytest.raises(ValueError, match=r"ns_method must be one of \{'standard', 'gram', 'gram_sym'\}, got svd"):
         MuonWithAuxAdam([{"params": [w], "use_muon": True, "ns_method": "svd"}])
-    with pytest.raises(ValueError, match=r"ns_method must be one of \{'standard', 'gram'\}, got \{\}"):
+    with pytest.raises(ValueError, match=r"ns_method must be one of \{'standard', 'gram', 'gram_sym'\}, got \{\}"):
         MuonWithAuxAdam([{"params": [w], "use_muon": True, "ns_method": {}}])
     with pytest.raises(ValueError, match=r"ns_dtype must be a torch.dtype or None, got 'bf16'"):
         MuonWithAuxAdam([{"params": [w], "use_muon": True, "ns_dtype": "bf16"}])

@@ -12,10 +12,13 @@ from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam, muon_par
 from deepspeed.runtime.zero.muon.ns_workspace import ALIGNMENT, NSWorkspace
 from deepspeed.runtime.zero.muon.original_muon import (count_newton_schulz_calls, zeropower_via_gram_newtonschulz,
                                                        zeropower_via_newtonschulz5)
+from deepspeed.runtime.zero.muon.symmetric_gram import zeropower_via_symmetric_gram
 
-# Tall, wide and square batches, two sharing the small side (the joint Gram batch).
-BATCH_SHAPES = [(3, 48, 16), (2, 16, 40), (2, 16, 16), (1, 24, 24)]
-NS = {"gram": zeropower_via_gram_newtonschulz, "standard": zeropower_via_newtonschulz5}
+# Tall, wide and square batches, two sharing the small side (the joint Gram batch); the last two share a small side
+# of 64, the symmetric Gram iteration's joint batch (smaller sides take its standard path).
+BATCH_SHAPES = [(3, 48, 16), (2, 16, 40), (2, 16, 16), (1, 24, 24), (2, 64, 96), (1, 160, 64)]
+NS = {"gram": zeropower_via_gram_newtonschulz, "standard": zeropower_via_newtonschulz5,
+      "gram_sym": zeropower_via_symmetric_gram}
 
 
 def byte_ranges(tensors):
@@ -80,22 +83,25 @@ def test_workspace_refuses_buffers_it_cannot_carve():
 
 
 @pytest.mark.parametrize("steps", [0, 1, 2, 3, 5, 6])
-@pytest.mark.parametrize("method", ["gram", "standard"])
-def test_newton_schulz_in_a_workspace_gives_the_same_bits(method, steps):
+@pytest.mark.parametrize("method, dtype", [("gram", torch.float32), ("standard", torch.float32),
+                                           ("gram_sym", torch.float32), ("gram_sym", torch.bfloat16)])
+def test_newton_schulz_in_a_workspace_gives_the_same_bits(method, dtype, steps):
+    """In bf16 the symmetric Gram iteration writes its fp16 input over the bf16 one and its bf16 result over the
+    fp16 one, in the same bytes."""
     generator = torch.Generator().manual_seed(steps)
-    inputs = [torch.randn(shape, generator=generator) for shape in BATCH_SHAPES]
-    expected = NS[method]([x.clone() for x in inputs], steps=steps)
+    inputs = [torch.randn(shape, generator=generator).to(dtype) for shape in BATCH_SHAPES]
+    expected = NS[method]([x.clone() for x in inputs], steps=steps, dtype=dtype)
     # Room for everything: the input region first, as the optimizer carves it, then Newton-Schulz's tensors.
-    workspace = NSWorkspace([torch.full((200_000,), float("nan"))])
-    flat = workspace.empty((sum(x.numel() for x in inputs),), torch.float32)
+    workspace = NSWorkspace([torch.full((400_000,), float("nan"))])
+    flat = workspace.empty((sum(x.numel() for x in inputs),), dtype)
     views, start = [], 0
     for x in inputs:
         views.append(flat[start:start + x.numel()].view(x.shape))
         views[-1].copy_(x)
         start += x.numel()
-    results = NS[method](views, steps=steps, workspace=workspace)
+    results = NS[method](views, steps=steps, dtype=dtype, workspace=workspace)
     for result, reference in zip(results, expected):
-        assert torch.equal(result, reference)
+        assert result.dtype == dtype and torch.equal(result, reference)
         assert workspace.contains(result)  # nothing was allocated for the results
     assert workspace.fallback_bytes == 0
 
@@ -106,22 +112,30 @@ def test_newton_schulz_in_a_workspace_needs_the_compute_dtype():
                                         workspace=NSWorkspace([]))
 
 
-def optimizer_and_params(generator, shapes, nesterov):
+def optimizer_and_params(generator, shapes, nesterov, ns_method="gram"):
     numels = [torch.Size(shape).numel() for shape in shapes]
     master = torch.randn(sum(numels), generator=generator)
     params = [torch.nn.Parameter(piece.view(shape)) for piece, shape in zip(master.split(numels), shapes)]
     optimizer = MuonWithAuxAdam([{"params": params, "use_muon": True, "lr": 0.05, "momentum": 0.9,
-                                  "nesterov": nesterov, "weight_decay": 0.1}])
+                                  "nesterov": nesterov, "weight_decay": 0.1, "ns_method": ns_method}])
     return optimizer, params, numels
 
 
+# The optimizer's order (by size(), largest first). The symmetric Gram iteration takes its Gram path from a small
+# side of 64.
+OPTIMIZER_SHAPES = {"gram": [(48, 16)] * 2 + [(24, 24)] + [(16, 40)] * 3,
+                    "gram_sym": [(160, 64)] * 2 + [(64, 96)] + [(64, 64)] + [(16, 40)] * 2}
+
+
+@pytest.mark.parametrize("ns_method", ["gram", "gram_sym"])
 @pytest.mark.parametrize("room", ["all", "some"])
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_optimizer_in_a_lent_workspace_gives_the_same_bits(nesterov, room):
-    shapes = [(48, 16)] * 2 + [(24, 24)] + [(16, 40)] * 3  # the optimizer's order (by size(), largest first)
-    lent_opt, lent_params, numels = optimizer_and_params(torch.Generator().manual_seed(0), shapes, nesterov)
-    plain_opt, plain_params, _ = optimizer_and_params(torch.Generator().manual_seed(0), shapes, nesterov)
-    lent = torch.zeros(200_000 if room == "all" else 3_000, dtype=torch.bfloat16)
+def test_optimizer_in_a_lent_workspace_gives_the_same_bits(nesterov, room, ns_method):
+    shapes = OPTIMIZER_SHAPES[ns_method]
+    lent_opt, lent_params, numels = optimizer_and_params(torch.Generator().manual_seed(0), shapes, nesterov,
+                                                         ns_method)
+    plain_opt, plain_params, _ = optimizer_and_params(torch.Generator().manual_seed(0), shapes, nesterov, ns_method)
+    lent = torch.zeros(600_000 if room == "all" else 3_000, dtype=torch.bfloat16)
     lent_opt.lend_step_workspace([lent])
     for step in range(4):
         grads = torch.randn(sum(numels), generator=torch.Generator().manual_seed(100 + step))

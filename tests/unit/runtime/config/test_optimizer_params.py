@@ -27,9 +27,9 @@ VALID_ADAM = {
     "torch_adam": False,
 }
 CORRUPTIONS = [
-    "abc", "16", "", "gram", "standard", "bf16", "original", "match_rms_adamw", 3.5, 1.0, 0.999, 0.5, 0, 0.0, 1, 5,
-    100, 101, -1, -0.5, 1e-12, 1e30, -1e30, True, False, None, {}, {"a": 1}, [], [0.9], [0.9, 0.95], [0, 0.5],
-    [0.9, 1.0], [True, 0.9], ["0.9", "0.95"], [0.9, 0.95, 0.99], [-0.1, 0.9],
+    "abc", "16", "", "gram", "standard", "gram_sym", "bf16", "original", "match_rms_adamw", 3.5, 1.0, 0.999, 0.5, 0,
+    0.0, 1, 5, 100, 101, -1, -0.5, 1e-12, 1e30, -1e30, True, False, None, {}, {"a": 1}, [], [0.9], [0.9, 0.95],
+    [0, 0.5], [0.9, 1.0], [True, 0.9], ["0.9", "0.95"], [0.9, 0.95, 0.99], [-0.1, 0.9],
 ]
 
 
@@ -51,7 +51,7 @@ RULES = {
     "amsgrad": lambda v: isinstance(v, bool),
     "adam_w_mode": lambda v: isinstance(v, bool),
     "torch_adam": lambda v: isinstance(v, bool),
-    "ns_method": lambda v: isinstance(v, str) and v in ("standard", "gram"),
+    "ns_method": lambda v: isinstance(v, str) and v in ("standard", "gram", "gram_sym"),
     "ns_dtype": lambda v: v is None or (isinstance(v, str) and v in ("fp32", "bf16", "fp16")),
     "betas": lambda v: isinstance(v, list) and len(v) == 2 and all(_number(b) and 0 <= b < 1 for b in v),
     "adjust_lr_fn": lambda v: v is None or (isinstance(v, str) and v in ("original", "match_rms_adamw")),

@@ -1,0 +1,97 @@
+"""What every Newton-Schulz iteration shares: the quintic's coefficients, the compute dtype, the input viewed as a
+batch of wide matrices at unit norm, and where results are written (fresh memory or a workspace)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
+
+# Quintic coefficients from Keller Jordan's Muon: they push singular values in (0, 1] into roughly
+# [0.68, 1.13] within five steps, trading exact orthogonality for speed.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_NORM_EPS = 1e-7
+
+
+def resolve_ns_dtype(tensor: Tensor, dtype: torch.dtype | None = None) -> torch.dtype:
+    """Pick the Newton-Schulz compute dtype for ``tensor``.
+
+    Args:
+        tensor: the matrix to orthogonalise (only its device is consulted).
+        dtype: an explicit compute dtype; it wins when given.
+
+    Returns:
+        ``dtype`` if given; otherwise bf16 for CUDA tensors on a GPU with bf16 support, else fp32.
+        bf16 matmuls on CPU are slow and would lose the fp32 parity that reference tests rely on.
+    """
+    if dtype is not None:
+        return dtype
+    if tensor.is_cuda and _cuda_bf16_supported(tensor.device.index):
+        return torch.bfloat16
+    return torch.float32
+
+
+@functools.cache
+def _cuda_bf16_supported(index: int | None) -> bool:
+    # Asked once per device: torch's check queries the device's properties, several times a step otherwise.
+    with torch.cuda.device(index):
+        return torch.cuda.is_bf16_supported()
+
+
+def _normalized_wide(G: Tensor, dtype: torch.dtype | None, workspace: NSWorkspace | None = None
+                     ) -> tuple[Tensor, bool]:
+    """Cast to the compute dtype, view as a batch of wide matrices (rows <= cols), scale to unit Frobenius norm.
+
+    Returns a 3-D tensor and whether it was transposed. Without a workspace the division allocates (the result
+    never aliases ``G``); with one, ``G`` must already be in the compute dtype and is divided in place (the same
+    bits). Working on 3-D batches lets every product be one ``bmm``/``baddbmm`` launch.
+    """
+    if G.ndim < 2:
+        raise ValueError(f"Newton-Schulz needs a matrix (or a batch of matrices), got shape {tuple(G.shape)}")
+    compute_dtype = resolve_ns_dtype(G, dtype)
+    if workspace is not None and G.dtype != compute_dtype:
+        raise ValueError(f"Newton-Schulz with a workspace normalises its input in place, so the input must be in the "
+                         f"compute dtype {compute_dtype}, got {G.dtype}")
+    X = G if G.dtype == compute_dtype else G.to(compute_dtype)
+    if X.ndim != 3:
+        X = X.reshape(-1, *G.shape[-2:])
+    is_transposed = X.size(-2) > X.size(-1)
+    if is_transposed:
+        X = X.mT
+    # A unit Frobenius norm bounds every singular value by 1, inside the quintic's convergence range.
+    norm = X.norm(dim=(-2, -1), keepdim=True) + NS_NORM_EPS
+    return (X.div_(norm) if workspace is not None else X / norm), is_transposed
+
+
+def _allocator(workspace: NSWorkspace | None, like: Tensor) -> Callable[[Sequence[int]], Tensor]:
+    """Memory for a new result of a given shape in ``like``'s dtype: from the workspace when there is one."""
+    if workspace is None:
+        return like.new_empty
+    return functools.partial(workspace.empty, dtype=like.dtype)
+
+
+def _memory_of(dead: Tensor, shape: torch.Size, empty: Callable[[Sequence[int]], Tensor]) -> Tensor:
+    """``dead``'s memory as a contiguous tensor of ``shape`` (same numel) for the next result, when it is one block
+    (a contiguous tensor or the transpose of one); else new memory."""
+    if dead.is_contiguous():
+        return dead.view(shape)
+    if dead.mT.is_contiguous():
+        return dead.mT.view(shape)
+    return empty(shape)
+
+
+def _restored_layout(X: Tensor, like: Tensor) -> Tensor:
+    """Undo :func:`_normalized_wide`'s batch view: ``like``'s shape, the compute dtype. (Its transpose the iterations
+    undo themselves, by writing their last product transposed.)"""
+    return X if X.shape == like.shape else X.reshape(like.shape)
+
+
+def _tall(memory: Tensor, wide_shape: torch.Size) -> Tensor:
+    """``memory`` (contiguous) viewed as the tall (count, cols, rows) form of a wide (count, rows, cols) result."""
+    count, rows, cols = wide_shape
+    return memory.view(count, cols, rows)
+

@@ -1,0 +1,342 @@
+"""Newton-Schulz that computes half of every symmetric product: ``ns_method: "gram_sym"``.
+
+Most products in Newton-Schulz are symmetric: X X^T, and in the Gram iteration every m x m matrix (R, the factors
+P and their product Q are polynomials in one symmetric matrix, so they commute and their products are symmetric).
+Split each m x m matrix into 2 x 2 blocks of about m/2: the blocks on and above the diagonal hold it all, so a
+product needs three of the four block products, 3/4 of the flops. Only those blocks are stored ("upper-stored");
+readers take a row panel below the diagonal as the transpose of the column panel above it. Products with X are
+computed whole (Q X is not symmetric) from the two row panels of Q.
+
+For an m x n matrix, m < n, five steps cost 3.5 m^2 n + 10.5 m^3 multiply-adds (the Gram iteration computed whole:
+4 m^2 n + 14 m^3; the standard one: 10 m^2 n + 5 m^3); a square matrix takes the standard iteration with its
+two symmetric products halved, 12.5 m^3 (15 whole).
+
+Precision. Treating a computed product as symmetric uses its upper blocks for its lower ones, which the Gram
+iteration's m x m recursion tolerates only with finer rounding than bf16's 8 bits: in bf16 the error against
+the exact iteration grew to 5-20x the standard iteration's. So when the compute dtype is bf16 or fp16, wide
+matrices run in fp16 (11 bits, the same tensor-core rate), scaled by sqrt(FP16_SCALE) so that X's entries and
+R's stay clear of fp16's subnormals and R^2 far below its largest value; the product of the first factors is
+held as a^k I + W (see ``_symmetric_gram_iterations``); and R is re-formed from the iterate after three steps
+(one later than the Gram iteration does) and every two steps after that (see FIRST_RESTART). Measured against a
+float64 polar factor on random, nearly low-rank, decaying, spiked and row-scaled spectra, this is as accurate as
+the standard iteration in bf16, and 2-3x closer to the float64 iteration (see docs/muon.md, "Newton-Schulz
+methods", tests/unit/ops/muon_math/test_symmetric_gram.py and benchmarks/probes/ns_methods_gpu.py). Square
+matrices, and wide ones with a small side below MIN_GRAM_ROWS, stay in the compute dtype: their symmetric
+products are Gram products (X X^T, and A A^T with A = X X^T), whose halves are those of the whole product.
+Results come back in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from deepspeed.runtime.zero.muon.ns_common import (
+    NS_COEFFICIENTS,
+    NS_NORM_EPS,
+    _allocator,
+    _memory_of,
+    _normalized_wide,
+    _restored_layout,
+    _tall,
+    resolve_ns_dtype,
+)
+from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
+
+# X = Q X and R = X X^T are re-formed from the iterate before iteration FIRST_RESTART (0-based) and every
+# RESTART_PERIOD iterations after it: five steps restart once, before the fourth. Three steps first, not two (see
+# the precision note above); then two, because once the singular values have reached the quintic's band around 1
+# (slopes up to 1.6 in magnitude), R carried through two products in fp16 drifted away within a few more steps
+# (singular values of 5 to inf at 8-10 steps on nearly low-rank input), and one product per re-formed R kept every
+# input bounded as the standard iteration keeps it.
+FIRST_RESTART, RESTART_PERIOD = 3, 2
+
+
+def _restarts_at(k: int) -> bool:
+    return k >= FIRST_RESTART and (k - FIRST_RESTART) % RESTART_PERIOD == 0
+
+
+# Wide matrices in fp16 iterate on sqrt(FP16_SCALE) X, so R = FP16_SCALE X X^T, with the coefficients rescaled to
+# match (a power of four: scaling by its square root is exact). With X at unit Frobenius norm, R's eigenvalues stay
+# below about 1.2 * 64 and R^2's below 6e3, far from fp16's 65504 even where partial sums are kept in fp16; a
+# typical entry of a 2048 x 8192 X becomes 2e-3, 30x above the subnormal range. (Entries far below the typical one,
+# rows scaled by 1e-3 say, fall into it and keep fewer bits: on such inputs the result was still as close to the
+# polar factor as the standard iteration's, and 2-3x closer to the float64 iteration.)
+FP16_SCALE = 64.0
+
+# Wide matrices with a smaller side below this take the standard iteration (with its symmetric products halved):
+# their singular values start large (about 1 / sqrt(m) at unit norm), the Gram iteration's first factors are then
+# far from a I, and in fp16 its result was measurably less accurate than the standard iteration's for m = 5-48 on
+# some spectra (as accurate from m = 64). Such matrices cost little either way.
+MIN_GRAM_ROWS = 64
+
+# Index pairs (row block, column block) of the blocks an upper-stored m x m matrix holds.
+_UPPER_BLOCKS = ((0, 0), (0, 1), (1, 1))
+
+
+def _half(m: int) -> int:
+    """Rows of the first block of an m x m matrix split 2 x 2."""
+    return m // 2
+
+
+def _block(S: Tensor, row: int, col: int) -> Tensor:
+    h = _half(S.size(-1))
+    return S[:, slice(None, h) if row == 0 else slice(h, None), slice(None, h) if col == 0 else slice(h, None)]
+
+
+def _row_panel(S: Tensor, row: int) -> Tensor:
+    """Row panel ``row`` of the upper-stored symmetric ``S``: the first is stored; the second is the transpose of
+    the column panel above the diagonal."""
+    h = _half(S.size(-1))
+    return S[:, :h] if row == 0 else S[:, :, h:].mT
+
+
+def _col_panel(S: Tensor, col: int) -> Tensor:
+    """Column panel ``col`` of the upper-stored symmetric ``S`` (the transpose of row panel ``col``)."""
+    h = _half(S.size(-1))
+    return S[:, :h].mT if col == 0 else S[:, :, h:]
+
+
+def symmetric_gram(X: Tensor, out: Tensor) -> None:
+    """The upper blocks of X X^T into ``out`` (count, m, m): the first row panel in one product, the last diagonal
+    block in another (3/4 of the whole product's flops)."""
+    h = _half(X.size(-2))
+    torch.bmm(X[:, :h], X.mT, out=out[:, :h])
+    torch.bmm(X[:, h:], X[:, h:].mT, out=out[:, h:, h:])
+
+
+def symmetric_product(A: Tensor, B: Tensor, out: Tensor, addend: Tensor | None = None, beta: float = 1.0,
+                      alpha: float = 1.0) -> None:
+    """The upper blocks of ``beta * addend + alpha * A B`` into ``out``, for upper-stored symmetric A, B (and
+    addend) whose product is symmetric: three block products, each a row panel of A times a column panel of B."""
+    for row, col in _UPPER_BLOCKS:
+        rows, cols, target = _row_panel(A, row), _col_panel(B, col), _block(out, row, col)
+        if addend is None:
+            torch.bmm(rows, cols, out=target)
+        else:
+            # With the addend already in ``out``, the block itself is passed: torch then accumulates in place rather
+            # than copying the block onto itself first.
+            torch.baddbmm(target if addend is out else _block(addend, row, col), rows, cols, beta=beta,
+                          alpha=alpha, out=target)
+
+
+def symmetric_left_product(S: Tensor, X: Tensor, out: Tensor, beta: float | None = None, tall: bool = False) -> Tensor:
+    """``S X`` (or ``beta X + S X``) for an upper-stored symmetric S, one product per row panel of S, into ``out``.
+
+    ``out`` is memory for the (count, m, n) result; with ``tall`` it is the (count, n, m) transposed result, written
+    as X^T S^T, so that a matrix transposed into the wide orientation comes back contiguous in its own layout.
+    Returns the result as written (wide or tall).
+    """
+    h = _half(S.size(-1))
+    for row, rows in ((0, slice(None, h)), (1, slice(h, None))):
+        panel = _row_panel(S, row)
+        if tall:
+            target = out[:, :, rows]
+            if beta is None:
+                torch.bmm(X.mT, panel.mT, out=target)
+            else:
+                torch.baddbmm(X.mT[:, :, rows], X.mT, panel.mT, beta=beta, out=target)
+        else:
+            target = out[:, rows]
+            if beta is None:
+                torch.bmm(panel, X, out=target)
+            else:
+                torch.baddbmm(X[:, rows], panel, X, beta=beta, out=target)
+    return out
+
+
+def _symmetric_standard_iterations(X: Tensor, steps: int, workspace: NSWorkspace | None = None,
+                                   tall: bool = False) -> Tensor:
+    """The standard iteration X <- a X + (b A + c A^2) X, A = X X^T, with A and A^2 computed on their upper
+    blocks (both are Gram products, so their halves are those of the whole product)."""
+    a, b, c = NS_COEFFICIENTS
+    if steps == 0:
+        return X.mT if tall else X
+    empty = _allocator(workspace, X)
+    count, rows, _ = X.shape
+    A, B = empty((count, rows, rows)), empty((count, rows, rows))
+    spare = empty(X.shape)
+    for step in range(steps):
+        symmetric_gram(X, A)
+        symmetric_product(A, A, B, addend=A, beta=b, alpha=c)
+        last = step + 1 == steps
+        out = _tall(spare, X.shape) if tall and last else spare
+        result = symmetric_left_product(B, X, out, beta=a, tall=tall and last)
+        if last:
+            return result
+        X, spare = spare, _memory_of(X, spare.shape, empty)
+    return X
+
+
+def inner_dtype(compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the wide matrices iterate in: fp16 when the compute dtype is a 16-bit float, else the compute
+    dtype itself."""
+    return torch.float16 if compute_dtype in (torch.bfloat16, torch.float16) else compute_dtype
+
+
+def _scaled_wide(G: Tensor, dtype: torch.dtype | None, workspace: NSWorkspace | None
+                 ) -> tuple[Tensor, bool, torch.dtype]:
+    """``G`` as a batch of wide matrices at Frobenius norm sqrt(FP16_SCALE), in :func:`inner_dtype`.
+
+    Returns (X, transposed, compute dtype). The norm is taken in fp32, and X is written in one pass: in place over
+    ``G``'s own memory with a workspace (fp16 and bf16 have the same width, so the fp16 values take the bytes
+    of the bf16 ones), else into new memory.
+    """
+    compute_dtype = resolve_ns_dtype(G, dtype)
+    if workspace is not None and G.dtype != compute_dtype:
+        raise ValueError(f"Newton-Schulz with a workspace normalises its input in place, so the input must be in the "
+                         f"compute dtype {compute_dtype}, got {G.dtype}")
+    X = G if G.dtype == compute_dtype else G.to(compute_dtype)
+    if X.ndim != 3:
+        X = X.reshape(-1, *G.shape[-2:])
+    transposed = X.size(-2) > X.size(-1)
+    if transposed:
+        X = X.mT
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+    factor = math.sqrt(FP16_SCALE) / (norm + NS_NORM_EPS)
+    target_dtype = inner_dtype(compute_dtype)
+    # A new tensor keeps X's layout (a tall matrix's wide view stays the transpose of contiguous memory).
+    out = X.view(target_dtype) if workspace is not None else torch.empty_like(X, dtype=target_dtype)
+    return torch.mul(X, factor, out=out), transposed, compute_dtype
+
+
+def _in_compute_dtype(result: Tensor, compute_dtype: torch.dtype) -> Tensor:
+    """Undo the scaling and return to the compute dtype, in one pass over the result's own memory."""
+    back = result.view(compute_dtype) if result.dtype != compute_dtype else result
+    return torch.mul(result, 1 / math.sqrt(FP16_SCALE), out=back)
+
+
+def zeropower_via_symmetric_gram(G: Tensor | Sequence[Tensor], steps: int = 5, dtype: torch.dtype | None = None,
+                                 workspace: NSWorkspace | None = None) -> Tensor | list[Tensor]:
+    """Approximately orthogonalise ``G`` as :func:`~.original_muon.zeropower_via_newtonschulz5` does, computing
+    half of every symmetric product (see the module docstring for the cost and the precision).
+
+    Given a list, the wide matrices that share the small side m run their m x m iterations as one batch, as in
+    :func:`~.original_muon.zeropower_via_gram_newtonschulz`.
+
+    Args:
+        G: a matrix or a batch of matrices (ndim >= 2), or a list of them. Never modified without a workspace.
+        steps: number of iterations.
+        dtype: compute dtype; ``None`` applies :func:`~.ns_common.resolve_ns_dtype`.
+        workspace: where the large tensors live (see ``ns_workspace``); then ``G`` must be in the compute dtype
+            and is normalised in place, and the results are views of the workspace.
+
+    Returns:
+        The orthogonalised tensor, same shape as ``G``, in the compute dtype (a list for a list, in order).
+
+    Raises:
+        ValueError: if a tensor has fewer than two dimensions, or is not in the compute dtype with a workspace.
+    """
+    if isinstance(G, Tensor):
+        return zeropower_via_symmetric_gram([G], steps, dtype, workspace)[0]
+    for one in G:
+        if one.ndim < 2:
+            raise ValueError(f"Newton-Schulz needs a matrix (or a batch of matrices), got shape {tuple(one.shape)}")
+    results: list[Tensor | None] = [None] * len(G)
+    joint: dict[tuple, list[int]] = {}
+    prepared: dict[int, tuple[Tensor, bool, torch.dtype]] = {}
+    for index, one in enumerate(G):
+        if min(one.shape[-2:]) < MIN_GRAM_ROWS or one.size(-2) == one.size(-1):
+            X, transposed = _normalized_wide(one, dtype, workspace)
+            results[index] = _restored_layout(_symmetric_standard_iterations(X, steps, workspace, tall=transposed),
+                                              one)
+            continue
+        prepared[index] = _scaled_wide(one, dtype, workspace)
+        X = prepared[index][0]
+        joint.setdefault((X.size(-2), X.dtype, X.device), []).append(index)
+    for indices in joint.values():
+        outputs = _symmetric_gram_iterations([prepared[i][0] for i in indices], steps, workspace,
+                                             tall=[prepared[i][1] for i in indices])
+        for index, X in zip(indices, outputs):
+            results[index] = _restored_layout(_in_compute_dtype(X, prepared[index][2]), G[index])
+    return results
+
+
+def _symmetric_gram_iterations(Xs: list[Tensor], steps: int, workspace: NSWorkspace | None = None,
+                               tall: Sequence[bool] | None = None) -> list[Tensor]:
+    """The Gram iteration on upper-stored m x m matrices, for scaled wide batches sharing the small side m.
+
+    As ``original_muon._gram_iterations``: R, the factors P_k = a I + Z_k (Z_k = b' R + c' R^2, with b and c
+    rescaled for R = FP16_SCALE X X^T) and their product Q are stacked over all batches, and Q X is formed at the
+    restart and at the end. How Q is held differs by segment, for fp16's sake:
+
+    - Before the restart every factor is close to a I (R's eigenvalues are all small), so Q is close to a^k I and
+      its diagonal nearly constant: rounded to fp16, that diagonal rounds the same way everywhere, which shifted
+      every singular value of the result by about 0.1% (measured on random matrices). So Q is held as
+      alpha I + W, the scalar alpha = a^k exact and W in fp16; W <- a W + alpha Z + Z W and R <- P (P R) are
+      computed as ``baddbmm`` with the a-terms added in the fp32 accumulator, and X <- alpha X + W X likewise.
+    - After the restart the eigenvalues are spread out, Q's diagonal is not, and P = Z + a I is formed (``a``
+      added to the diagonal, which the upper blocks hold) so that P R, P (P R) and P Q are plain products.
+
+    Memory is taken once and reused by role, from the workspace when given: R and P R, three m x m buffers that
+    the factors and Q (or W) rotate through, and per batch a spare X that ping-pongs with X's own memory.
+    """
+    a, b, c = NS_COEFFICIENTS
+    b, c = b / FP16_SCALE, c / FP16_SCALE**2
+    tall = list(tall) if tall is not None else [False] * len(Xs)
+    sizes = [X.size(0) for X in Xs]
+    first = Xs[0]
+    rows = first.size(-2)
+    empty = _allocator(workspace, first)
+    square = (sum(sizes), rows, rows)
+    R, PR = empty(square), empty(square)
+    free = [empty(square) for _ in range(3)]
+    spares: list[Tensor | None] = [None] * len(Xs)
+
+    def gram_matrices(Xs: list[Tensor]) -> None:
+        for X, R_part in zip(Xs, R.split(sizes)):
+            symmetric_gram(X, R_part)
+
+    def left_multiplied(Q: Tensor, Xs: list[Tensor], alpha: float | None, last: bool = False) -> list[Tensor]:
+        """Q X per batch, or alpha X + W X when Q = alpha I + W (``alpha`` given)."""
+        products = []
+        for index, (Q_part, X) in enumerate(zip(Q.split(sizes), Xs)):
+            memory = spares[index] if spares[index] is not None else empty(X.shape)
+            if last and tall[index]:
+                products.append(symmetric_left_product(Q_part, X, _tall(memory, X.shape), beta=alpha, tall=True))
+                continue
+            products.append(symmetric_left_product(Q_part, X, memory, beta=alpha))
+            spares[index] = _memory_of(X, memory.shape, empty)
+        return products
+
+    gram_matrices(Xs)
+    Q, alpha, restarted = None, None, False
+    for k in range(steps):
+        if _restarts_at(k) and Q is not None:
+            Xs = left_multiplied(Q, Xs, alpha)
+            gram_matrices(Xs)
+            free.append(Q)
+            Q, alpha, restarted = None, None, True
+        Z = free.pop()
+        symmetric_product(R, R, Z, addend=R, beta=b, alpha=c)
+        updates_R = not (k + 1 == steps or _restarts_at(k + 1))
+        if restarted:
+            Z.diagonal(dim1=-2, dim2=-1).add_(a)  # Z holds P from here on
+            if updates_R:
+                symmetric_product(Z, R, PR)
+                symmetric_product(Z, PR, R)
+            if Q is None:
+                Q = Z
+                continue
+            Q_next = free.pop()
+            symmetric_product(Z, Q, Q_next)
+        else:
+            if updates_R:
+                symmetric_product(Z, R, PR, addend=R, beta=a)
+                symmetric_product(Z, PR, R, addend=PR, beta=a)
+            if Q is None:
+                Q, alpha = Z, a
+                continue
+            # W <- a W + alpha Z + Z W: the sum of the first two terms, then the product accumulated onto it.
+            Q_next = free.pop()
+            torch.add(Q, Z, alpha=alpha / a, out=Q_next)
+            symmetric_product(Z, Q, Q_next, addend=Q_next, beta=a)
+            alpha *= a
+        free += [Q, Z]
+        Q = Q_next
+    if Q is None:
+        return [X.mT if is_tall else X for X, is_tall in zip(Xs, tall)]
+    return left_multiplied(Q, Xs, alpha, last=True)
