@@ -21,7 +21,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.muon import original_muon, symmetric_gram
 from deepspeed.runtime.zero.flat_layout import assign_owners, newton_schulz_cost
-from deepspeed.runtime.zero.muon.original_muon import GRAM_RESTART_ITERATIONS, NS_FUNCTIONS, resolve_ns_dtype
+from deepspeed.runtime.zero.muon.original_muon import NS_FUNCTIONS, gram_restarts_at, resolve_ns_dtype
 
 TORCH_MUON_MODULE = "torch.optim._muon"
 # The iterations timed and counted beside the configured one.
@@ -56,14 +56,14 @@ def gram_macs(shape, steps: int = 5) -> int:
     mmn, mmm = 1, 0  # R = X X^T
     has_q = False
     for k in range(steps):
-        if k in GRAM_RESTART_ITERATIONS and has_q:
+        if gram_restarts_at(k) and has_q:
             mmn += 2  # X = Q X, R = X X^T
             has_q = False
         mmm += 1  # R R
         if has_q:
             mmm += 1  # Z Q
         has_q = True
-        if not (k + 1 == steps or k + 1 in GRAM_RESTART_ITERATIONS):
+        if not (k + 1 == steps or gram_restarts_at(k + 1)):
             mmm += 2  # Z R, Z PR
     if has_q:
         mmn += 1  # Q X

@@ -40,6 +40,15 @@ from deepspeed.runtime.zero.muon.symmetric_gram import zeropower_via_symmetric_g
 # 128 x 512 gradient came out with singular values near 100-460 instead of <= 1.14. One restart
 # brings the error back to the standard iteration's; in fp32 it changes the result only at rounding level.
 GRAM_RESTART_ITERATIONS = frozenset({2})
+# Past the usual five steps a single restart is not enough: in bf16, nearly low-rank and fast-decaying inputs reach
+# singular values of 1e4 at 7 steps and NaN at 10. From this iteration on every step re-anchors R to X (the standard
+# iteration's cost; five steps or fewer are unchanged, bit for bit).
+GRAM_RESTART_EVERY_STEP_FROM = 5
+
+
+def gram_restarts_at(k: int) -> bool:
+    """Whether the Gram iteration rebuilds X = Q X and R = X X^T before its (0-based) iteration `k`."""
+    return k in GRAM_RESTART_ITERATIONS or k >= GRAM_RESTART_EVERY_STEP_FROM
 
 # How an orthogonalised update is scaled, by the shape of the matrix Newton-Schulz saw (torch.optim.Muon's
 # ``adjust_lr_fn``): "original" is Keller Jordan's sqrt(max(1, rows / cols)), which gives every shape the same
@@ -230,13 +239,13 @@ def _gram_iterations(Xs: list[Tensor], steps: int, workspace: NSWorkspace | None
     gram_matrices(Xs)
     Q = None
     for k in range(steps):
-        if k in GRAM_RESTART_ITERATIONS and Q is not None:
+        if gram_restarts_at(k) and Q is not None:
             Xs = left_multiplied(Q, Xs)
             gram_matrices(Xs)
             free.append(Q)
             Q = None
         Z = torch.baddbmm(R, R, R, beta=b, alpha=c, out=free.pop())
-        is_last_before_rebuild = k + 1 == steps or k + 1 in GRAM_RESTART_ITERATIONS
+        is_last_before_rebuild = k + 1 == steps or gram_restarts_at(k + 1)
         if not is_last_before_rebuild:
             torch.baddbmm(R, Z, R, beta=a, out=PR)
             torch.baddbmm(PR, Z, PR, beta=a, out=R)
