@@ -99,6 +99,24 @@ class Settings:
     seed: int
 
 
+def init_rank_device() -> tuple:
+    """Initialise the process group (deepspeed.comm, either tree) and this rank's device.
+
+    Returns (rank, world size, device): the CPU on a CPU accelerator, else the local rank's accelerator device.
+    """
+    import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+
+    deepspeed.init_distributed()
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
+        device = torch.device("cpu")
+    else:
+        accelerator.set_device(dist.get_local_rank())
+        device = torch.device(accelerator.device_name(dist.get_local_rank()))
+    return dist.get_rank(), dist.get_world_size(), device
+
+
 def build_model(settings: Settings, device: torch.device) -> GPT:
     """The fp32 model, initialised from the seed directly on `device` (every mode starts identical)."""
     torch.manual_seed(settings.seed)
@@ -306,5 +324,6 @@ def build_runner(mode: Mode, settings: Settings, device: torch.device, batches: 
     return runner_class(mode, settings, device, batches)
 
 
-__all__ = ["ALL_MODES", "MODES_BY_NAME", "THIS_TREE", "Mode", "Settings", "build_runner", "make_batches",
+__all__ = ["ALL_MODES", "MODES_BY_NAME", "THIS_TREE", "Mode", "Settings", "build_runner", "init_rank_device",
+           "make_batches",
            "reference_muon_class", "tree_notes", "unsupported_reason"]

@@ -249,9 +249,8 @@ def main(argv=None) -> None:
         _run_in_tree(args.tree, argv)
     import deepspeed
     import deepspeed.comm as dist
-    from deepspeed.accelerator import get_accelerator
 
-    from bench_modes import MODES_BY_NAME
+    from bench_modes import MODES_BY_NAME, init_rank_device
 
     mode = MODES_BY_NAME.get(args.mode)
     if mode is None or mode.backend != "deepspeed":
@@ -265,14 +264,7 @@ def main(argv=None) -> None:
     if "RANK" not in os.environ:  # one process without a launcher: a group of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
-    deepspeed.init_distributed()
-    accelerator = get_accelerator()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if accelerator.device_name() == "cpu":
-        device = torch.device("cpu")
-    else:
-        accelerator.set_device(dist.get_local_rank())
-        device = torch.device(accelerator.device_name(dist.get_local_rank()))
+    rank, world, device = init_rank_device()
     settings = build_settings(args, device)
     measured = measure(args, mode, settings, device, rank)
     found = categories(measured["timeline"], measured["graph_pool_bytes"], args.steps)

@@ -173,16 +173,10 @@ def main(argv=None) -> None:
     check_tree(deepspeed, args.tree, tree_path)
 
     import report
-    from bench_modes import make_batches
+    from bench_modes import init_rank_device, make_batches
 
-    deepspeed.init_distributed()
+    rank, world, device = init_rank_device()
     accelerator = get_accelerator()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if accelerator.device_name() == "cpu":
-        device = torch.device("cpu")
-    else:
-        accelerator.set_device(dist.get_local_rank())
-        device = torch.device(accelerator.device_name(dist.get_local_rank()))
     settings, modes, shapes, results = _plan(args, deepspeed, device, world)
     if args.tree != THIS_TREE:
         results["meta"]["tree_info"] = tree_metadata(tree_path)

@@ -42,13 +42,12 @@ def _cuda_bf16_supported(index: int | None) -> bool:
         return torch.cuda.is_bf16_supported()
 
 
-def _normalized_wide(G: Tensor, dtype: torch.dtype | None, workspace: NSWorkspace | None = None
-                     ) -> tuple[Tensor, bool]:
-    """Cast to the compute dtype, view as a batch of wide matrices (rows <= cols), scale to unit Frobenius norm.
+def _wide_view(G: Tensor, dtype: torch.dtype | None, workspace: NSWorkspace | None
+               ) -> tuple[Tensor, bool, torch.dtype]:
+    """``G`` in the compute dtype as a 3-D batch of wide matrices (rows <= cols; a tall batch is viewed transposed).
 
-    Returns a 3-D tensor and whether it was transposed. Without a workspace the division allocates (the result
-    never aliases ``G``); with one, ``G`` must already be in the compute dtype and is divided in place (the same
-    bits). Working on 3-D batches lets every product be one ``bmm``/``baddbmm`` launch.
+    Returns (X, transposed, compute dtype). With a workspace the caller writes over ``G``'s memory, so ``G`` must
+    already be in the compute dtype.
     """
     if G.ndim < 2:
         raise ValueError(f"Newton-Schulz needs a matrix (or a batch of matrices), got shape {tuple(G.shape)}")
@@ -59,9 +58,19 @@ def _normalized_wide(G: Tensor, dtype: torch.dtype | None, workspace: NSWorkspac
     X = G if G.dtype == compute_dtype else G.to(compute_dtype)
     if X.ndim != 3:
         X = X.reshape(-1, *G.shape[-2:])
-    is_transposed = X.size(-2) > X.size(-1)
-    if is_transposed:
-        X = X.mT
+    transposed = X.size(-2) > X.size(-1)
+    return (X.mT if transposed else X), transposed, compute_dtype
+
+
+def _normalized_wide(G: Tensor, dtype: torch.dtype | None, workspace: NSWorkspace | None = None
+                     ) -> tuple[Tensor, bool]:
+    """Cast to the compute dtype, view as a batch of wide matrices (rows <= cols), scale to unit Frobenius norm.
+
+    Returns a 3-D tensor and whether it was transposed. Without a workspace the division allocates (the result
+    never aliases ``G``); with one, ``G`` must already be in the compute dtype and is divided in place (the same
+    bits). Working on 3-D batches lets every product be one ``bmm``/``baddbmm`` launch.
+    """
+    X, is_transposed, _ = _wide_view(G, dtype, workspace)
     # A unit Frobenius norm bounds every singular value by 1, inside the quintic's convergence range.
     norm = X.norm(dim=(-2, -1), keepdim=True) + NS_NORM_EPS
     return (X.div_(norm) if workspace is not None else X / norm), is_transposed
@@ -72,6 +81,23 @@ def _allocator(workspace: NSWorkspace | None, like: Tensor) -> Callable[[Sequenc
     if workspace is None:
         return like.new_empty
     return functools.partial(workspace.empty, dtype=like.dtype)
+
+
+def _gram_buffers(Xs: Sequence[Tensor], tall: Sequence[bool] | None, workspace: NSWorkspace | None):
+    """The memory both Gram iterations take once per call and reuse by role, in this order (a workspace carves
+    deterministically, so the order is part of the addresses a captured graph replays at).
+
+    Returns (tall flags, batch sizes, allocator, R, PR, three free m x m buffers, one spare slot per batch).
+    """
+    tall = list(tall) if tall is not None else [False] * len(Xs)
+    sizes = [X.size(0) for X in Xs]
+    rows = Xs[0].size(-2)
+    empty = _allocator(workspace, Xs[0])
+    square = (sum(sizes), rows, rows)
+    R, PR = empty(square), empty(square)
+    free = [empty(square) for _ in range(3)]
+    spares: list[Tensor | None] = [None] * len(Xs)
+    return tall, sizes, empty, R, PR, free, spares
 
 
 def _memory_of(dead: Tensor, shape: torch.Size, empty: Callable[[Sequence[int]], Tensor]) -> Tensor:

@@ -25,6 +25,7 @@ from deepspeed.runtime.zero.muon.ns_common import (  # noqa: F401  (NS_NORM_EPS:
     NS_COEFFICIENTS,
     NS_NORM_EPS,
     _allocator,
+    _gram_buffers,
     _memory_of,
     _normalized_wide,
     _restored_layout,
@@ -211,15 +212,7 @@ def _gram_iterations(Xs: list[Tensor], steps: int, workspace: NSWorkspace | None
     layout, contiguous, because the last product is written transposed ((Q X)^T = X^T Q^T).
     """
     a, b, c = NS_COEFFICIENTS
-    tall = list(tall) if tall is not None else [False] * len(Xs)
-    sizes = [X.size(0) for X in Xs]
-    first = Xs[0]
-    rows = first.size(-2)
-    empty = _allocator(workspace, first)
-    square = (sum(sizes), rows, rows)
-    R, PR = empty(square), empty(square)
-    free = [empty(square) for _ in range(3)]
-    spares: list[Tensor | None] = [None] * len(Xs)
+    tall, sizes, empty, R, PR, free, spares = _gram_buffers(Xs, tall, workspace)
 
     def gram_matrices(Xs: list[Tensor]) -> None:
         for X, R_part in zip(Xs, R.split(sizes)):

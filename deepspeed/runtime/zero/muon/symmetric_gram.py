@@ -38,11 +38,12 @@ from deepspeed.runtime.zero.muon.ns_common import (
     NS_COEFFICIENTS,
     NS_NORM_EPS,
     _allocator,
+    _gram_buffers,
     _memory_of,
     _normalized_wide,
     _restored_layout,
     _tall,
-    resolve_ns_dtype,
+    _wide_view,
 )
 from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
 
@@ -185,16 +186,7 @@ def _scaled_wide(G: Tensor, dtype: torch.dtype | None, workspace: NSWorkspace | 
     ``G``'s own memory with a workspace (fp16 and bf16 have the same width, so the fp16 values take the bytes
     of the bf16 ones), else into new memory.
     """
-    compute_dtype = resolve_ns_dtype(G, dtype)
-    if workspace is not None and G.dtype != compute_dtype:
-        raise ValueError(f"Newton-Schulz with a workspace normalises its input in place, so the input must be in the "
-                         f"compute dtype {compute_dtype}, got {G.dtype}")
-    X = G if G.dtype == compute_dtype else G.to(compute_dtype)
-    if X.ndim != 3:
-        X = X.reshape(-1, *G.shape[-2:])
-    transposed = X.size(-2) > X.size(-1)
-    if transposed:
-        X = X.mT
+    X, transposed, compute_dtype = _wide_view(G, dtype, workspace)
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
     factor = math.sqrt(FP16_SCALE) / (norm + NS_NORM_EPS)
     target_dtype = inner_dtype(compute_dtype)
@@ -276,15 +268,7 @@ def _symmetric_gram_iterations(Xs: list[Tensor], steps: int, workspace: NSWorksp
     """
     a, b, c = NS_COEFFICIENTS
     b, c = b / FP16_SCALE, c / FP16_SCALE**2
-    tall = list(tall) if tall is not None else [False] * len(Xs)
-    sizes = [X.size(0) for X in Xs]
-    first = Xs[0]
-    rows = first.size(-2)
-    empty = _allocator(workspace, first)
-    square = (sum(sizes), rows, rows)
-    R, PR = empty(square), empty(square)
-    free = [empty(square) for _ in range(3)]
-    spares: list[Tensor | None] = [None] * len(Xs)
+    tall, sizes, empty, R, PR, free, spares = _gram_buffers(Xs, tall, workspace)
 
     def gram_matrices(Xs: list[Tensor]) -> None:
         for X, R_part in zip(Xs, R.split(sizes)):
