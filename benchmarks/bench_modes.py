@@ -97,6 +97,7 @@ class Settings:
     bucket_size: int
     fused_adamw: bool
     seed: int
+    ns_cuda_graph: Optional[bool] = None  # None: the engine's default
 
 
 def init_rank_device() -> tuple:
@@ -147,6 +148,8 @@ def deepspeed_config(mode: Mode, settings: Settings) -> dict:
             params |= {"ns_steps": settings.ns_steps, "nesterov": True}
             if settings.ns_dtype is not None:
                 params["ns_dtype"] = settings.ns_dtype
+            if settings.ns_cuda_graph is not None:
+                params["ns_cuda_graph"] = settings.ns_cuda_graph
         optimizer = {"type": "muon", "params": params}
     else:
         params = {"lr": settings.adam_lr, "betas": list(ADAM_BETAS), "eps": ADAM_EPS, "weight_decay": 0.0}

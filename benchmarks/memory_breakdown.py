@@ -68,6 +68,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ns-method", default="gram", choices=("gram", "standard", "gram_sym"))
     parser.add_argument("--ns-dtype", default=None, choices=("bf16", "fp32", "fp16"),
                         help="Newton-Schulz dtype (default: the engine's: bf16 on CUDA, fp32 on CPU)")
+    parser.add_argument("--ns-cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                        help="ns_cuda_graph for Muon (default: the engine's; this tree only)")
     parser.add_argument("--overlap-comm", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--bucket-size", type=int, default=50_000_000)
     parser.add_argument("--fused-adamw", action=argparse.BooleanOptionalAction, default=None,
@@ -160,7 +162,7 @@ def build_settings(args, device: torch.device):
     micro_batch = args.micro_batch or (8 if device.type == "cuda" else 2)
     fused = args.fused_adamw if args.fused_adamw is not None else device.type == "cuda"
     return Settings(model, micro_batch, 1, args.clip, 0.02, 3e-4, 0.95, args.ns_method, 5, args.ns_dtype,
-                    args.overlap_comm, args.bucket_size, fused, args.seed)
+                    args.overlap_comm, args.bucket_size, fused, args.seed, args.ns_cuda_graph)
 
 
 def measure(args, mode, settings, device: torch.device, rank: int) -> dict:
@@ -191,7 +193,22 @@ def measure(args, mode, settings, device: torch.device, rank: int) -> dict:
     graph_pool = getattr(basic, "graph_pool_bytes", 0) if device.type == "cuda" else 0
     skipped = engine.skipped_steps
     return {"timeline": meter.timeline(), "parameters": parameters, "graph_pool_bytes": graph_pool,
-            "skipped_steps": skipped}
+            "skipped_steps": skipped, "cublas_workspace_bytes": _cublas_workspace_bytes(device)}
+
+
+def _cublas_workspace_bytes(device: torch.device) -> int:
+    """Bytes held by cuBLAS workspaces (one per stream that ran a cuBLAS call): freed and measured at the end.
+
+    They sit inside the other categories (the optimizer's Newton-Schulz on its own stream adds one); measured by
+    what torch's allocator gets back when torch drops them (they are re-created on the next cuBLAS call).
+    """
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if device.type != "cuda" or clear is None:
+        return 0
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    clear()
+    return before - torch.cuda.memory_allocated(device)
 
 
 def categories(timeline: list, graph_pool: int, steps: int) -> dict:
@@ -268,6 +285,7 @@ def main(argv=None) -> None:
     settings = build_settings(args, device)
     measured = measure(args, mode, settings, device, rank)
     found = categories(measured["timeline"], measured["graph_pool_bytes"], args.steps)
+    found["overall"]["cublas_workspaces"] = measured["cublas_workspace_bytes"]
     local = {"rank": rank, "bytes": found, "timeline": measured["timeline"],
              "skipped_steps": measured["skipped_steps"]}
     gathered = [None] * world
@@ -281,7 +299,8 @@ def main(argv=None) -> None:
             "deepspeed": deepspeed.__version__, "torch": torch.__version__,
             "model": {"n_layer": cfg.n_layer, "d_model": cfg.d_model, "n_head": cfg.n_head, "seq_len": cfg.seq_len,
                       "vocab_size": cfg.vocab_size, "parameters": parameters},
-            "micro_batch": settings.micro_batch, "ns_dtype": args.ns_dtype, "overlap_comm": args.overlap_comm,
+            "micro_batch": settings.micro_batch, "ns_dtype": args.ns_dtype, "ns_cuda_graph": args.ns_cuda_graph,
+            "overlap_comm": args.overlap_comm,
             "steps": args.steps,
             "bytes_per_parameter": per_parameter(worst, parameters),
             "steps_bytes_per_parameter": [per_parameter(step, parameters) for step in gathered[0]["bytes"]["steps"]],

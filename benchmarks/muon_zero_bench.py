@@ -98,6 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     opt.add_argument("--ns-steps", type=int, default=5)
     opt.add_argument("--ns-dtype", default=None, choices=("bf16", "fp32", "fp16"),
                      help="Newton-Schulz dtype (default: bf16 on CUDA, fp32 on CPU)")
+    opt.add_argument("--ns-cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                     help="ns_cuda_graph for Muon (default: the engine's; this tree only)")
     opt.add_argument("--overlap-comm", action=argparse.BooleanOptionalAction, default=True,
                      help="ZeRO-2: overlap gradient reduce-scatter with backward")
     opt.add_argument("--bucket-size", type=int, default=50_000_000, help="ZeRO reduce/all-gather bucket (elements)")
@@ -260,7 +262,7 @@ def _plan(args, deepspeed, device: torch.device, world: int):
     model_cfg = GPTConfig(args.layers, args.d_model, args.heads, args.seq_len, args.vocab)
     settings = Settings(model_cfg, args.micro_batch, args.grad_accum, args.clip, args.muon_lr, args.adam_lr,
                         args.momentum, args.ns_method, args.ns_steps, args.ns_dtype, args.overlap_comm,
-                        args.bucket_size, fused, args.seed)
+                        args.bucket_size, fused, args.seed, args.ns_cuda_graph)
     with torch.device("meta"):
         shape_model = GPT(model_cfg)
     shapes = hidden_matrix_shapes(shape_model)

@@ -434,14 +434,14 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         captured = None
         if graphed:
             # Captured before the input is written: the capture's warm-up call overwrites the input.
-            captured = self.__dict__["_graphs"].get(key, orthogonalise, grads.device, workspace.addresses)
+            captured = self.__dict__["_graphs"].get(key, orthogonalise, grads.device, workspace)
         beta, nesterov = group["momentum"], group["nesterov"]
         # The new momenta, then the direction straight into the Newton-Schulz input: one pass on a GPU with Triton.
         if grad_factor is None and grads.dtype == torch.float32:
             fold_and_direction(grads, momenta, direction, beta, nesterov)
         else:
             _fold_unscaled(grads, grad_factor, momenta, direction, beta, nesterov)
-        updates = captured.replay() if captured is not None else orthogonalise()
+        updates = captured.replay(workspace) if captured is not None else orthogonalise()
         if graphed:
             plans[key] = workspace.fallback_sizes
         return _MuonUpdates(_recorded_batches(by_key, batches, group["adjust_lr_fn"]), updates, (grads, momenta),

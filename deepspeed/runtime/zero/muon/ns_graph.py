@@ -23,6 +23,8 @@ from collections.abc import Callable, Hashable
 import torch
 from torch import Tensor
 
+from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
+
 logger = logging.getLogger(__name__)
 
 # Distinct captures kept per optimizer: a group whose set of matrices with gradients changes (a matrix unused
@@ -35,16 +37,29 @@ MAX_CAPTURES_PER_CALL = 8
 
 
 class _Captured:
+    """A captured call and where its outputs are. Outputs inside the workspace are kept as locations, not tensors:
+    a tensor would keep memory the workspace allocated for one step (a fallback) alive after the step released it,
+    so that the next step's memory could never come back at the same address (and each capture would hold its
+    own copy). Outputs outside the workspace (in the graph's own pool) are kept as they are."""
+
     __slots__ = ("graph", "outputs", "pool_bytes")
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, outputs: list[Tensor], pool_bytes: int) -> None:
+    def __init__(self, graph: torch.cuda.CUDAGraph, outputs: list, pool_bytes: int) -> None:
         self.graph = graph
         self.outputs = outputs
         self.pool_bytes = pool_bytes
 
-    def replay(self) -> list[Tensor]:
+    def replay(self, workspace: NSWorkspace) -> list[Tensor]:
         self.graph.replay()
-        return self.outputs
+        return [output if isinstance(output, Tensor) else workspace.view_at(*output) for output in self.outputs]
+
+
+def _locations(outputs: list[Tensor], workspace: NSWorkspace) -> list:
+    located = []
+    for output in outputs:
+        where = workspace.locate(output)
+        located.append(output if where is None else (where, output.shape, output.stride(), output.dtype))
+    return located
 
 
 class GraphedCalls:
@@ -64,18 +79,19 @@ class GraphedCalls:
         self.pool_bytes = 0
 
     def get(self, key: Hashable, call: Callable[[], list[Tensor]], device: torch.device,
-            memory: Callable[[], Hashable] = tuple) -> _Captured | None:
-        """The graph of ``call`` for ``key`` on the memory ``memory()`` names, captured now if it is new; None when
-        capturing failed or was given up (once or now).
+            workspace: NSWorkspace) -> _Captured | None:
+        """The graph of ``call`` for ``key`` on the memory ``workspace`` holds now (its ``addresses``), captured now if
+        it is new; None when capturing failed or was given up (once or now). Replay it with the same workspace.
 
         Capturing runs ``call`` once eagerly (a warm-up on the capture stream, so cuBLAS has its handle and
-        workspace there; it may allocate the memory the call needs beyond what it was lent, which ``memory()``
-        then names) and records it once. Neither leaves useful results: the caller writes the input and replays
+        workspace there; it may allocate the memory the call needs beyond what it was lent, which the
+        workspace's ``addresses`` then name) and records it once. Neither leaves useful results: the caller writes the input and replays
         afterwards.
         """
         if key in self._refused:
             return None
         self._calls[key] += 1
+        memory = workspace.addresses
         captured = self._captured.get((key, memory()))
         if captured is not None:
             self._captured.move_to_end((key, memory()))
@@ -87,7 +103,7 @@ class GraphedCalls:
                            "now on", self._captures[key], self._calls[key])
             return None
         try:
-            captured = self._capture(call, device)
+            captured = self._capture(call, device, workspace)
         except RuntimeError as error:
             self._refused.add(key)
             logger.warning("Muon: Newton-Schulz could not be captured in a CUDA graph (%s); it runs eagerly", error)
@@ -99,7 +115,7 @@ class GraphedCalls:
             self.pool_bytes -= evicted.pool_bytes
         return captured
 
-    def _capture(self, call: Callable[[], list[Tensor]], device: torch.device) -> _Captured:
+    def _capture(self, call: Callable[[], list[Tensor]], device: torch.device, workspace: NSWorkspace) -> _Captured:
         # Captures must not run on the default stream; one side stream per device keeps one cuBLAS workspace.
         stream = self._streams.setdefault(device, torch.cuda.Stream(device))
         current = torch.cuda.current_stream(device)
@@ -117,4 +133,4 @@ class GraphedCalls:
         pool = max(0, torch.cuda.memory_reserved(device) - reserved)
         logger.info("Muon: Newton-Schulz captured in a CUDA graph (%d outputs); its pool reserves %.1f MiB",
                     len(outputs), pool / 2**20)
-        return _Captured(graph, outputs, pool)
+        return _Captured(graph, _locations(outputs, workspace), pool)

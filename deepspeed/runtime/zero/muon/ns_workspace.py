@@ -112,6 +112,24 @@ class NSWorkspace:
             self._fallbacks[index] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self._fallbacks[index].view(dtype).view(tuple(shape))
 
+    def locate(self, tensor: Tensor) -> tuple[int, int] | None:
+        """Where ``tensor``'s memory starts: (buffer, byte offset), buffers numbered as in ``addresses`` (the lent
+        ones, then the fallbacks); None when it lies in none of them."""
+        start = tensor.data_ptr()
+        for index, buffer in enumerate(self._regions + self._fallbacks):
+            if buffer.data_ptr() <= start < buffer.data_ptr() + buffer.numel():
+                return index, start - buffer.data_ptr()
+        return None
+
+    def view_at(self, where: tuple[int, int], shape: Sequence[int], stride: Sequence[int],
+                dtype: torch.dtype) -> Tensor:
+        """The tensor of ``shape``, ``stride`` and ``dtype`` at ``where`` (a :meth:`locate` answer) in this
+        workspace's memory now: how a result located once is found again after later resets."""
+        index, offset = where
+        buffer = (self._regions + self._fallbacks)[index]
+        span = 1 + sum((size - 1) * step for size, step in zip(shape, stride)) if all(shape) else 0
+        return buffer[offset:offset + span * dtype.itemsize].view(dtype).as_strided(tuple(shape), tuple(stride))
+
     def contains(self, tensor: Tensor) -> bool:
         """Whether ``tensor``'s memory lies inside a lent buffer (a carved view, not a fallback allocation)."""
         start = tensor.data_ptr()

@@ -56,3 +56,31 @@ def test_no_graph_while_the_entries_are_wrapped():
     # In a lent workspace every step, the first included, runs (and counts) one call after the verdict.
     assert calls == [1] * 5
     assert not optimizer.__dict__["_graphs"]._captured
+
+
+def test_memory_beyond_the_lent_buffers_is_replayed_not_kept():
+    """With a lent buffer too small for the call, part of its memory is allocated for each step and released after
+    it. The graph must find that memory again at the same addresses (one capture per place it can land, not one
+    per step) and must not hold it between steps: memory held after a step stays flat."""
+    device = torch.device("cuda", 0)
+    shapes = [(1024, 256)] * 4
+    numels = [torch.Size(shape).numel() for shape in shapes]
+    master = torch.randn(sum(numels), generator=torch.Generator().manual_seed(0)).to(device)
+    params = [torch.nn.Parameter(piece.view(shape)) for piece, shape in zip(master.split(numels), shapes)]
+    optimizer = MuonWithAuxAdam([{"params": params, "use_muon": True, "lr": 0.05}])
+    lent = torch.zeros(300_000, dtype=torch.bfloat16, device=device)
+    optimizer.lend_step_workspace([lent])
+    held_after = []
+    for step in range(8):
+        grads = torch.randn(sum(numels), generator=torch.Generator().manual_seed(100 + step)).to(device)
+        for p, grad in zip(params, grads.split(numels)):
+            p.grad = grad.view(p.shape)
+        optimizer.step()
+        for p in params:
+            p.grad = None
+        torch.cuda.synchronize(device)
+        held_after.append(torch.cuda.memory_allocated(device))
+    graphs = optimizer.__dict__["_graphs"]
+    assert graphs._captured, "no graph was captured"
+    assert graphs._captures.total() <= 2, f"captured {graphs._captures.total()} times in 8 steps"
+    assert max(held_after[2:]) == min(held_after[2:]), held_after
