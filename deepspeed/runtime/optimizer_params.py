@@ -129,7 +129,7 @@ class MuonParams(_ParamRules):
                                  description="Newton-Schulz compute dtype: fp32, bf16, fp16, or null to choose "
                                  "by device (null).")
     ns_cuda_graph: bool = Field(None, json_schema_extra=_rule((MUON_GROUP, )),
-                                description="Replay Newton-Schulz from a CUDA graph on a GPU (true).")
+                                description="Replay Newton-Schulz from a CUDA graph on a GPU (false).")
     betas: tuple[float, float] = Field(None, json_schema_extra=_rule((ADAM_GROUP, )),
                                        description="Adam group's moment decay rates, each in [0, 1) ([0.9, 0.95]).")
     eps: float = Field(None, gt=0, json_schema_extra=_rule((ADAM_GROUP, )),

@@ -44,7 +44,7 @@ MUON_DEFAULTS: dict[str, Any] = {
     "ns_steps": 5,
     "nesterov": True,
     "ns_dtype": None,
-    "ns_cuda_graph": True,
+    "ns_cuda_graph": False,
     "adjust_lr_fn": "original",
 }
 ADAM_DEFAULTS: dict[str, Any] = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-10, "weight_decay": 0.0}
@@ -105,8 +105,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
     Muon groups accept ``lr`` (0.02), ``momentum`` (0.95), ``weight_decay`` (0), ``ns_method``
     ("gram"), ``ns_steps`` (5), ``nesterov`` (True), ``ns_dtype`` (None: see
-    :func:`~deepspeed.runtime.zero.muon.original_muon.resolve_ns_dtype`), ``ns_cuda_graph`` (True: replay
-    Newton-Schulz from a CUDA graph when it runs in a lent workspace, see :meth:`lend_step_workspace`) and
+    :func:`~deepspeed.runtime.zero.muon.original_muon.resolve_ns_dtype`), ``ns_cuda_graph`` (False; True:
+    replay Newton-Schulz from a CUDA graph when it runs in a lent workspace, see :meth:`lend_step_workspace`) and
     ``adjust_lr_fn`` ("original" or "match_rms_adamw", torch.optim.Muon's: how an orthogonalised update is scaled
     by its shape, see :func:`~deepspeed.runtime.zero.muon.original_muon.update_scale`; None means "original").
     A Muon param whose ``muon_num_heads`` or ``muon_head_dim`` attribute asks for it is orthogonalised per head:
@@ -423,13 +423,14 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         def orthogonalise() -> list[Tensor]:
             return NS_FUNCTIONS[method](carved_input()[1], steps=steps, dtype=dtype, workspace=workspace)
 
-        graphed = (grads.is_cuda and group.get("ns_cuda_graph", True)
-                   and NS_FUNCTIONS[method] is _ORIGINAL_NS_FUNCTIONS[method])
         key = (method, steps, dtype, tuple((batch_key, len(batch)) for batch_key, batch in by_key.items()))
         plans = self.__dict__.setdefault("_fallback_plans", {})
-        if graphed:
-            # What did not fit in the lent buffers last time, allocated again first: a graph replays on that memory.
-            workspace.reserve(plans.get(key, ()))
+        # A graph only for a call that needed nothing beyond the lent buffers when it last ran: memory allocated for
+        # the step lands wherever the allocator has room after the backward, rarely at the addresses a graph
+        # recorded (measured at 1.11B: a different place every step), and a graph replays only where it recorded.
+        # Such a call, and the first call of each kind, runs eagerly, which costs its launches' host time only.
+        graphed = (grads.is_cuda and group.get("ns_cuda_graph", MUON_DEFAULTS["ns_cuda_graph"])
+                   and NS_FUNCTIONS[method] is _ORIGINAL_NS_FUNCTIONS[method] and plans.get(key) == ())
         direction, batches = carved_input()
         captured = None
         if graphed:
@@ -442,8 +443,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         else:
             _fold_unscaled(grads, grad_factor, momenta, direction, beta, nesterov)
         updates = captured.replay(workspace) if captured is not None else orthogonalise()
-        if graphed:
-            plans[key] = workspace.fallback_sizes
+        plans[key] = workspace.fallback_sizes
         return _MuonUpdates(_recorded_batches(by_key, batches, group["adjust_lr_fn"]), updates, (grads, momenta),
                             folded=True)
 

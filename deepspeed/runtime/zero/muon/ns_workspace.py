@@ -13,8 +13,9 @@ Carving is deterministic: after :meth:`NSWorkspace.reset` the same requests get 
 lets a captured graph and an eager call use the same memory. What does not fit is allocated, kept for the same
 request after later resets (so it is deterministic too) and counted, until :meth:`NSWorkspace.release` frees it at
 the end of the step: memory held from one step to the next would be held while the forward builds its activations
-too. A graph that used such memory is replayed only where :meth:`NSWorkspace.reserve` got the same addresses back
-(see ``addresses``).
+too. A CUDA graph is captured only for a call that needs no such memory (see ``muon_optimizer``): memory
+allocated for the step rarely comes back at the same address after the next backward, and a graph replays only
+where it recorded (``addresses``).
 """
 
 from __future__ import annotations
@@ -63,24 +64,14 @@ class NSWorkspace:
 
     @property
     def fallback_sizes(self) -> tuple[int, ...]:
-        """The bytes of each allocation made beyond the lent buffers, in order: what :meth:`reserve` needs to give a
-        call the memory its previous run used."""
+        """The bytes of each allocation made beyond the lent buffers, in order (empty when the lent buffers held
+        everything)."""
         return tuple(fallback.numel() for fallback in self._fallbacks)
 
     def addresses(self) -> tuple[int, ...]:
         """Where the lent buffers and the allocations beyond them are: two calls that carve the same requests use
         the same memory exactly when their workspaces' addresses are equal."""
         return tuple(region.data_ptr() for region in self._regions) + tuple(f.data_ptr() for f in self._fallbacks)
-
-    def reserve(self, sizes: Sequence[int]) -> None:
-        """Allocate, in order, what does not fit in the lent buffers (``fallback_sizes`` of an earlier run), keeping
-        what is already allocated at those sizes."""
-        for index, nbytes in enumerate(sizes):
-            if index == len(self._fallbacks):
-                self._fallbacks.append(torch.empty(nbytes, dtype=torch.uint8, device=self.device))
-            elif self._fallbacks[index].numel() != nbytes:
-                self._fallbacks[index] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        del self._fallbacks[len(sizes):]
 
     def release(self) -> None:
         """Free what was allocated beyond the lent buffers (tensors carved from it must be dead by now)."""
