@@ -48,7 +48,7 @@ def main() -> None:
     for method in args.methods:
         function = NS_FUNCTIONS[method]
 
-        def call():
+        def call(function=function):
             workspace.reset()
             inputs = []
             for stack in source:

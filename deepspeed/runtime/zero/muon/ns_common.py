@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from deepspeed.runtime.zero.muon.matrix_scale import scale_matrices
 from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
 
 # Quintic coefficients from Keller Jordan's Muon: they push singular values in (0, 1] into roughly
@@ -73,7 +74,7 @@ def _normalized_wide(G: Tensor, dtype: torch.dtype | None, workspace: NSWorkspac
     X, is_transposed, _ = _wide_view(G, dtype, workspace)
     # A unit Frobenius norm bounds every singular value by 1, inside the quintic's convergence range.
     norm = X.norm(dim=(-2, -1), keepdim=True) + NS_NORM_EPS
-    return (X.div_(norm) if workspace is not None else X / norm), is_transposed
+    return (scale_matrices(X, norm, X, divide=True) if workspace is not None else X / norm), is_transposed
 
 
 def _allocator(workspace: NSWorkspace | None, like: Tensor) -> Callable[[Sequence[int]], Tensor]:

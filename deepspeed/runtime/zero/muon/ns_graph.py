@@ -84,9 +84,8 @@ class GraphedCalls:
         it is new; None when capturing failed or was given up (once or now). Replay it with the same workspace.
 
         Capturing runs ``call`` once eagerly (a warm-up on the capture stream, so cuBLAS has its handle and
-        workspace there; it may allocate the memory the call needs beyond what it was lent, which the
-        workspace's ``addresses`` then name) and records it once. Neither leaves useful results: the caller writes the input and replays
-        afterwards.
+        workspace there) and records it once. Neither leaves useful results: the caller writes the input and
+        replays afterwards.
         """
         if key in self._refused:
             return None

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from deepspeed.runtime.zero.muon.matrix_scale import scale_fp16, scale_matrices
 from deepspeed.runtime.zero.muon.ns_common import (
     NS_COEFFICIENTS,
     NS_NORM_EPS,
@@ -205,13 +206,13 @@ def _scaled_wide(G: Tensor, dtype: torch.dtype | None, workspace: NSWorkspace | 
     target_dtype = inner_dtype(compute_dtype)
     # A new tensor keeps X's layout (a tall matrix's wide view stays the transpose of contiguous memory).
     out = X.view(target_dtype) if workspace is not None else torch.empty_like(X, dtype=target_dtype)
-    return torch.mul(X, factor, out=out), transposed, compute_dtype
+    return scale_matrices(X, factor, out), transposed, compute_dtype
 
 
 def _in_compute_dtype(result: Tensor, compute_dtype: torch.dtype) -> Tensor:
     """Undo the scaling and return to the compute dtype, in one pass over the result's own memory."""
     back = result.view(compute_dtype) if result.dtype != compute_dtype else result
-    return torch.mul(result, 1 / math.sqrt(FP16_SCALE), out=back)
+    return scale_fp16(result, 1 / math.sqrt(FP16_SCALE), back)
 
 
 def zeropower_via_symmetric_gram(G: Tensor | Sequence[Tensor], steps: int = 5, dtype: torch.dtype | None = None,
