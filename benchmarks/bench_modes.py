@@ -137,13 +137,19 @@ def make_batches(settings: Settings, device: torch.device, rank: int) -> list:
     return batches
 
 
+def upstream_ns_method(ns_method: str) -> str:
+    """The ns_method a release is configured with: it knows "standard" and "gram" only, so this fork's per-shape
+    and symmetric methods run there as its Gram iteration (the method they are variants of)."""
+    return ns_method if ns_method in ("standard", "gram") else "gram"
+
+
 def deepspeed_config(mode: Mode, settings: Settings) -> dict:
     """The engine's JSON config for `mode`; for a release, only keys that release reads (see `tree_notes`)."""
     upstream = mode.tree != THIS_TREE
     if mode.optimizer == "muon":
         params = {"lr": settings.muon_lr, "muon_lr": settings.muon_lr, "adam_lr": settings.adam_lr,
                   "momentum": settings.momentum, "betas": list(ADAM_BETAS), "eps": ADAM_EPS, "weight_decay": 0.0,
-                  "ns_method": settings.ns_method}
+                  "ns_method": settings.ns_method if not upstream else upstream_ns_method(settings.ns_method)}
         if not upstream:
             params |= {"ns_steps": settings.ns_steps, "nesterov": True}
             if settings.ns_dtype is not None:
@@ -193,7 +199,8 @@ def tree_notes(mode: Mode, settings: Settings) -> list:
         return []
     notes = []
     if mode.optimizer == "muon":
-        notes.append(f"Newton-Schulz: {settings.ns_method} iteration, {UPSTREAM_NS_STEPS} steps, Nesterov momentum "
+        method = upstream_ns_method(settings.ns_method)
+        notes.append(f"Newton-Schulz: {method} iteration, {UPSTREAM_NS_STEPS} steps, Nesterov momentum "
                      f"and the compute dtype as release {mode.tree} fixes them (its config reads no ns_steps, "
                      "nesterov or ns_dtype)" + (f"; --ns-dtype {settings.ns_dtype} not applied"
                                                 if settings.ns_dtype else ""))

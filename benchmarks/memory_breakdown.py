@@ -65,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "CPU)")
     parser.add_argument("--steps", type=int, default=3, help="training steps measured (the first allocates state)")
     parser.add_argument("--clip", type=float, default=1.0)
-    parser.add_argument("--ns-method", default="gram", choices=("gram", "standard", "gram_sym"))
+    parser.add_argument("--ns-method", default="auto", choices=("auto", "gram", "standard", "gram_sym"))
     parser.add_argument("--ns-dtype", default=None, choices=("bf16", "fp32", "fp16"),
                         help="Newton-Schulz dtype (default: the engine's: bf16 on CUDA, fp32 on CPU)")
     parser.add_argument("--ns-cuda-graph", action=argparse.BooleanOptionalAction, default=None,

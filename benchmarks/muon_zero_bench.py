@@ -94,7 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     opt.add_argument("--adam-lr", type=float, default=3e-4)
     opt.add_argument("--momentum", type=float, default=0.95)
     opt.add_argument("--clip", type=float, default=1.0, help="gradient clipping (all modes); 0 disables")
-    opt.add_argument("--ns-method", default="gram", choices=("gram", "standard", "gram_sym"))
+    opt.add_argument("--ns-method", default="auto", choices=("auto", "gram", "standard", "gram_sym"))
     opt.add_argument("--ns-steps", type=int, default=5)
     opt.add_argument("--ns-dtype", default=None, choices=("bf16", "fp32", "fp16"),
                      help="Newton-Schulz dtype (default: bf16 on CUDA, fp32 on CPU)")

@@ -21,6 +21,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.muon import original_muon, symmetric_gram
 from deepspeed.runtime.zero.flat_layout import assign_owners, newton_schulz_cost
+from deepspeed.runtime.zero.muon.ns_by_shape import method_for_shape
 from deepspeed.runtime.zero.muon.original_muon import NS_FUNCTIONS, gram_restarts_at, resolve_ns_dtype
 
 TORCH_MUON_MODULE = "torch.optim._muon"
@@ -106,6 +107,8 @@ def dispatched_algorithm(method: str, shape) -> str:
     """What `NS_FUNCTIONS[method]` actually runs on `shape`: the Gram function falls back on squares, the
     symmetric Gram function on squares and small sides to the standard iteration with halved symmetric
     products ("standard_sym")."""
+    if method == "auto":
+        method = method_for_shape(shape)
     m, n = wide_dims(shape)
     if method == "gram" and m == n:
         return "standard"
@@ -115,6 +118,8 @@ def dispatched_algorithm(method: str, shape) -> str:
 
 
 def ns_flops(method: str, shape, steps: int = 5) -> int:
+    if method == "auto":
+        method = method_for_shape(shape)
     if method == "gram_sym":
         return 2 * symmetric_gram_macs(shape, steps)
     algorithm = dispatched_algorithm(method, shape)
@@ -268,7 +273,7 @@ def standalone_newton_schulz(shapes: list, method: str, ns_steps: int, ns_dtype,
 
     Args:
         shapes: the Muon matrix shapes (all of them, as a single process without ZeRO would hold).
-        method: the configured ns_method ("gram" or "standard").
+        method: the configured ns_method (an entry of NS_FUNCTIONS).
         ns_steps: Newton-Schulz iterations.
         ns_dtype: compute dtype (None: `resolve_ns_dtype`, bf16 on CUDA).
         device: where to run.

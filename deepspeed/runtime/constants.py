@@ -18,7 +18,7 @@ ADAM_W_MODE_DEFAULT = True
 MAX_GRAD_NORM = "max_grad_norm"
 
 # Muon's value sets (optimizer.params); deepspeed/runtime/optimizer_params.py holds the rules for every key.
-MUON_NS_METHODS = ("standard", "gram", "gram_sym")
+MUON_NS_METHODS = ("standard", "gram", "gram_sym", "auto")
 MUON_NS_DTYPES = ("fp32", "bf16", "fp16")
 MUON_ADJUST_LR_FNS = ("original", "match_rms_adamw")
 

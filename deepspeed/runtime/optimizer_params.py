@@ -122,7 +122,7 @@ class MuonParams(_ParamRules):
     nesterov: bool = Field(None, json_schema_extra=_rule((MUON_GROUP, )),
                            description="Nesterov momentum (true).")
     ns_method: str = Field(None, json_schema_extra=_rule((MUON_GROUP, ), choices=MUON_NS_METHODS),
-                           description="Newton-Schulz variant: standard, gram or gram_sym (gram).")
+                           description="Newton-Schulz variant: standard, gram, gram_sym or auto (auto, by shape).")
     ns_steps: int = Field(None, ge=NS_STEPS_MIN, le=NS_STEPS_MAX, json_schema_extra=_rule((MUON_GROUP, )),
                           description="Newton-Schulz iterations, an integer in [1, 100] (5).")
     ns_dtype: str | None = Field(None, json_schema_extra=_rule((MUON_GROUP, ), choices=MUON_NS_DTYPES),

@@ -40,7 +40,7 @@ MUON_DEFAULTS: dict[str, Any] = {
     "lr": 0.02,
     "momentum": 0.95,
     "weight_decay": 0.0,
-    "ns_method": "gram",
+    "ns_method": "auto",
     "ns_steps": 5,
     "nesterov": True,
     "ns_dtype": None,
@@ -104,7 +104,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
     """Muon (momentum + Newton-Schulz) on groups with ``use_muon=True``, Adam on the others.
 
     Muon groups accept ``lr`` (0.02), ``momentum`` (0.95), ``weight_decay`` (0), ``ns_method``
-    ("gram"), ``ns_steps`` (5), ``nesterov`` (True), ``ns_dtype`` (None: see
+    ("auto": per shape, see ``ns_by_shape``), ``ns_steps`` (5), ``nesterov`` (True), ``ns_dtype`` (None: see
     :func:`~deepspeed.runtime.zero.muon.original_muon.resolve_ns_dtype`), ``ns_cuda_graph`` (False; True:
     replay Newton-Schulz from a CUDA graph when it runs in a lent workspace, see :meth:`lend_step_workspace`) and
     ``adjust_lr_fn`` ("original" or "match_rms_adamw", torch.optim.Muon's: how an orthogonalised update is scaled

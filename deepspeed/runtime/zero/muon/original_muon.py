@@ -32,6 +32,7 @@ from deepspeed.runtime.zero.muon.ns_common import (  # noqa: F401  (NS_NORM_EPS:
     _tall,
     resolve_ns_dtype,
 )
+from deepspeed.runtime.zero.muon.ns_by_shape import zeropower_by_shape
 from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
 from deepspeed.runtime.zero.muon.symmetric_gram import zeropower_via_symmetric_gram
 
@@ -263,6 +264,7 @@ NS_FUNCTIONS: dict[str, NSFunction] = {
     "standard": zeropower_via_newtonschulz5,
     "gram": zeropower_via_gram_newtonschulz,
     "gram_sym": zeropower_via_symmetric_gram,
+    "auto": zeropower_by_shape,
 }
 
 
@@ -279,7 +281,7 @@ def count_newton_schulz_calls() -> Iterator[collections.Counter[str]]:
     """Count Newton-Schulz calls made through :data:`NS_FUNCTIONS` in this process while the block runs.
 
     Yields:
-        A ``Counter`` keyed by method name ("standard", "gram", "gram_sym"), updated live.
+        A ``Counter`` keyed by method name ("standard", "gram", "gram_sym", "auto"), updated live.
     """
     calls: collections.Counter[str] = collections.Counter()
     originals = dict(NS_FUNCTIONS)
@@ -327,7 +329,7 @@ def muon_update(
         beta: momentum coefficient.
         ns_steps: Newton-Schulz iterations.
         nesterov: use the Nesterov direction.
-        ns_method: "standard", "gram" or "gram_sym" (see :data:`NS_FUNCTIONS`).
+        ns_method: "standard", "gram", "gram_sym" or "auto" (see :data:`NS_FUNCTIONS`).
         ns_dtype: Newton-Schulz compute dtype; ``None`` applies :func:`resolve_ns_dtype`.
         num_heads: equal row blocks orthogonalised separately (1: the whole matrix).
         adjust_lr_fn: one of :data:`ADJUST_LR_FNS`.

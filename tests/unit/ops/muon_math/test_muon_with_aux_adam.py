@@ -14,6 +14,8 @@ ADAM_OPTIONS = {"lr": 1e-3, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0
 MUON_SHAPES = {"w_in": (32, 64), "w_out": (96, 32), "conv": (8, 4, 3, 3)}
 ADAM_SHAPES = {"bias": (32,), "embed": (50, 16)}
 
+UNKNOWN_METHOD = r"ns_method must be one of \{'standard', 'gram', 'gram_sym', 'auto'\}, got "
+
 
 def make_params(dtype=torch.float32, seed=0):
     generator = torch.Generator().manual_seed(seed)
@@ -70,7 +72,7 @@ class ReferenceMuonAdam:
             self.params[name] = p * (1 - lr * wd) - lr * update
 
 
-@pytest.mark.parametrize("ns_method", ["gram", "standard", "gram_sym"])
+@pytest.mark.parametrize("ns_method", ["gram", "standard", "gram_sym", "auto"])
 def test_matches_reference_loop_for_five_steps(ns_method):
     params = make_params()
     optimizer = make_optimizer(params, ns_method=ns_method)
@@ -110,7 +112,7 @@ def test_params_without_grad_are_left_alone():
     with count_newton_schulz_calls() as calls:
         optimizer.step()
     # One Newton-Schulz call per Muon group step (its two shapes, w_in and conv, go in one list).
-    assert calls == {"gram": 1}
+    assert calls == {"auto": 1}
     for name in ("w_out", "bias"):
         assert torch.equal(params[name], before[name])
         assert params[name] not in optimizer.state
@@ -130,7 +132,7 @@ def test_defaults_are_filled_per_group_kind():
     w, b = torch.nn.Parameter(torch.zeros(4, 4)), torch.nn.Parameter(torch.zeros(4))
     groups = [{"params": [w], "use_muon": True}, {"params": [b], "use_muon": False}]
     muon_group, adam_group = MuonWithAuxAdam(groups).param_groups
-    expected_muon = dict(lr=0.02, momentum=0.95, weight_decay=0.0, ns_method="gram", ns_steps=5, nesterov=True)
+    expected_muon = dict(lr=0.02, momentum=0.95, weight_decay=0.0, ns_method="auto", ns_steps=5, nesterov=True)
     expected_adam = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0)
     assert {k: muon_group[k] for k in expected_muon} == expected_muon and muon_group["ns_dtype"] is None
     assert {k: adam_group[k] for k in expected_adam} == expected_adam
@@ -246,9 +248,9 @@ def test_group_contract_errors():
         MuonWithAuxAdam([{"params": [b], "use_muon": False, "momentum": 0.9}])
     with pytest.raises(ValueError, match=r"Muon needs matrices \(ndim >= 2\), got a parameter of shape \(4,\)"):
         MuonWithAuxAdam([{"params": [b], "use_muon": True}])
-    with pytest.raises(ValueError, match=r"ns_method must be one of \{'standard', 'gram', 'gram_sym'\}, got svd"):
+    with pytest.raises(ValueError, match=UNKNOWN_METHOD + "svd"):
         MuonWithAuxAdam([{"params": [w], "use_muon": True, "ns_method": "svd"}])
-    with pytest.raises(ValueError, match=r"ns_method must be one of \{'standard', 'gram', 'gram_sym'\}, got \{\}"):
+    with pytest.raises(ValueError, match=UNKNOWN_METHOD + r"\{\}"):
         MuonWithAuxAdam([{"params": [w], "use_muon": True, "ns_method": {}}])
     with pytest.raises(ValueError, match=r"ns_dtype must be a torch.dtype or None, got 'bf16'"):
         MuonWithAuxAdam([{"params": [w], "use_muon": True, "ns_dtype": "bf16"}])

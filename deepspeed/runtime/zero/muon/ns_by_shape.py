@@ -1,0 +1,51 @@
+"""``ns_method: "auto"`` (the default): every matrix gets the Newton-Schulz method that is fastest for its shape.
+
+Measured on an H200 in bf16, one batch per shape as the optimizer makes it (``benchmarks/probes/ns_methods_gpu.py``,
+``benchmarks/results/ns-methods/``): where the small side m is 2048, the symmetric Gram iteration (``gram_sym``)
+beats the Gram iteration by 11-13% (wide and tall shapes) and the standard one on squares by 10%; where m is
+768 it is 2-3x slower, its half-size block products being too small to fill the GPU and twice as many launches.
+The crossover lies between (SYMMETRIC_FROM_SIDE). Both methods are at least as accurate as the standard iteration
+against a float64 polar factor (``gram_sym`` closer to the float64 iteration by 2-3x), so the choice is speed only.
+
+The choice is a fixed rule of the shape, not a timing taken while training: every rank, every run and every
+resumed run choose alike, so results stay reproducible and a resumed run continues bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
+
+# Matrices whose smaller side is at least this take "gram_sym"; smaller ones take "gram".
+SYMMETRIC_FROM_SIDE = 1536
+
+
+def method_for_shape(shape: Sequence[int]) -> str:
+    """The method "auto" runs on a matrix (or batch of matrices) of ``shape``: "gram_sym" or "gram"."""
+    return "gram_sym" if min(shape[-2:]) >= SYMMETRIC_FROM_SIDE else "gram"
+
+
+def zeropower_by_shape(G: Tensor | Sequence[Tensor], steps: int = 5, dtype: torch.dtype | None = None,
+                       workspace: NSWorkspace | None = None) -> Tensor | list[Tensor]:
+    """Approximately orthogonalise ``G`` as :func:`~.original_muon.zeropower_via_newtonschulz5` does, each tensor
+    with :func:`method_for_shape`'s method (arguments, results and errors as there; a list is split by method and
+    each part runs as one call, in order, so a workspace carves deterministically)."""
+    from deepspeed.runtime.zero.muon.original_muon import zeropower_via_gram_newtonschulz
+    from deepspeed.runtime.zero.muon.symmetric_gram import zeropower_via_symmetric_gram
+
+    if isinstance(G, Tensor):
+        return zeropower_by_shape([G], steps, dtype, workspace)[0]
+    for one in G:
+        if one.ndim < 2:
+            raise ValueError(f"Newton-Schulz needs a matrix (or a batch of matrices), got shape {tuple(one.shape)}")
+    results: list[Tensor | None] = [None] * len(G)
+    for method, function in (("gram", zeropower_via_gram_newtonschulz), ("gram_sym", zeropower_via_symmetric_gram)):
+        indices = [index for index, one in enumerate(G) if method_for_shape(one.shape) == method]
+        if indices:
+            for index, result in zip(indices, function([G[i] for i in indices], steps, dtype, workspace)):
+                results[index] = result
+    return results
