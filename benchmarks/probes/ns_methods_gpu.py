@@ -35,12 +35,22 @@ from ns_timing import ns_flops  # noqa: E402
 from deepspeed.runtime.zero.muon.original_muon import NS_COEFFICIENTS, NS_FUNCTIONS  # noqa: E402
 from deepspeed.runtime.zero.muon.symmetric_gram import symmetric_product  # noqa: E402
 
-METHODS = ("standard", "gram", "gram_sym")
+METHODS = ("standard", "gram", "gram_sym", "auto")
 # Muon matrices per model (gpt_model.hidden_matrix_shapes on the benchmark's presets): shape -> count.
 MODELS = {
     "gpt2-small": {(2304, 768): 12, (768, 768): 12, (3072, 768): 12, (768, 3072): 12},
     "gpt-1.1b": {(6144, 2048): 20, (2048, 2048): 20, (8192, 2048): 20, (2048, 8192): 20},
 }
+
+
+def _gpt_shapes(d: int, layers: int) -> dict:
+    return {(3 * d, d): layers, (d, d): layers, (4 * d, d): layers, (d, 4 * d): layers}
+
+
+# Widths between the two models, for where "auto" switches from gram to gram_sym (ns_by_shape.SYMMETRIC_FROM_SIDE):
+# GPT-2 medium (d 1024, 24 layers), GPT-2 large (d 1280, 36 layers), and d 1536 at 24 layers.
+SWEEP = {"d1024": _gpt_shapes(1024, 24), "d1280": _gpt_shapes(1280, 36), "d1536": _gpt_shapes(1536, 24)}
+MODELS |= SWEEP
 STEPS = 5
 DEVICE = "cuda"
 
@@ -210,7 +220,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default="gpt2-small,gpt-1.1b", help=f"comma-separated, of {sorted(MODELS)}")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     generator = torch.Generator().manual_seed(0)
