@@ -1,5 +1,6 @@
-// The cpu_adam op: Adam/AdamW over CPU tensors (fp32 masters, optional copy of the result in another dtype) and
-// Muon's momentum fold, vectorised (csrc/includes/simd.h) and split over torch's intra-op thread pool.
+// The cpu_adam op: Adam/AdamW over CPU tensors (fp32 masters, optional copy of the result in another dtype),
+// Muon's momentum fold and the application of its update, vectorised (csrc/includes/simd.h) and split over
+// torch's intra-op thread pool.
 //
 // One translation unit with the lightest torch headers that give tensors, the thread pool and the Python
 // bindings, so a JIT build stays well under a minute on two cores.
@@ -122,6 +123,14 @@ struct MomentumRange {
     }
 };
 
+template <class V>
+struct UpdateRange {
+    static void run(const ds::UpdateArgs& args, const ds::UpdateArrays& arrays, int64_t begin, int64_t end)
+    {
+        ds::update_range<V>(args, arrays, begin, end);
+    }
+};
+
 void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                const std::optional<at::Tensor>& max_exp_avg_sq, const std::optional<at::Tensor>& copy, int64_t step,
                double lr, double beta1, double beta2, double eps, double weight_decay, bool bias_correction,
@@ -153,21 +162,35 @@ void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
 }
 
 void muon_momentum(const at::Tensor& grad, const at::Tensor& momentum, const std::optional<at::Tensor>& direction,
-                   double beta, bool nesterov, bool fold, int64_t simd_width)
+                   double beta, bool nesterov, bool fold, std::optional<double> grad_scale, int64_t simd_width)
 {
     const int64_t numel = momentum.numel();
     ds::MomentumArrays arrays{array_of(grad, "grad", numel), array_of(momentum, "momentum", numel),
                               optional_array(direction, "direction", numel)};
     // The weights as torch receives them from Python: computed in double, then rounded to float.
-    ds::MomentumArgs args{ds::LerpWeight(float(1.0 - beta)), ds::LerpWeight(float(beta)), nesterov, fold};
+    // The gradient scale as the fp32 factor it is (an unscaled gradient is grad.float() * factor, one rounding).
+    ds::MomentumArgs args{ds::LerpWeight(float(1.0 - beta)), ds::LerpWeight(float(beta)), nesterov, fold,
+                          float(grad_scale.value_or(1.0)), grad_scale.has_value()};
     run<MomentumRange>(numel, simd_width, args, arrays);
+}
+
+void apply_update(const at::Tensor& param, const at::Tensor& update, double alpha, double decay, bool has_decay,
+                  int64_t simd_width)
+{
+    const int64_t numel = param.numel();
+    check(param.scalar_type() == at::kFloat, "cpu_adam: param must be float32 (the master), got " +
+                                                 std::string(c10::toString(param.scalar_type())));
+    ds::UpdateArrays arrays{array_of(param, "param", numel), array_of(update, "update", numel)};
+    // Both as torch receives Python numbers for a float32 tensor: rounded to float once.
+    ds::UpdateArgs args{float(alpha), float(decay), has_decay};
+    run<UpdateRange>(numel, simd_width, args, arrays);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 {
-    m.doc() = "DeepSpeed CPU optimizer kernels: Adam/AdamW and Muon's momentum fold";
+    m.doc() = "DeepSpeed CPU optimizer kernels: Adam/AdamW, Muon's momentum fold and its update";
     m.def("adam_step", &adam_step, pybind11::call_guard<pybind11::gil_scoped_release>(),
           "One Adam/AdamW step in place over CPU tensors (see deepspeed/ops/adam/cpu_adam.py)", pybind11::arg("param"),
           pybind11::arg("grad"), pybind11::arg("exp_avg"), pybind11::arg("exp_avg_sq"),
@@ -178,6 +201,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     m.def("muon_momentum", &muon_momentum, pybind11::call_guard<pybind11::gil_scoped_release>(),
           "Muon's momentum lerp (in place with fold=True) and its Newton-Schulz direction", pybind11::arg("grad"),
           pybind11::arg("momentum"), pybind11::arg("direction"), pybind11::arg("beta"), pybind11::arg("nesterov"),
-          pybind11::arg("fold"), pybind11::arg("simd_width") = 0);
+          pybind11::arg("fold"), pybind11::arg("grad_scale") = pybind11::none(), pybind11::arg("simd_width") = 0);
+    m.def("apply_update", &apply_update, pybind11::call_guard<pybind11::gil_scoped_release>(),
+          "Muon's update into its fp32 master in place: param * decay (with has_decay), plus alpha * update",
+          pybind11::arg("param"), pybind11::arg("update"), pybind11::arg("alpha"), pybind11::arg("decay"),
+          pybind11::arg("has_decay"), pybind11::arg("simd_width") = 0);
     m.def("simd_widths", &compiled_widths, "Register widths (float lanes) compiled into this build, widest first");
 }

@@ -1,4 +1,5 @@
-// Element-wise CPU optimizer kernels over raw arrays: the Adam/AdamW step and Muon's momentum fold.
+// Element-wise CPU optimizer kernels over raw arrays: the Adam/AdamW step, Muon's momentum fold and the
+// application of its update to the master.
 //
 // Pure C++ (no torch headers): csrc/adam/cpu_adam.cpp checks the tensors, splits the work over torch's thread
 // pool and calls these on each range. Every array may be fp32, bf16 or fp16 (converted in registers; the
@@ -98,6 +99,8 @@ struct MomentumArgs {
     LerpWeight nesterov_weight;   // beta
     bool nesterov;
     bool fold;
+    float grad_scale;             // multiplies every gradient as it is read (the unscale and clip), when has_grad_scale
+    bool has_grad_scale;
 };
 
 struct MomentumArrays {
@@ -109,7 +112,8 @@ template <class V>
 inline void momentum_lanes(const MomentumArgs& a, const MomentumArrays& t, int64_t i)
 {
     using R = typename V::reg;
-    const R grad = V::load_as_float(t.grad.dtype, t.grad.data, i);
+    R grad = V::load_as_float(t.grad.dtype, t.grad.data, i);
+    if (a.has_grad_scale) grad = V::mul(grad, V::set1(a.grad_scale));
     const R momentum = lerp<V>(V::load_as_float(t.momentum.dtype, t.momentum.data, i), grad, a.fold_weight);
     if (a.fold) V::store_from_float(t.momentum.dtype, t.momentum.data, i, momentum);
     if (t.direction) {
@@ -124,6 +128,37 @@ inline void momentum_range(const MomentumArgs& a, const MomentumArrays& t, int64
     int64_t i = begin;
     for (; i + V::width <= end; i += V::width) momentum_lanes<V>(a, t, i);
     for (; i < end; ++i) momentum_lanes<Scalar>(a, t, i);
+}
+
+// A Muon update applied to its master: param <- param * decay (with weight decay), then param + alpha * update,
+// one fused multiply-add, as torch's `param.mul_(decay)` and `param.add_(update, alpha=alpha)` compute it (its
+// vectorised add is one fmadd, whatever the dtype the update is converted from). The update in any dtype.
+struct UpdateArgs {
+    float alpha;   // -lr * the update's scale
+    float decay;   // 1 - lr * weight_decay
+    bool has_decay;
+};
+
+struct UpdateArrays {
+    Array param, update;
+};
+
+template <class V>
+inline void update_lanes(const UpdateArgs& a, const UpdateArrays& t, int64_t i)
+{
+    using R = typename V::reg;
+    R param = V::load_as_float(t.param.dtype, t.param.data, i);
+    if (a.has_decay) param = V::mul(param, V::set1(a.decay));
+    param = V::fma(V::load_as_float(t.update.dtype, t.update.data, i), V::set1(a.alpha), param);
+    V::store_from_float(t.param.dtype, t.param.data, i, param);
+}
+
+template <class V>
+inline void update_range(const UpdateArgs& a, const UpdateArrays& t, int64_t begin, int64_t end)
+{
+    int64_t i = begin;
+    for (; i + V::width <= end; i += V::width) update_lanes<V>(a, t, i);
+    for (; i < end; ++i) update_lanes<Scalar>(a, t, i);
 }
 
 }  // namespace ds

@@ -213,10 +213,16 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
                 self._steps_on_scaled_grads = self._step_with_grad_factor
             elif chunked_torch_adam.steps_in_chunks(self.optimizer):
                 self._steps_on_scaled_grads = self._step_torch_adam_in_chunks
+        # Offloaded, an optimizer that steps on the host and takes the factor (MuonWithAuxAdam) reads the staged
+        # model-dtype gradients in the op, unscaling as it reads: no fp32 copy of the partition on the host either.
+        self._host_grad_factor: Optional[torch.Tensor] = None
+        self._steps_on_scaled_host_grads = False
         if self._offload is not None:
             run_on_host = getattr(self.optimizer, "run_on_host", None)
             if run_on_host is not None:
                 run_on_host(self.device)
+                self._steps_on_scaled_host_grads = (_GRAD_DTYPE_SETTABLE
+                                                    and getattr(self.optimizer, "accepts_grad_factor", False))
             return
         lend_step_workspace = getattr(self.optimizer, "lend_step_workspace", None)
         if lend_step_workspace is not None:
@@ -370,7 +376,8 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         step protects changes here, so a skipped step drops both.
 
         Offloaded, the gradients first travel to host staging buffers; an optimizer that unscales in its own step
-        (DeepSpeedCPUAdam) needs nothing else before the verdict.
+        (DeepSpeedCPUAdam) needs nothing else before the verdict, and one that steps on the host with the factor
+        (MuonWithAuxAdam) gets the staged gradients as they are and prepares its Muon updates with the factor.
         """
         reduced = [self.reducer.partition_grad(g) for g in range(len(self.layouts))]
         if self._offload is not None:
@@ -378,6 +385,11 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
             if self._fuses_grad_scale:
                 return
             reduced, factor = self._offload.host_grads(), factor.cpu()
+            if self._steps_on_scaled_host_grads:
+                self._set_master_grads(reduced)
+                self._host_grad_factor = factor
+                self.optimizer.prepare_muon_updates(grad_factor=factor)
+                return
         elif self._steps_on_scaled_grads is not None:
             self._set_master_grads(reduced)
             return
@@ -416,6 +428,8 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
                 is_written = self._fused_host_step(factor)
             elif self._steps_on_scaled_grads is not None:
                 self._steps_on_scaled_grads(factor)
+            elif self._steps_on_scaled_host_grads:
+                self.optimizer.step(grad_factor=self._host_grad_factor)
             else:
                 self.optimizer.step()
         finally:
@@ -447,6 +461,7 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
                 param.grad = None
         if self._offload is not None:
             self._offload.release_grads()
+            self._host_grad_factor = None
         discard = getattr(self.optimizer, "discard_prepared_updates", None)
         if discard is not None:
             discard()

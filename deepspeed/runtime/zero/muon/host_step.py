@@ -4,7 +4,10 @@ on the accelerator.
 Params, gradients, momenta and Adam moments are CPU tensors here. The momentum fold and the Nesterov direction are
 the op's `muon_momentum`, which evaluates torch's own `lerp` formula (the same bits as the torch path, whichever
 way the tensors are batched); the direction is written straight in the Newton-Schulz dtype, travels to the
-Newton-Schulz device and the update comes back in that dtype. The Adam groups step with the op's `adam_step`.
+Newton-Schulz device and the update comes back in that dtype, into host memory kept from step to step (page-locked
+when it travels from a GPU, so both copies run at full speed). The update goes into the fp32 master in the op's
+`apply_update` (weight decay and the scaled add in one pass, torch's bits). The Adam groups step with the op's
+`adam_step`.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from deepspeed.runtime.zero.muon.original_muon import resolve_ns_dtype, update_scale
+from deepspeed.runtime.zero.muon.original_muon import resolve_ns_dtype, stacked_view, update_scale
 
 
 class HostStep:
@@ -32,23 +35,38 @@ class HostStep:
 
         self.op = CPUAdamBuilder().load()
         self.ns_device = torch.device(ns_device)
-        # Directions are written in page-locked memory when they travel to a GPU: the copy is then asynchronous and
-        # at full speed (torch's pinned allocator keeps the buffer until the copy is done).
+        # Directions and updates travel through page-locked memory when Newton-Schulz runs on a GPU: the copies are
+        # then asynchronous and at full speed.
         self._pin = self.ns_device.type == "cuda"
+        # Host memory reused by every step, per (role, group): allocating it anew costs the kernel's page faults on
+        # every first touch (and, page-locked, a registration), a pass over memory the step need not make. Per group,
+        # because every group's updates are prepared before any is applied.
+        self._buffers: dict[tuple[str, int], Tensor] = {}
+
+    def _buffer(self, role: tuple[str, int], numel: int, dtype: torch.dtype) -> Tensor:
+        """`numel` elements of `dtype` of the buffer kept for `role` (grown when too small)."""
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        buffer = self._buffers.get(role)
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = self._buffers[role] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
+        return buffer[:nbytes].view(dtype)
 
     def ns_dtype(self, configured: torch.dtype | None) -> torch.dtype:
         """The Newton-Schulz dtype, judged on the device Newton-Schulz runs on (not the host's)."""
         return resolve_ns_dtype(torch.empty(0, device=self.ns_device), configured)
 
-    def direction(self, grads: Tensor, momenta: Tensor, group: dict[str, Any]) -> Tensor:
-        """The Nesterov direction (or the new momentum) of a group laid out as one run, out of place: a new 1-D
-        tensor in the Newton-Schulz dtype; the momenta are only read."""
-        direction = torch.empty(grads.numel(), dtype=self.ns_dtype(group["ns_dtype"]), pin_memory=self._pin)
-        self.op.muon_momentum(grads, momenta, direction, group["momentum"], group["nesterov"], False)
+    def direction(self, grads: Tensor, momenta: Tensor, group: dict[str, Any], grad_scale: float | None = None
+                  ) -> Tensor:
+        """The Nesterov direction (or the new momentum) of a group laid out as one run, out of place: a 1-D tensor in
+        the Newton-Schulz dtype (host memory kept for the group: valid until the next call for it); the momenta are
+        only read. `grad_scale`: a factor every gradient is multiplied by as it is read (gradients in any float
+        dtype: the bits of `grad.float() * factor`)."""
+        direction = self._buffer(("direction", id(group)), grads.numel(), self.ns_dtype(group["ns_dtype"]))
+        self.op.muon_momentum(grads, momenta, direction, group["momentum"], group["nesterov"], False, grad_scale)
         return direction
 
     def directions(self, grads: list[Tensor], momenta: list[Tensor], group: dict[str, Any],
-                   num_heads: int = 1) -> tuple[Tensor, float]:
+                   num_heads: int = 1, grad_scale: float | None = None) -> tuple[Tensor, float]:
         """`momentum_directions(..., fold=False)` for same-shape matrices, matrix by matrix: a new (count * heads,
         rows / heads, cols) tensor in the Newton-Schulz dtype, and the factor its update is multiplied by
         (`update_scale` of one head's block, by the group's adjust_lr_fn)."""
@@ -56,27 +74,58 @@ class HostStep:
         cols = grads[0].numel() // rows
         direction = torch.empty((len(grads), rows, cols), dtype=self.ns_dtype(group["ns_dtype"]), pin_memory=self._pin)
         for index, (grad, momentum) in enumerate(zip(grads, momenta)):
-            self.op.muon_momentum(grad, momentum, direction[index], group["momentum"], group["nesterov"], False)
+            self.op.muon_momentum(grad, momentum, direction[index], group["momentum"], group["nesterov"], False,
+                                  grad_scale)
         head_rows = rows // num_heads
         return (direction.view(len(grads) * num_heads, head_rows, cols),
                 update_scale(head_rows, cols, group.get("adjust_lr_fn") or "original"))
 
-    def fold(self, grads: list[Tensor], momenta: list[Tensor], beta: float) -> None:
-        """momentum <- lerp(momentum, grad, 1 - beta), in place, for each pair."""
+    def fold(self, grads: list[Tensor], momenta: list[Tensor], beta: float, grad_scale: float | None = None) -> None:
+        """momentum <- lerp(momentum, grad * grad_scale, 1 - beta), in place, for each pair."""
         for grad, momentum in zip(grads, momenta):
-            self.op.muon_momentum(grad, momentum, None, beta, False, True)
+            self.op.muon_momentum(grad, momentum, None, beta, False, True, grad_scale)
 
-    def orthogonalised(self, orthogonalise, directions: list[Tensor]) -> list[Tensor]:
-        """`orthogonalise(directions)` on the Newton-Schulz device; the updates come back to the host."""
+    def orthogonalised(self, orthogonalise, directions: list[Tensor], group: dict[str, Any]) -> list[Tensor]:
+        """`orthogonalise(directions)` of `group` on the Newton-Schulz device; the updates come back to the host,
+        contiguous, into host memory kept for the group (valid until the next call for it)."""
         home = directions[0].device
         if home == self.ns_device:
             return orthogonalise(directions)
         updates = orthogonalise([direction.to(self.ns_device, non_blocking=self._pin) for direction in directions])
-        return [update.to(home) for update in updates]
+        flat = self._buffer(("updates", id(group)), sum(update.numel() for update in updates), updates[0].dtype)
+        host, start = [], 0
+        for update in updates:
+            view = flat[start:start + update.numel()].view(update.shape)
+            start += update.numel()
+            # Asynchronous into page-locked memory; one wait for all of them below.
+            view.copy_(update, non_blocking=self._pin)
+            host.append(view)
+        if self._pin:
+            from deepspeed.accelerator import get_accelerator
 
-    def adam(self, param: Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
-        """One bias-corrected AdamW step of `param` (its state's step already counted), as `adam_update` does."""
+            event = get_accelerator().Event()
+            event.record()
+            event.synchronize()
+        return host
+
+    def apply_updates(self, params: list[Tensor], update: Tensor, alpha: float, weight_decay_factor: float | None
+                      ) -> None:
+        """params <- params * weight_decay_factor (when given), then + alpha * update (stacked as the params), in the
+        op: torch's `_foreach_mul_` and `add_(update, alpha=alpha)` bit for bit, in one pass."""
+        decay = 1.0 if weight_decay_factor is None else weight_decay_factor
+        update = update.contiguous()  # already, when it came back from a GPU
+        stacked = stacked_view(params)
+        if stacked is not None:
+            self.op.apply_update(stacked, update, alpha, decay, weight_decay_factor is not None)
+            return
+        for param, one in zip(params, update.unbind(0)):
+            self.op.apply_update(param, one, alpha, decay, weight_decay_factor is not None)
+
+    def adam(self, param: Tensor, state: dict[str, Any], group: dict[str, Any], grad_scale: float | None = None
+             ) -> None:
+        """One bias-corrected AdamW step of `param` (its state's step already counted), as `adam_update` does, on its
+        gradient multiplied by `grad_scale` as it is read."""
         beta1, beta2 = group["betas"]
         self.op.adam_step(param, param.grad, state["exp_avg"], state["exp_avg_sq"], None, None,
                           int(state["step"].item()), group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                          True, True, 1.0)
+                          True, True, 1.0 if grad_scale is None else grad_scale)

@@ -79,17 +79,20 @@ class _MuonUpdates:
     batch, in the same order. ``flat`` is set when the params, their gradients and their momenta each lie back to
     back in one storage (ZeRO's masters): then (gradients, momenta) as two 1-D views, and the step works on the
     whole group at once. ``folded``: the momenta already hold the new values (the update was computed inside the
-    step, where writing them is allowed).
+    step, where writing them is allowed). ``grad_scale``: the factor the gradients were multiplied by as they were
+    read (the host step's unscale and clip), or None.
     """
 
-    __slots__ = ("batches", "updates", "flat", "folded")
+    __slots__ = ("batches", "updates", "flat", "folded", "grad_scale")
 
     def __init__(self, batches: list[tuple[list[Tensor], list[Tensor], float]], updates: list[Tensor],
-                 flat: tuple[Tensor, Tensor] | None = None, folded: bool = False) -> None:
+                 flat: tuple[Tensor, Tensor] | None = None, folded: bool = False,
+                 grad_scale: float | None = None) -> None:
         self.batches = batches
         self.updates = updates
         self.flat = flat
         self.folded = folded
+        self.grad_scale = grad_scale
 
     def is_for(self, group: dict[str, Any]) -> bool:
         """Whether the group's params with a gradient are exactly those these updates were computed for, still
@@ -224,7 +227,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         Args:
             closure: re-evaluates the model and returns the loss (run with gradients enabled).
             grad_factor: a 0-d fp32 tensor every gradient is multiplied by as it is read (the caller's unscale and
-                clip); the gradients may then be in any float dtype. Updates prepared before are not used with it.
+                clip); the gradients may then be in any float dtype. Updates prepared before are used with it only
+                when they were prepared with the same factor (on the host, see :meth:`prepare_muon_updates`).
 
         Returns:
             The closure's loss, or None.
@@ -242,7 +246,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                     self._adam_group_step(group, grad_factor)
             for index, group in enumerate(self.param_groups):
                 if group["use_muon"]:
-                    self._muon_group_step(group, prepared.get(index) if grad_factor is None else None, grad_factor)
+                    self._muon_group_step(group, prepared.get(index), grad_factor)
         finally:
             self.__dict__.pop("_operands", None)
             workspace = self.__dict__.get("_step_workspace")
@@ -252,12 +256,16 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
     def _muon_group_step(self, group: dict[str, Any], prepared: _MuonUpdates | None,
                          grad_factor: Tensor | None) -> None:
-        if prepared is not None and prepared.is_for(group):
+        if prepared is not None and prepared.is_for(group) and _same_scale(prepared.grad_scale, grad_factor):
             self._commit_muon_updates(group, prepared)
             return
         updates = self._muon_updates_in_workspace(group, grad_factor)
         if updates is not None:
             self._commit_muon_updates(group, updates)
+            return
+        if self._host is not None:
+            # The op reads the gradients in any dtype, multiplied by the factor: no fp32 copy of them.
+            self._commit_muon_updates(group, self._muon_updates(group, _scale_of(grad_factor)))
             return
         with unscaled_gradients(group["params"], grad_factor):
             self._commit_muon_updates(group, self._muon_updates(group))
@@ -289,10 +297,13 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         return graphs.pool_bytes if graphs is not None else 0
 
     @torch.no_grad()
-    def prepare_muon_updates(self) -> None:
+    def prepare_muon_updates(self, grad_factor: Tensor | None = None) -> None:
         """Compute the Muon groups' updates from the current gradients without changing anything.
 
         Groups that :meth:`step` will compute in a lent workspace (see :meth:`lend_step_workspace`) are left to it.
+        With ``grad_factor`` (a 0-d fp32 CPU tensor, as :meth:`step` takes it) the gradients are multiplied by it as
+        they are read, in any float dtype; only the host step (:meth:`run_on_host`) prepares so, elsewhere the
+        updates are left to ``step(grad_factor=...)``, which reads the gradients in chunks.
 
         Momenta, params and state are left as they are: the new momenta are computed out of place, and the
         next :meth:`step` writes them and applies the updates (bit for bit what it would compute itself),
@@ -300,8 +311,12 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         the step happens (the ZeRO step waits for the global overflow verdict) can so queue the expensive
         work on the device first, and call :meth:`discard_prepared_updates` when the step is skipped.
         """
+        if grad_factor is not None and self._host is None:
+            self._prepared = {}
+            return
+        grad_scale = None if grad_factor is None else float(grad_factor)
         self._prepared = {
-            index: self._muon_updates(group)
+            index: self._muon_updates(group, grad_scale)
             for index, group in enumerate(self.param_groups)
             if group["use_muon"] and self._workspace_operands(group) is None
         }
@@ -320,18 +335,19 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
     def _prepared(self, value: dict[int, _MuonUpdates]) -> None:
         self.__dict__["_prepared_updates"] = value
 
-    def _muon_updates(self, group: dict[str, Any]) -> _MuonUpdates:
+    def _muon_updates(self, group: dict[str, Any], grad_scale: float | None = None) -> _MuonUpdates:
         """The orthogonalised updates of every param with a gradient, with one Newton-Schulz call for the group.
 
         Matrices of one shape (and head count) are stacked into one batch, a matrix split by heads as one
         (heads, rows / heads, cols) block of it; the call gets every batch, so the Gram iteration can also share its
         small-matrix work across shapes (see ``zeropower_via_gram_newtonschulz``).
-        Nothing is written: a missing momentum counts as zeros.
+        Nothing is written: a missing momentum counts as zeros. ``grad_scale`` (the host step only): a factor the
+        gradients, in any float dtype, are multiplied by as they are read.
         """
         params, by_key = _with_grads_by_key(group)
         flat = self._flat_operands(params, by_key)
         if flat is not None:
-            return self._flat_muon_updates(group, by_key, flat)
+            return self._flat_muon_updates(group, by_key, flat, grad_scale)
         batches, directions = [], []
         for (_, num_heads), key_params in by_key.items():
             grads = [p.grad for p in key_params]
@@ -341,14 +357,15 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 momenta = [torch.zeros_like(p, dtype=torch.float32) if m is None else m
                            for p, m in zip(key_params, momenta)]
             if self._host is not None:
-                direction, scale = self._host.directions(grads, momenta, group, num_heads=num_heads)
+                direction, scale = self._host.directions(grads, momenta, group, num_heads=num_heads,
+                                                         grad_scale=grad_scale)
             else:
                 direction, scale = momentum_directions(grads, momenta, beta=group["momentum"],
                                                        nesterov=group["nesterov"], fold=False, num_heads=num_heads,
                                                        adjust_lr_fn=group["adjust_lr_fn"])
             batches.append((key_params, grads, scale))
             directions.append(direction)
-        return _MuonUpdates(batches, self._orthogonalised(group, directions))
+        return _MuonUpdates(batches, self._orthogonalised(group, directions), grad_scale=grad_scale)
 
     def run_on_host(self, ns_device: torch.device | str) -> None:
         """Step on the host from now on (ZeRO-Offload): the params, their gradients and all state are CPU tensors.
@@ -451,13 +468,14 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                        ) -> tuple[Tensor, Tensor] | None:
         """(gradients, momenta) as 1-D views when the whole group can be stepped as one run, else None.
 
-        That needs the params of each batch to follow one another, the fp32 gradients to lie back to back in that
-        order, and the momenta too (they do once :meth:`_packed_momenta` has packed them).
+        That needs the params of each batch to follow one another, the gradients to lie back to back in that order
+        (fp32, or any float dtype on the host, whose op converts them as it reads them), and the momenta too (they do
+        once :meth:`_packed_momenta` has packed them).
         """
         if not params or any(a is not b for a, b in zip(params, (p for batch in by_key.values() for p in batch))):
             return None
         grads = [p.grad for p in params]
-        if grads[0].dtype != torch.float32:
+        if grads[0].dtype != torch.float32 and self._host is None:
             return None
         momenta = [self.state.get(p, {}).get("momentum_buffer") for p in params]
         if any(m is None for m in momenta):
@@ -468,14 +486,14 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         return flat_grads, flat_momenta
 
     def _flat_muon_updates(self, group: dict[str, Any], by_key: dict[BatchKey, list[Tensor]],
-                           flat: tuple[Tensor, Tensor]) -> _MuonUpdates:
+                           flat: tuple[Tensor, Tensor], grad_scale: float | None = None) -> _MuonUpdates:
         """:meth:`_muon_updates` for a group laid out as one run: the element-wise work in three launches for all
         matrices (new momentum, Nesterov direction written over it, cast to the Newton-Schulz dtype), bit for bit
         what the per-shape path computes, with one fp32 temporary instead of two."""
         grads, momenta = flat
         beta = group["momentum"]
         if self._host is not None:
-            direction = self._host.direction(grads, momenta, group)
+            direction = self._host.direction(grads, momenta, group, grad_scale)
         else:
             direction = torch.lerp(momenta, grads, 1 - beta)
             if group["nesterov"]:
@@ -483,7 +501,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             direction = direction.to(resolve_ns_dtype(direction, group["ns_dtype"]))
         directions = _batch_views(direction, by_key)
         return _MuonUpdates(_recorded_batches(by_key, directions, group["adjust_lr_fn"]),
-                            self._orthogonalised(group, directions), flat)
+                            self._orthogonalised(group, directions), flat, grad_scale=grad_scale)
 
     def _orthogonalised(self, group: dict[str, Any], directions: list[Tensor]) -> list[Tensor]:
         if not directions:
@@ -493,7 +511,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             return NS_FUNCTIONS[group["ns_method"]](batches, steps=group["ns_steps"], dtype=group["ns_dtype"])
 
         return orthogonalise(directions) if self._host is None else self._host.orthogonalised(orthogonalise,
-                                                                                              directions)
+                                                                                              directions, group)
 
     def _commit_muon_updates(self, group: dict[str, Any], updates: _MuonUpdates) -> None:
         """Fold the gradients into the momenta and apply the orthogonalised updates (with weight decay)."""
@@ -506,6 +524,12 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         for (params, _, scale), update in zip(updates.batches, updates.updates):
             if update.shape[1:] != params[0].shape:  # 4-D kernels were orthogonalised as (out, -1)
                 update = update.reshape(len(params), *params[0].shape)
+            if self._host is not None and params[0].dtype == torch.float32:
+                # One pass in the op: the decay and the add below, their bits (torch's add converts a low-precision
+                # update into a whole fp32 copy first on the CPU).
+                self._host.apply_updates(params, update, -lr * scale,
+                                         1 - lr * weight_decay if weight_decay != 0 else None)
+                continue
             if weight_decay != 0:
                 torch._foreach_mul_(params, 1 - lr * weight_decay)
             # One fused read of the low-precision update per element: the RMS factor and the learning rate
@@ -520,7 +544,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         if updates.flat is not None:
             grads, momenta = updates.flat
             if self._host is not None:
-                self._host.fold([grads], [momenta], beta)
+                self._host.fold([grads], [momenta], beta, updates.grad_scale)
             else:
                 momenta.lerp_(grads, 1 - beta)
         else:
@@ -528,7 +552,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             for params, grads, _ in updates.batches:
                 momenta = [next(packed) for _ in params]
                 if self._host is not None:
-                    self._host.fold(grads, momenta, beta)
+                    self._host.fold(grads, momenta, beta, updates.grad_scale)
                 else:
                     fold_momenta(grads, momenta, beta=beta)
 
@@ -573,8 +597,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
             state["step"] += 1
             if self._host is not None:
-                with unscaled_gradients([p], grad_factor):
-                    self._host.adam(p, state, group)
+                # The op reads the gradient in any dtype, multiplied by the factor: no fp32 copy of it.
+                self._host.adam(p, state, group, _scale_of(grad_factor))
                 continue
             if grad_factor is not None or p.grad.dtype != torch.float32:
                 adam_in_chunks(p, state, group, grad_factor)
@@ -667,6 +691,18 @@ def _fold_unscaled(grads: Tensor, grad_factor: Tensor | None, momenta: Tensor, d
     freed on return, before Newton-Schulz allocates)."""
     for start, end, chunk in unscaled_chunks(grads, grad_factor):
         fold_and_direction(chunk, momenta[start:end], direction[start:end], beta, nesterov)
+
+
+def _scale_of(grad_factor: Tensor | None) -> float | None:
+    """``grad_factor`` as the float the host op takes (exact: the factor is fp32), None for None."""
+    return None if grad_factor is None else float(grad_factor)
+
+
+def _same_scale(grad_scale: float | None, grad_factor: Tensor | None) -> bool:
+    """Whether updates prepared with ``grad_scale`` were computed for ``grad_factor`` (read only when both exist)."""
+    if grad_scale is None or grad_factor is None:
+        return grad_scale is None and grad_factor is None
+    return float(grad_factor) == grad_scale
 
 
 def _restored(key: str, value: Any, param: Tensor) -> Any:

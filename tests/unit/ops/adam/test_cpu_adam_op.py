@@ -164,17 +164,59 @@ def test_muon_momentum_is_torchs_lerp_bit_for_bit(op, n, beta, nesterov):
         # Out of place: the momentum is only read.
         untouched = momentum.clone()
         direction = torch.empty(n, dtype=torch.bfloat16)
-        op.muon_momentum(grad, untouched, direction, beta, nesterov, False, width)
+        op.muon_momentum(grad, untouched, direction, beta, nesterov, False, simd_width=width)
         assert torch.equal(untouched, momentum)
         assert torch.equal(direction, expected_direction.to(torch.bfloat16))
         # Folded in place, with an fp32 direction.
         folded, direction = momentum.clone(), torch.empty(n)
-        op.muon_momentum(grad, folded, direction, beta, nesterov, True, width)
+        op.muon_momentum(grad, folded, direction, beta, nesterov, True, simd_width=width)
         assert torch.equal(folded, expected_momentum), f"width {width}"
         assert torch.equal(direction, expected_direction), f"width {width}"
         folded_only = momentum.clone()
-        op.muon_momentum(grad, folded_only, None, beta, nesterov, True, width)
+        op.muon_momentum(grad, folded_only, None, beta, nesterov, True, simd_width=width)
         assert torch.equal(folded_only, expected_momentum)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n", [7, 17, 4097])
+def test_muon_momentum_unscales_as_it_reads(op, n, grad_dtype):
+    """With grad_scale the gradient, in any dtype, is read as grad.float() * factor: the bits of torch's lerp on the
+    unscaled fp32 gradient, which is what the host step's fold and direction see."""
+    generator = torch.Generator().manual_seed(n)
+    grad = (torch.randn(n, generator=generator) * 1000).to(grad_dtype)
+    momentum = torch.randn(n, generator=generator)
+    factor = torch.tensor(0.0123, dtype=torch.float32)
+    unscaled = grad.float() * factor
+    expected_momentum = momentum.lerp(unscaled, 0.05)
+    expected_direction = torch.lerp(unscaled, expected_momentum, 0.95)
+    assert not torch.equal(expected_momentum, momentum.lerp(grad.float(), 0.05))
+    for width in op.simd_widths():
+        folded, direction = momentum.clone(), torch.empty(n)
+        op.muon_momentum(grad, folded, direction, 0.95, True, True, float(factor), simd_width=width)
+        assert torch.equal(folded, expected_momentum), f"width {width}"
+        assert torch.equal(direction, expected_direction), f"width {width}"
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("update_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n", LENGTHS)
+def test_apply_update_is_torchs_decay_and_add_bit_for_bit(op, n, update_dtype, weight_decay):
+    """Muon's update into the fp32 master: torch's `_foreach_mul_(params, 1 - lr * wd)` then `add_(update,
+    alpha=-lr * scale)` (one fused multiply-add per element, the update converted to fp32), at every width."""
+    generator = torch.Generator().manual_seed(n)
+    param = torch.randn(n, generator=generator) * 3
+    update = torch.randn(n, generator=generator).to(update_dtype)
+    lr, scale = 0.02, 1.7320508
+    expected = param.clone()
+    if weight_decay:
+        torch._foreach_mul_([expected], 1 - lr * weight_decay)
+    expected.add_(update, alpha=-lr * scale)
+    # Unfused (two roundings) differs: the test tells a fused add from a multiply then add.
+    assert n < 100 or not torch.equal(expected, param * (1 - lr * weight_decay) + update.float() * (-lr * scale))
+    for width in op.simd_widths():
+        applied = param.clone()
+        op.apply_update(applied, update, -lr * scale, 1 - lr * weight_decay, weight_decay != 0, width)
+        assert torch.equal(applied.view(torch.int32), expected.view(torch.int32)), f"width {width}"
 
 
 def test_misuse_is_a_value_error_naming_the_argument(op):
@@ -194,3 +236,7 @@ def test_misuse_is_a_value_error_naming_the_argument(op):
         op.adam_step(*ok, None, None, 0, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True)
     with pytest.raises(ValueError, match="simd_width 5 is not compiled in"):
         op.adam_step(*ok, None, None, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, 1.0, 5)
+    with pytest.raises(ValueError, match="param must be float32"):
+        op.apply_update(torch.zeros(n, dtype=torch.bfloat16), ok[1], 0.1, 1.0, False)
+    with pytest.raises(ValueError, match="update has 7 elements, the parameter has 8"):
+        op.apply_update(ok[0], torch.zeros(7), 0.1, 1.0, False)

@@ -86,6 +86,46 @@ def test_host_steps_follow_the_torch_path(flat):
             assert ((host_opt.state[a][key] - torch_opt.state[b][key]).norm() / torch_opt.state[b][key].norm()) < 1e-6
 
 
+@pytest.mark.parametrize("prepared", [True, False])
+@pytest.mark.parametrize("flat", [True, False])
+def test_scaled_low_precision_gradients_give_the_unscaled_fp32_bits(flat, prepared):
+    """ZeRO-Offload hands the host step the staged bf16 gradients and the unscale-and-clip factor: the op reads them
+    as grad.float() * factor, so every tensor is bit for bit what unscaled fp32 gradients give (matrices against the
+    torch path, the Adam half against the host path)."""
+    factor = torch.tensor(0.37, dtype=torch.float32)
+    runs = {}
+    for mode in ("torch", "host", "host-scaled"):
+        matrices, biases = params_and_grads(flat)
+        optimizer = make(matrices, biases, on_host=mode != "torch")
+        for step in range(3):
+            set_grads(matrices, biases, step, flat)
+            for p in matrices + biases:
+                low = p.grad.to(torch.bfloat16)
+                if mode == "host-scaled":
+                    p.grad_dtype = None
+                    p.grad = low
+                else:
+                    p.grad = low.float() * factor
+            if mode == "host-scaled":
+                if prepared:
+                    optimizer.prepare_muon_updates(grad_factor=factor)
+                optimizer.step(grad_factor=factor)
+            else:
+                if prepared:
+                    optimizer.prepare_muon_updates()
+                optimizer.step()
+        runs[mode] = (matrices, biases, optimizer)
+    (torch_m, _, torch_opt), (host_m, host_b, host_opt), (scaled_m, scaled_b, scaled_opt) = (
+        runs["torch"], runs["host"], runs["host-scaled"])
+    for a, b, c in zip(scaled_m, host_m, torch_m):
+        assert torch.equal(a, b) and torch.equal(a, c)
+        assert torch.equal(scaled_opt.state[a]["momentum_buffer"], torch_opt.state[c]["momentum_buffer"])
+    for a, b in zip(scaled_b, host_b):
+        assert torch.equal(a, b)
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(scaled_opt.state[a][key], host_opt.state[b][key])
+
+
 def test_a_prepared_update_leaves_the_host_state_alone_until_the_step():
     matrices, biases = params_and_grads(flat=True)
     optimizer = make(matrices, biases, on_host=True)
