@@ -159,8 +159,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
         patches=(
             # Muon reads the loss-scaled gradient (no factor), and its update is scaled by the factor instead.
             Patch(MUON_OPTIMIZER,
-                  "                    self._muon_group_step(group, prepared.get(index) if grad_factor is None "
-                  "else None, grad_factor)\n",
+                  "                    self._muon_group_step(group, prepared.get(index), grad_factor)\n",
                   "                    muon_lr = group['lr']\n"
                   "                    if grad_factor is not None:\n"
                   "                        group['lr'] = muon_lr * float(grad_factor)\n"
