@@ -5,8 +5,10 @@ ZeRO-2, on a GPT shaped like GPT-2 small's layers (768 wide) but with fewer of t
 that the Muon matrices and the Adam half keep GPT-2 small's proportions (about 2.2 : 1). Newton-Schulz also runs on
 the CPU here, where it dominates, so it is timed on its own (and `--ns-steps 1` keeps it short); every other phase
 is host work that the GPU run pays too. On a CPU-only run nothing is staged: the copies between pinned buffers and
-the device are not measured (the cast of the masters into the model dtype, which a GPU run writes into its staging
-buffer, is: "publish").
+the device are not measured. The weights in the model dtype, which a GPU run writes into its staging buffer, are
+written by the op's passes that update the masters (inside "adam half" and "updates into the masters"); "publish"
+is what remains of bringing them to the device on the host (a cast of the masters only for an optimizer that does
+not write them).
 
     DS_ACCELERATOR=cpu python benchmarks/offload_host_phases.py                # 4 layers, 16k vocabulary
     DS_ACCELERATOR=cpu python benchmarks/offload_host_phases.py --layers 12 --vocab 50304 --json out.json
@@ -50,7 +52,7 @@ def phases():
         (MuonWithAuxAdam, "_commit_muon_updates", "- muon commit"),
         (HostStep, "fold", "  - momentum fold (op)"),
         (HostStep, "apply_updates", "  - updates into the masters"),
-        (zero, "_publish", "- publish: masters to the model dtype"),
+        (zero, "_publish", "- publish: weights to the device"),
     ]
 
 

@@ -175,12 +175,13 @@ void muon_momentum(const at::Tensor& grad, const at::Tensor& momentum, const std
 }
 
 void apply_update(const at::Tensor& param, const at::Tensor& update, double alpha, double decay, bool has_decay,
-                  int64_t simd_width)
+                  const std::optional<at::Tensor>& copy, int64_t simd_width)
 {
     const int64_t numel = param.numel();
     check(param.scalar_type() == at::kFloat, "cpu_adam: param must be float32 (the master), got " +
                                                  std::string(c10::toString(param.scalar_type())));
-    ds::UpdateArrays arrays{array_of(param, "param", numel), array_of(update, "update", numel)};
+    ds::UpdateArrays arrays{array_of(param, "param", numel), array_of(update, "update", numel),
+                            optional_array(copy, "copy", numel)};
     // Both as torch receives Python numbers for a float32 tensor: rounded to float once.
     ds::UpdateArgs args{float(alpha), float(decay), has_decay};
     run<UpdateRange>(numel, simd_width, args, arrays);
@@ -203,8 +204,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
           pybind11::arg("momentum"), pybind11::arg("direction"), pybind11::arg("beta"), pybind11::arg("nesterov"),
           pybind11::arg("fold"), pybind11::arg("grad_scale") = pybind11::none(), pybind11::arg("simd_width") = 0);
     m.def("apply_update", &apply_update, pybind11::call_guard<pybind11::gil_scoped_release>(),
-          "Muon's update into its fp32 master in place: param * decay (with has_decay), plus alpha * update",
+          "Muon's update into its fp32 master in place: param * decay (with has_decay), plus alpha * update; the "
+          "result also into copy in its dtype, when given",
           pybind11::arg("param"), pybind11::arg("update"), pybind11::arg("alpha"), pybind11::arg("decay"),
-          pybind11::arg("has_decay"), pybind11::arg("simd_width") = 0);
+          pybind11::arg("has_decay"), pybind11::arg("copy") = pybind11::none(), pybind11::arg("simd_width") = 0);
     m.def("simd_widths", &compiled_widths, "Register widths (float lanes) compiled into this build, widest first");
 }

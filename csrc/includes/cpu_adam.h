@@ -132,7 +132,9 @@ inline void momentum_range(const MomentumArgs& a, const MomentumArrays& t, int64
 
 // A Muon update applied to its master: param <- param * decay (with weight decay), then param + alpha * update,
 // one fused multiply-add, as torch's `param.mul_(decay)` and `param.add_(update, alpha=alpha)` compute it (its
-// vectorised add is one fmadd, whatever the dtype the update is converted from). The update in any dtype.
+// vectorised add is one fmadd, whatever the dtype the update is converted from). The update in any dtype. With a
+// copy, the updated master is also written there in the copy's dtype (torch's `.to(dtype)` rounding): the model-dtype
+// weights ZeRO-Offload publishes, in the same pass instead of another one over every master.
 struct UpdateArgs {
     float alpha;   // -lr * the update's scale
     float decay;   // 1 - lr * weight_decay
@@ -141,6 +143,7 @@ struct UpdateArgs {
 
 struct UpdateArrays {
     Array param, update;
+    Array copy;  // receives the updated param in its own dtype, when given
 };
 
 template <class V>
@@ -151,6 +154,7 @@ inline void update_lanes(const UpdateArgs& a, const UpdateArrays& t, int64_t i)
     if (a.has_decay) param = V::mul(param, V::set1(a.decay));
     param = V::fma(V::load_as_float(t.update.dtype, t.update.data, i), V::set1(a.alpha), param);
     V::store_from_float(t.param.dtype, t.param.data, i, param);
+    if (t.copy) V::store_from_float(t.copy.dtype, t.copy.data, i, param);
 }
 
 template <class V>

@@ -54,12 +54,19 @@ class HostOffload:
         return event
 
     def host_masters(self, lp_partitions: Sequence[Tensor]) -> List[Tensor]:
-        """fp32 host copies of this rank's lp partitions: the masters the host optimizer steps."""
+        """fp32 host copies of this rank's lp partitions: the masters the host optimizer steps.
+
+        The weights' staging buffers start as the lp partitions too: a step that writes the weights itself
+        (`lp_targets`) writes only its parameters' slices, and the rest of a partition (the padding after one rank's
+        Muon matrices) goes back to the device as it was.
+        """
         masters = []
-        for lp in lp_partitions:
+        for group, lp in enumerate(lp_partitions):
             master = self._empty(lp.numel(), torch.float32)
             master.copy_(lp)
             masters.append(master)
+            if self.is_staged:
+                self._lp[group].copy_(lp)
         return masters
 
     def send_grads(self, device_grads: Sequence[Tensor]) -> None:

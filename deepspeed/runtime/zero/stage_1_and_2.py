@@ -217,12 +217,17 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         # model-dtype gradients in the op, unscaling as it reads: no fp32 copy of the partition on the host either.
         self._host_grad_factor: Optional[torch.Tensor] = None
         self._steps_on_scaled_host_grads = False
+        # Such an optimizer may also write the model-dtype weights in the passes that update the masters, as
+        # DeepSpeedCPUAdam does (`_lp_copy_targets`): then publishing casts nothing.
+        self._host_step_writes_lp = False
         if self._offload is not None:
             run_on_host = getattr(self.optimizer, "run_on_host", None)
             if run_on_host is not None:
                 run_on_host(self.device)
                 self._steps_on_scaled_host_grads = (_GRAD_DTYPE_SETTABLE
                                                     and getattr(self.optimizer, "accepts_grad_factor", False))
+                self._host_step_writes_lp = (self._steps_on_scaled_host_grads
+                                             and getattr(self.optimizer, "writes_param_copies_on_host", False))
             return
         lend_step_workspace = getattr(self.optimizer, "lend_step_workspace", None)
         if lend_step_workspace is not None:
@@ -429,7 +434,7 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
             elif self._steps_on_scaled_grads is not None:
                 self._steps_on_scaled_grads(factor)
             elif self._steps_on_scaled_host_grads:
-                self.optimizer.step(grad_factor=self._host_grad_factor)
+                is_written = self._host_step_with_grad_factor()
             else:
                 self.optimizer.step()
         finally:
@@ -447,13 +452,30 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         """The offloaded step in one pass per group: unscale and clip, update the host masters, write the model-dtype
         weights into the buffers that go back to the device. Returns True (the weights are written)."""
         self._set_master_grads(self._offload.host_grads())
+        self.optimizer.step(fp16_param_groups=self._lp_copy_targets(), grad_scale=factor.item())
+        return True
+
+    def _host_step_with_grad_factor(self) -> bool:
+        """The offloaded step of an optimizer that steps on the host with the factor (`_prepare` gave it the staged
+        gradients); one that writes the model-dtype weights as it updates the masters gets their targets. Returns
+        whether the weights are written."""
+        if not self._host_step_writes_lp:
+            self.optimizer.step(grad_factor=self._host_grad_factor)
+            return False
+        self.optimizer.step(grad_factor=self._host_grad_factor, fp16_param_groups=self._lp_copy_targets())
+        return True
+
+    def _lp_copy_targets(self) -> List[List[torch.Tensor]]:
+        """Per basic-optimizer group, per master: its slice of `HostOffload.lp_targets()`, where a host step writes
+        the updated master in the model dtype. Called after the verdict only: on a CPU-only run the targets are the
+        lp partitions themselves. Every master has a gradient (`_set_master_grads`), so the step writes every
+        slice; what no master covers (padding after one rank's Muon matrices) keeps what the target held."""
         targets = self._offload.lp_targets([self._lp_partition(g) for g in range(len(self.layouts))])
         copies = []
         for group in self.optimizer.param_groups:
             slots = [self._hp_slots[id(param)] for param in group["params"]]
             copies.append([targets[slot.group][slot.start:slot.start + slot.numel] for slot in slots])
-        self.optimizer.step(fp16_param_groups=copies, grad_scale=factor.item())
-        return True
+        return copies
 
     def _release_master_grads(self) -> None:
         for group in self.optimizer.param_groups:

@@ -7,7 +7,8 @@ way the tensors are batched); the direction is written straight in the Newton-Sc
 Newton-Schulz device and the update comes back in that dtype, into host memory kept from step to step (page-locked
 when it travels from a GPU, so both copies run at full speed). The update goes into the fp32 master in the op's
 `apply_update` (weight decay and the scaled add in one pass, torch's bits). The Adam groups step with the op's
-`adam_step`.
+`adam_step`. Both can write the updated master in the model dtype in the same pass (`copies`): the weights ZeRO-Offload
+publishes, rounded as torch's `.to(dtype)` rounds.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from deepspeed.runtime.zero.muon.original_muon import resolve_ns_dtype, stacked_view, update_scale
+from deepspeed.runtime.zero.muon.original_muon import flat_view, resolve_ns_dtype, stacked_view, update_scale
 
 
 class HostStep:
@@ -108,24 +109,29 @@ class HostStep:
             event.synchronize()
         return host
 
-    def apply_updates(self, params: list[Tensor], update: Tensor, alpha: float, weight_decay_factor: float | None
-                      ) -> None:
+    def apply_updates(self, params: list[Tensor], update: Tensor, alpha: float, weight_decay_factor: float | None,
+                      copies: list[Tensor] | None = None) -> None:
         """params <- params * weight_decay_factor (when given), then + alpha * update (stacked as the params), in the
-        op: torch's `_foreach_mul_` and `add_(update, alpha=alpha)` bit for bit, in one pass."""
+        op: torch's `_foreach_mul_` and `add_(update, alpha=alpha)` bit for bit, in one pass. `copies` (one per param,
+        as many elements, any float dtype): each receives its updated param, `param.to(copy.dtype)`'s bits, in the
+        same pass."""
         decay = 1.0 if weight_decay_factor is None else weight_decay_factor
+        has_decay = weight_decay_factor is not None
         update = update.contiguous()  # already, when it came back from a GPU
         stacked = stacked_view(params)
-        if stacked is not None:
-            self.op.apply_update(stacked, update, alpha, decay, weight_decay_factor is not None)
+        stacked_copy = None if copies is None else flat_view(copies)
+        if stacked is not None and (copies is None or stacked_copy is not None):
+            self.op.apply_update(stacked, update, alpha, decay, has_decay, stacked_copy)
             return
-        for param, one in zip(params, update.unbind(0)):
-            self.op.apply_update(param, one, alpha, decay, weight_decay_factor is not None)
+        for index, (param, one) in enumerate(zip(params, update.unbind(0))):
+            self.op.apply_update(param, one, alpha, decay, has_decay, None if copies is None else copies[index])
 
-    def adam(self, param: Tensor, state: dict[str, Any], group: dict[str, Any], grad_scale: float | None = None
-             ) -> None:
+    def adam(self, param: Tensor, state: dict[str, Any], group: dict[str, Any], grad_scale: float | None = None,
+             copy: Tensor | None = None) -> None:
         """One bias-corrected AdamW step of `param` (its state's step already counted), as `adam_update` does, on its
-        gradient multiplied by `grad_scale` as it is read."""
+        gradient multiplied by `grad_scale` as it is read; `copy` (as many elements, any float dtype) receives the
+        updated param in its dtype in the same pass."""
         beta1, beta2 = group["betas"]
-        self.op.adam_step(param, param.grad, state["exp_avg"], state["exp_avg_sq"], None, None,
+        self.op.adam_step(param, param.grad, state["exp_avg"], state["exp_avg_sq"], None, copy,
                           int(state["step"].item()), group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
                           True, True, 1.0 if grad_scale is None else grad_scale)

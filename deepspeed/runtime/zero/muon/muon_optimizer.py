@@ -141,6 +141,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
     # step() takes grad_factor (see the class docstring); ZeRO asks for this instead of unscaling the gradients.
     accepts_grad_factor = True
+    # On the host (run_on_host), step() takes fp16_param_groups and writes the updated params into them in the pass
+    # that updates them; ZeRO-Offload asks for this instead of casting every master again to publish it.
+    writes_param_copies_on_host = True
 
     def __init__(self, param_groups: Iterable[dict[str, Any]]) -> None:
         super().__init__(list(param_groups), defaults={})
@@ -218,7 +221,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         return sorted(params, key=lambda entry: keys[id(entry)], reverse=True)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None, grad_factor: Tensor | None = None) -> float | None:
+    def step(self, closure: Callable[[], float] | None = None, grad_factor: Tensor | None = None,
+             fp16_param_groups: Sequence[Sequence[Tensor]] | None = None) -> float | None:
         """Apply one Muon or Adam update to every param that has a gradient.
 
         Muon groups use the updates :meth:`prepare_muon_updates` computed for the current gradients, if it ran;
@@ -229,24 +233,32 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             grad_factor: a 0-d fp32 tensor every gradient is multiplied by as it is read (the caller's unscale and
                 clip); the gradients may then be in any float dtype. Updates prepared before are used with it only
                 when they were prepared with the same factor (on the host, see :meth:`prepare_muon_updates`).
+            fp16_param_groups: on the host only (:meth:`run_on_host`): one list per param group with one CPU tensor per
+                param (as many elements, contiguous, fp32/bf16/fp16), as DeepSpeedCPUAdam's step takes them; each
+                receives its updated param in its own dtype (``param.to(dtype)``'s bits) in the op's pass that
+                updates it. A param without a gradient is not stepped and its tensor is left as it is.
 
         Returns:
             The closure's loss, or None.
+
+        Raises:
+            ValueError: ``fp16_param_groups`` without the host step, or not one tensor per param of each group.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        copies = self._copies_by_param(fp16_param_groups)
         prepared, self._prepared = self._prepared, {}
         try:
             # Adam groups first: their few element-wise launches are queued at once, and the device works through
             # them while the host is still issuing the Muon groups' launches.
             for group in self.param_groups:
                 if not group["use_muon"]:
-                    self._adam_group_step(group, grad_factor)
+                    self._adam_group_step(group, grad_factor, copies)
             for index, group in enumerate(self.param_groups):
                 if group["use_muon"]:
-                    self._muon_group_step(group, prepared.get(index), grad_factor)
+                    self._muon_group_step(group, prepared.get(index), grad_factor, copies)
         finally:
             self.__dict__.pop("_operands", None)
             workspace = self.__dict__.get("_step_workspace")
@@ -254,21 +266,42 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 workspace.release()  # what did not fit in the lent buffers is step memory only
         return loss
 
+    def _copies_by_param(self, fp16_param_groups: Sequence[Sequence[Tensor]] | None) -> dict[int, Tensor]:
+        """``step``'s ``fp16_param_groups`` by ``id`` of the param each belongs to (empty for None)."""
+        if fp16_param_groups is None:
+            return {}
+        if self._host is None:
+            raise ValueError("MuonWithAuxAdam.step: fp16_param_groups is taken only by the host step (run_on_host)")
+        if len(fp16_param_groups) != len(self.param_groups):
+            raise ValueError(f"MuonWithAuxAdam.step: fp16_param_groups has {len(fp16_param_groups)} entries, the "
+                             f"optimizer {len(self.param_groups)} param groups")
+        copies = {}
+        for index, (group, group_copies) in enumerate(zip(self.param_groups, fp16_param_groups)):
+            if isinstance(group_copies, Tensor) or len(group_copies) != len(group["params"]):
+                raise ValueError(f"MuonWithAuxAdam.step: fp16_param_groups[{index}] must be a list of one tensor "
+                                 f"per param ({len(group['params'])})")
+            for param, copy in zip(group["params"], group_copies):
+                if copy.numel() != param.numel():
+                    raise ValueError(f"MuonWithAuxAdam.step: fp16_param_groups[{index}] has a tensor of "
+                                     f"{copy.numel()} elements for a param of {param.numel()}")
+                copies[id(param)] = copy
+        return copies
+
     def _muon_group_step(self, group: dict[str, Any], prepared: _MuonUpdates | None,
-                         grad_factor: Tensor | None) -> None:
+                         grad_factor: Tensor | None, copies: dict[int, Tensor]) -> None:
         if prepared is not None and prepared.is_for(group) and _same_scale(prepared.grad_scale, grad_factor):
-            self._commit_muon_updates(group, prepared)
+            self._commit_muon_updates(group, prepared, copies)
             return
         updates = self._muon_updates_in_workspace(group, grad_factor)
         if updates is not None:
-            self._commit_muon_updates(group, updates)
+            self._commit_muon_updates(group, updates, copies)
             return
         if self._host is not None:
             # The op reads the gradients in any dtype, multiplied by the factor: no fp32 copy of them.
-            self._commit_muon_updates(group, self._muon_updates(group, _scale_of(grad_factor)))
+            self._commit_muon_updates(group, self._muon_updates(group, _scale_of(grad_factor)), copies)
             return
         with unscaled_gradients(group["params"], grad_factor):
-            self._commit_muon_updates(group, self._muon_updates(group))
+            self._commit_muon_updates(group, self._muon_updates(group), copies)
 
     def lend_step_workspace(self, buffers: Sequence[Tensor]) -> None:
         """Let :meth:`step` use ``buffers`` as scratch memory for Newton-Schulz from now on (an empty list stops it).
@@ -513,8 +546,10 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         return orthogonalise(directions) if self._host is None else self._host.orthogonalised(orthogonalise,
                                                                                               directions, group)
 
-    def _commit_muon_updates(self, group: dict[str, Any], updates: _MuonUpdates) -> None:
-        """Fold the gradients into the momenta and apply the orthogonalised updates (with weight decay)."""
+    def _commit_muon_updates(self, group: dict[str, Any], updates: _MuonUpdates,
+                             copies: dict[int, Tensor] | None = None) -> None:
+        """Fold the gradients into the momenta and apply the orthogonalised updates (with weight decay); write the
+        updated params into their ``copies`` (by param id), when given."""
         lr, weight_decay, beta = group["lr"], group["weight_decay"], group["momentum"]
         # The prepare computed these new momenta already, out of place; recomputing them here (the same lerp, the
         # same bits) costs one pass, keeping them would hold a second fp32 copy of every momentum from the prepare
@@ -524,11 +559,12 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         for (params, _, scale), update in zip(updates.batches, updates.updates):
             if update.shape[1:] != params[0].shape:  # 4-D kernels were orthogonalised as (out, -1)
                 update = update.reshape(len(params), *params[0].shape)
+            batch_copies = [copies[id(p)] for p in params] if copies else None
             if self._host is not None and params[0].dtype == torch.float32:
                 # One pass in the op: the decay and the add below, their bits (torch's add converts a low-precision
-                # update into a whole fp32 copy first on the CPU).
+                # update into a whole fp32 copy first on the CPU), and the copies written from the same registers.
                 self._host.apply_updates(params, update, -lr * scale,
-                                         1 - lr * weight_decay if weight_decay != 0 else None)
+                                         1 - lr * weight_decay if weight_decay != 0 else None, batch_copies)
                 continue
             if weight_decay != 0:
                 torch._foreach_mul_(params, 1 - lr * weight_decay)
@@ -539,6 +575,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 stacked.add_(update, alpha=-lr * scale)
             else:
                 torch._foreach_add_(params, list(update.unbind(0)), alpha=-lr * scale)
+            for param, copy in zip(params, batch_copies or ()):
+                copy.view(-1).copy_(param.view(-1))
 
     def _fold(self, updates: _MuonUpdates, beta: float) -> None:
         if updates.flat is not None:
@@ -582,7 +620,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             slots.append(slot)
         return slots
 
-    def _adam_group_step(self, group: dict[str, Any], grad_factor: Tensor | None = None) -> None:
+    def _adam_group_step(self, group: dict[str, Any], grad_factor: Tensor | None = None,
+                         copies: dict[int, Tensor] | None = None) -> None:
         lr, weight_decay = group["lr"], group["weight_decay"]
         fused = []
         for p in group["params"]:
@@ -598,7 +637,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             state["step"] += 1
             if self._host is not None:
                 # The op reads the gradient in any dtype, multiplied by the factor: no fp32 copy of it.
-                self._host.adam(p, state, group, _scale_of(grad_factor))
+                self._host.adam(p, state, group, _scale_of(grad_factor), (copies or {}).get(id(p)))
                 continue
             if grad_factor is not None or p.grad.dtype != torch.float32:
                 adam_in_chunks(p, state, group, grad_factor)

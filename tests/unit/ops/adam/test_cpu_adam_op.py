@@ -215,8 +215,55 @@ def test_apply_update_is_torchs_decay_and_add_bit_for_bit(op, n, update_dtype, w
     assert n < 100 or not torch.equal(expected, param * (1 - lr * weight_decay) + update.float() * (-lr * scale))
     for width in op.simd_widths():
         applied = param.clone()
-        op.apply_update(applied, update, -lr * scale, 1 - lr * weight_decay, weight_decay != 0, width)
+        op.apply_update(applied, update, -lr * scale, 1 - lr * weight_decay, weight_decay != 0, simd_width=width)
         assert torch.equal(applied.view(torch.int32), expected.view(torch.int32)), f"width {width}"
+
+
+def same_bits(a, b):
+    """Bit-for-bit equality of two tensors of one dtype (NaNs and signed zeros included)."""
+    bits = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.view(bits), b.view(bits))
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("copy_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", LENGTHS)
+def test_apply_update_writes_the_updated_master_as_torch_casts_it(op, n, copy_dtype, weight_decay):
+    """With a copy, apply_update also writes the updated master in the copy's dtype: the bits of torch's
+    `master.to(dtype)` (round to nearest even), at every width and over every tail; the master is the same as
+    without the copy."""
+    generator = torch.Generator().manual_seed(1000 + n)
+    # Magnitudes from fp16's subnormals to past its largest finite value (which round to infinity).
+    param = torch.randn(n, generator=generator) * torch.logspace(-6, 5, n).index_select(0, torch.randperm(
+        n, generator=generator))
+    update = torch.randn(n, generator=generator).to(torch.bfloat16)
+    alpha, decay = -0.02 * 1.7320508, 1 - 0.02 * weight_decay
+    expected = param.clone()
+    op.apply_update(expected, update, alpha, decay, weight_decay != 0)
+    for width in op.simd_widths():
+        applied, copy = param.clone(), torch.full((n, ), float("nan"), dtype=copy_dtype)
+        op.apply_update(applied, update, alpha, decay, weight_decay != 0, copy, simd_width=width)
+        assert same_bits(applied, expected), f"width {width}"
+        assert same_bits(copy, applied.to(copy_dtype)), f"width {width}"
+
+
+@pytest.mark.parametrize("copy_dtype", [torch.bfloat16, torch.float16])
+def test_apply_update_copy_rounds_ties_to_even(op, copy_dtype):
+    """Masters exactly halfway between two values of the copy's dtype (an even and an odd last bit below them), the
+    largest finite values, infinities and signed zeros: the copy holds torch's cast of each, at every width. (A zero
+    update leaves the master as it is, so these are the values cast.)"""
+    low_bits = 16 if copy_dtype == torch.bfloat16 else 13  # fp32 mantissa bits the copy's dtype drops (normals)
+    lows = torch.randint(1 << 10, 1 << 14, (96, ), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    base = (lows + (112 << 10) if copy_dtype == torch.float16 else lows) << low_bits
+    ties = (base | (1 << (low_bits - 1))).view(torch.float32)  # halfway above `base`, whose last kept bit varies
+    specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), torch.finfo(copy_dtype).max,
+                             -torch.finfo(copy_dtype).max, 65519.0, 65520.0, 2.0**-24, 2.0**-25, 3 * 2.0**-26])
+    param = torch.cat([ties, -ties, specials, ties[:7]])
+    assert (ties.to(copy_dtype).float() != ties).all()  # each really is a tie, not a value the dtype holds
+    for width in op.simd_widths():
+        applied, copy = param.clone(), torch.empty(param.numel(), dtype=copy_dtype)
+        op.apply_update(applied, torch.zeros_like(param), 0.5, 1.0, False, copy, simd_width=width)
+        assert same_bits(copy, applied.to(copy_dtype)), f"width {width}"
 
 
 def test_misuse_is_a_value_error_naming_the_argument(op):
@@ -240,3 +287,7 @@ def test_misuse_is_a_value_error_naming_the_argument(op):
         op.apply_update(torch.zeros(n, dtype=torch.bfloat16), ok[1], 0.1, 1.0, False)
     with pytest.raises(ValueError, match="update has 7 elements, the parameter has 8"):
         op.apply_update(ok[0], torch.zeros(7), 0.1, 1.0, False)
+    with pytest.raises(ValueError, match="copy has 7 elements, the parameter has 8"):
+        op.apply_update(ok[0], ok[1], 0.1, 1.0, False, torch.zeros(7, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="copy must be float32, bfloat16 or float16, got Double"):
+        op.apply_update(ok[0], ok[1], 0.1, 1.0, False, torch.zeros(n, dtype=torch.float64))

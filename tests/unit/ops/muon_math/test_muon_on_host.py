@@ -137,3 +137,62 @@ def test_a_prepared_update_leaves_the_host_state_alone_until_the_step():
     after = [m.clone() for m in matrices] + [optimizer.state[m]["momentum_buffer"].clone() for m in matrices]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     optimizer.discard_prepared_updates()
+
+
+def lp_copies(matrices, biases, dtype, contiguous):
+    """One tensor per param for `step(fp16_param_groups=...)`: back to back in one buffer, as ZeRO-Offload's targets
+    are, or not (every other slot of a buffer twice as long), NaN until written."""
+    params = [matrices, biases]
+    numel = sum(p.numel() for group in params for p in group)
+    buffer = torch.full((numel * (1 if contiguous else 2), ), float("nan"), dtype=dtype)
+    groups, start = [], 0
+    for group in params:
+        groups.append([])
+        for p in group:
+            groups[-1].append(buffer[start:start + p.numel()])
+            start += p.numel() * (1 if contiguous else 2)
+    return groups
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("prepared", [True, False])
+@pytest.mark.parametrize("flat, contiguous", [(True, True), (True, False), (False, True)])
+def test_the_step_writes_the_params_as_torch_casts_them(flat, contiguous, prepared, dtype):
+    """With fp16_param_groups the host step writes each updated param, Muon matrices and the Adam half, into its
+    tensor in the same pass: `param.to(dtype)` bit for bit after every step; the params and state are those of a
+    step without copies."""
+    factor = torch.tensor(0.37, dtype=torch.float32)
+    runs = {}
+    for with_copies in (False, True):
+        matrices, biases = params_and_grads(flat)
+        optimizer = make(matrices, biases, on_host=True)
+        copies = lp_copies(matrices, biases, dtype, contiguous)
+        for step in range(3):
+            set_grads(matrices, biases, step, flat)
+            if prepared:
+                optimizer.prepare_muon_updates(grad_factor=factor)
+            optimizer.step(grad_factor=factor, fp16_param_groups=copies if with_copies else None)
+            if with_copies:
+                for p, c in zip(matrices + biases, copies[0] + copies[1]):
+                    assert torch.equal(c.view(torch.int16), p.reshape(-1).to(dtype).view(torch.int16)), f"step {step}"
+        runs[with_copies] = (matrices + biases, optimizer)
+    (plain, plain_opt), (written, written_opt) = runs[False], runs[True]
+    for a, b in zip(written, plain):
+        assert torch.equal(a, b)
+        for key, value in written_opt.state[a].items():
+            assert torch.equal(value, plain_opt.state[b][key])
+
+
+def test_copies_need_the_host_step_and_one_tensor_per_param():
+    matrices, biases = params_and_grads(flat=True)
+    set_grads(matrices, biases, 0, flat=True)
+    copies = lp_copies(matrices, biases, torch.bfloat16, contiguous=True)
+    with pytest.raises(ValueError, match="taken only by the host step"):
+        make(matrices, biases, on_host=False).step(fp16_param_groups=copies)
+    on_host = make(matrices, biases, on_host=True)
+    with pytest.raises(ValueError, match="fp16_param_groups has 1 entries, the optimizer 2 param groups"):
+        on_host.step(fp16_param_groups=copies[:1])
+    with pytest.raises(ValueError, match=r"fp16_param_groups\[1\] must be a list of one tensor per param \(2\)"):
+        on_host.step(fp16_param_groups=[copies[0], copies[1][:1]])
+    with pytest.raises(ValueError, match=r"fp16_param_groups\[0\] has a tensor of 3 elements for a param of 384"):
+        on_host.step(fp16_param_groups=[[torch.zeros(3)] + copies[0][1:], copies[1]])

@@ -122,6 +122,32 @@ class TestStage3OffloadFollowsStage2(DistributedTest):
         assert stage3.skipped_steps == stage2.skipped_steps
 
 
+class TestOffloadPublishedWeights(DistributedTest):
+    """Muon's host step writes the 16-bit weights as it updates the masters (the cpu_adam op's copies: `apply_update`
+    for the Muon matrices, `adam_step` for the rest) and publishing casts nothing: after every step each rank's lp
+    partition is its masters cast by torch, bit for bit, padding included."""
+
+    world_size = 2
+
+    @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+    @pytest.mark.parametrize("stage", [1, 2, 3])
+    def test_lp_partitions_are_the_masters_cast_by_torch(self, stage, dtype):
+        engine, _ = initialize(make_model(HIDDEN), offload_config(stage, dtype, MUON, clip=1.0))
+        optimizer = engine.optimizer
+        assert type(engine.basic_optimizer) is MuonWithAuxAdam and optimizer._host_step_writes_lp
+        batches = global_batches(4, 8, HIDDEN)
+        for step, batch in enumerate(batches):
+            before = [m.clone() for m in optimizer.single_partition_of_fp32_groups]
+            train_steps(engine, [batch], dtype)
+            masters = optimizer.single_partition_of_fp32_groups
+            if engine.was_step_applied():
+                assert all(not torch.equal(a, b) for a, b in zip(before, masters) if a.numel()), f"step {step}"
+            for group, (lp, master) in enumerate(zip(lp_partitions(engine), masters, strict=True)):
+                expected = master.to(lp.dtype)
+                assert torch.equal(lp.view(torch.int16), expected.view(torch.int16)), f"step {step} group {group}"
+        assert engine.global_steps == len(batches) and engine.skipped_steps < len(batches)
+
+
 class TestOffloadOverflowOracle(DistributedTest):
     world_size = 2
 
