@@ -159,12 +159,12 @@ MUTATIONS: Tuple[Mutation, ...] = (
         patches=(
             # Muon reads the loss-scaled gradient (no factor), and its update is scaled by the factor instead.
             Patch(MUON_OPTIMIZER,
-                  "                    self._muon_group_step(group, prepared.get(index), grad_factor)\n",
+                  "                    self._muon_group_step(group, prepared.get(index), grad_factor, copies)\n",
                   "                    muon_lr = group['lr']\n"
                   "                    if grad_factor is not None:\n"
                   "                        group['lr'] = muon_lr * float(grad_factor)\n"
                   "                    try:\n"
-                  "                        self._muon_group_step(group, None, None)\n"
+                  "                        self._muon_group_step(group, None, None, copies)\n"
                   "                    finally:\n"
                   "                        group['lr'] = muon_lr\n"),
         ),
