@@ -1,17 +1,17 @@
-"""Newton-Schulz calls captured once in a CUDA graph and replayed every step after.
+"""Newton-Schulz calls captured once in a CUDA graph and replayed every step after (``ns_cuda_graph: true``).
 
-Why: on a GPU the Muon step is bound by the host, not the device (docs/performance.md): one rank's Newton-Schulz
-call for GPT-2 small is about 55 launches, 41 of them cuBLAS batched products at 15-50 us of host time each, for
-about 1.5 ms of device work. Replaying a graph issues all of it with one launch (measured: 1.0-1.5 ms of issue time
-down to 0.03-0.05 ms, and 1.8 -> 1.4 ms on the device since the gaps between launches go too).
+Why: on a GPU a small model's Muon step is bound by the host, not the device (docs/performance.md): one rank's
+Newton-Schulz call for GPT-2 small is about 55 launches, 41 of them cuBLAS batched products at 15-50 us of host
+time each, for about 1.5 ms of device work. Replaying a graph issues all of it with one launch. The price is
+memory: the graph is recorded on a stream of its own, and cuBLAS keeps a workspace per stream (32 MiB on an H200),
+which is why the option is off by default (docs/muon.md).
 
 A graph replays fixed kernels on fixed addresses, so the call must read its input from and write its results to
 memory that stays put: the optimizer runs it in an ``NSWorkspace`` (whose carving is deterministic) and refills
-the same input before each replay. Part of that memory may be allocated for the step only (what the lent buffers
-cannot hold); a graph is therefore looked up by the workspace's addresses as well, and replayed only where the
-step got the same memory back, which a training loop's allocator does from one step to the next. The graph keeps
-its own memory pool for whatever the call allocates beyond the workspace (the per-matrix norms); its size is
-measured at capture and reported, so it is counted in peak memory.
+the same input before each replay, and captures only calls that fit in the lent buffers (memory allocated for the
+step comes back elsewhere after a backward). A graph is looked up by the workspace's addresses as well, so a
+workspace lent anew gets its own. The graph keeps its own memory pool for whatever the call allocates beyond the
+workspace (the per-matrix norms); its size is measured at capture and reported, so it is counted in peak memory.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
 logger = logging.getLogger(__name__)
 
 # Distinct captures kept per optimizer: a group whose set of matrices with gradients changes (a matrix unused
-# in a step), or whose step memory moved, gets another graph; an unbounded number would each hold a memory pool.
+# in a step), or whose workspace moved, gets another graph; an unbounded number would each hold a memory pool.
 MAX_GRAPHS = 4
 # A call (one kind of key) whose memory moved more than this many times, in more than a quarter of its calls, runs
 # eagerly from then on: capturing again nearly every step would cost more than the graph saves. (Memory that moves
