@@ -134,6 +134,13 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "    if nesterov:\n"
                   "        torch._foreach_lerp_(list(grads), list(momenta), beta)\n"
                   "    direction = torch.stack([grad.float() for grad in grads]) if nesterov else momentum32\n"),
+            # The form the ZeRO step runs (the update computed inside step() in the lent workspace): the gradients
+            # are left holding the Nesterov direction.
+            Patch(MUON_OPTIMIZER,
+                  "            _fold_unscaled(grads, grad_factor, momenta, direction, beta, nesterov)\n",
+                  "            _fold_unscaled(grads, grad_factor, momenta, direction, beta, nesterov)\n"
+                  "        if nesterov:\n"
+                  "            grads.copy_(direction)\n"),
         ),
     ),
     Mutation(

@@ -53,8 +53,8 @@ class TestMuonReferenceParity(DistributedTest):
         assert errors[worst] <= TOLERANCE, f"relative error vs the reference: {errors}"
 
     @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
-    def test_optimizer_step_leaves_gradients_alone(self, dtype):
-        engine = initialize(make_model(), muon_config(2, dtype, micro=8, fp16={"initial_scale_power": 8}))
+    def test_optimizer_step_leaves_gradients_alone(self, dtype, stage=2):
+        engine = initialize(make_model(), muon_config(stage, dtype, micro=8, fp16={"initial_scale_power": 8}))
         # A stack: an optimizer may step inner optimizers inside its own step (the hooks then nest).
         pending, seen, changed = [], [], []
 

@@ -60,8 +60,10 @@ class TestOverflowSeenByOneRankStage3(overflow_agreement.TestOverflowSeenByOneRa
 
 
 class TestMuonReferenceParityStage3(reference_parity.TestMuonReferenceParity):
-    # Not stage-specific (it runs at stage 2): collected once, in the parent.
-    test_optimizer_step_leaves_gradients_alone = None
+
+    @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+    def test_optimizer_step_leaves_gradients_alone(self, dtype):
+        super().test_optimizer_step_leaves_gradients_alone(dtype, stage=3)
 
     def test_fp32_update_equals_reference(self):
         super().test_fp32_update_equals_reference(3)
