@@ -259,6 +259,13 @@ def test_a_release_gets_only_the_config_keys_it_reads():
     seven = bench_modes.Settings(**{**vars(settings), "ns_steps": 7})
     assert "--ns-steps 7" in bench_modes.unsupported_reason(z2, seven)
     assert bench_modes.unsupported_reason(modes["ds-z2-bf16-muon"], seven) is None
+    # Our per-shape default and the symmetric method reach a release as its Gram iteration; the graph key never does.
+    for method in ("auto", "gram_sym"):
+        chosen = bench_modes.Settings(**{**vars(settings), "ns_method": method, "ns_cuda_graph": True})
+        assert bench_modes.deepspeed_config(z2, chosen)["optimizer"]["params"]["ns_method"] == "gram"
+        assert any(note.startswith("Newton-Schulz: gram iteration") for note in bench_modes.tree_notes(z2, chosen))
+        ours = bench_modes.deepspeed_config(modes["ds-z2-bf16-muon"], chosen)["optimizer"]["params"]
+        assert ours["ns_method"] == method and ours["ns_cuda_graph"] is True
 
 
 def fake_tree(root, release: str, extra_file: str = None):
