@@ -126,6 +126,9 @@ class DeepSpeedEngine(torch.nn.Module):
                                  "of output tensors")
         gas_factor = 1.0 / self.gradient_accumulation_steps() if scale_wrt_gas else 1.0
         scaled = self.optimizer.scale_loss(loss) * gas_factor
+        backward_prologue = getattr(self.optimizer, "backward_prologue", None)
+        if backward_prologue is not None:
+            backward_prologue(self.is_gradient_accumulation_boundary())
         scaled.backward(retain_graph=retain_graph)
         self.optimizer.backward_epilogue(self.is_gradient_accumulation_boundary())
         self._backwards_since_step += 1

@@ -11,11 +11,16 @@ Memory: a group's gradient buffer exists only from the first gradient of an accu
 the optimizer step), so it is not allocated while the forward holds the activations; with `overlap_comm` at most
 `MAX_PENDING_FLUSHES` buckets are in flight, so their staging copies do not pile up over the backward.
 
+Final ranges: in the backward that ends an accumulation, a stretch of the partition is final as soon as its last
+contribution is added (stage 2: when its bucket is unpacked, or, with one rank, its parameter's gradient added;
+stage 1: when its chunk is unpacked). `final_range_listener`, when set, hears of each such stretch then, once, so
+that a consumer (ZeRO-Offload's copy to the host) can start on it during the backward instead of after it.
+
 The reducer knows nothing of loss scales or optimizers; it produces sums (or means) of what it was given.
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -97,6 +102,10 @@ class GradReducer:
         self._pending: List[Tuple[object, _Bucket]] = []
         # One buffer per group, allocated by its first gradient (see `_buffer`) and dropped by `release`.
         self._grads: List[Optional[torch.Tensor]] = [None] * len(self.layouts)
+        # Called as listener(group, start, end) for each stretch of a partition that became final (see the module
+        # docstring); only in a backward announced by `begin_backward(is_boundary=True)`.
+        self.final_range_listener: Optional[Callable[[int, int, int], None]] = None
+        self._is_boundary_backward = False
         if options.partition_grads:
             self._buckets = self._plan_buckets(param_order)
             self._bucket_of = {p: k for k, bucket in enumerate(self._buckets) for p in bucket.params}
@@ -164,6 +173,14 @@ class GradReducer:
         return bucket
 
     # ---------------------------------------------------------------- accumulation
+    def begin_backward(self, is_boundary: bool) -> None:
+        """Say whether the coming backward ends an accumulation (its reductions then make stretches final)."""
+        self._is_boundary_backward = is_boundary
+
+    def _announce(self, group: int, start: int, end: int) -> None:
+        if self.final_range_listener is not None and self._is_boundary_backward and end > start:
+            self.final_range_listener(group, start, end)
+
     def accumulate(self, group: int, index: int, grad: torch.Tensor) -> None:
         """Take one parameter's gradient of the current backward (called from its grad hook)."""
         flat_grad = grad.reshape(-1)
@@ -177,6 +194,7 @@ class GradReducer:
             start, end = self.layouts[group].param_range(index)
             wire = flat_grad if flat_grad.dtype == self.options.comm_dtype else flat_grad.to(self.options.comm_dtype)
             self._buffer(group)[start:end].add_(wire)
+            self._announce(group, start, end)  # a parameter's gradient arrives once per backward
             return
         bucket = self._buckets[self._bucket_of[(group, index)]]
         if bucket.send is None:
@@ -228,6 +246,8 @@ class GradReducer:
             target = self._buffer(run.group)
             target[run.partition_offset:run.partition_offset + run.numel].add_(
                 recv[run.row_offset:run.row_offset + run.numel])
+        for run in bucket.own_runs:  # every bucket is unpacked once per backward: its runs are now final
+            self._announce(run.group, run.partition_offset, run.partition_offset + run.numel)
         bucket.send = None
         bucket.ready.clear()
 
@@ -246,6 +266,7 @@ class GradReducer:
         elif is_boundary:
             for group, layout in enumerate(self.layouts):
                 self._reduce_flat(group, layout)
+        self._is_boundary_backward = False
 
     def _reduce_flat(self, group: int, layout: GroupLayout) -> None:
         """Reduce a full flat buffer in chunks of at most the bucket size.
@@ -274,7 +295,11 @@ class GradReducer:
 
         def unpack(work, recv, begin, end) -> None:
             work.wait()
-            rows[self.dp_rank, begin:end].copy_(recv)
+            own = rows[self.dp_rank, begin:end]
+            own.copy_(recv)
+            if self.options.average:
+                own.div_(world)  # per chunk, so that the chunk is final here (the same bits as one division)
+            self._announce(group, begin, end)
 
         for begin in range(0, layout.partition_size, step):
             end = min(begin + step, layout.partition_size)
@@ -289,8 +314,6 @@ class GradReducer:
             # Each chunk in flight holds a staging copy: unpack the oldest, or the copies add up to the whole buffer.
             _finish_all_but(works, MAX_PENDING_FLUSHES, unpack)
         _finish_all_but(works, 0, unpack)
-        if self.options.average:
-            rows[self.dp_rank].div_(world)
 
     # ---------------------------------------------------------------- results
     def partition_grad(self, group: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ only the staging buffers are written; the step on the host and the copy back run
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -42,6 +42,10 @@ class HostOffload:
             self._lp = [self._empty(numel, lp_dtype) for numel in partition_numels]
         self._grads_arrived: Optional[object] = None
         self._lp_sent: List[Optional[object]] = [None] * len(partition_numels)
+        # Stretches of each group's gradient partition already on their way to the host (`send_grad_range`), and the
+        # stream their copies run on (created with the first).
+        self._sent_ranges: List[List[Tuple[int, int]]] = [[] for _ in partition_numels]
+        self._copy_stream = None
 
     def _empty(self, numel: int, dtype: torch.dtype) -> Tensor:
         return torch.empty(numel, dtype=dtype, pin_memory=self.pin_memory)
@@ -69,8 +73,25 @@ class HostOffload:
                 self._lp[group].copy_(lp)
         return masters
 
+    def send_grad_range(self, group: int, start: int, end: int, device_grad: Tensor) -> None:
+        """Start copying the final stretch start:end of `group`'s reduced gradient partition to the host, during the
+        backward (the reducer says when a stretch is final). On a stream of its own, after what the current stream
+        has queued (the reduction that made it final), so the backward's work does not wait for the copy."""
+        if not self.is_staged:
+            return
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+        if self._copy_stream is None:
+            self._copy_stream = accelerator.Stream()
+        self._copy_stream.wait_stream(accelerator.current_stream())
+        with accelerator.stream(self._copy_stream):
+            self._grads[group][start:end].copy_(device_grad[start:end], non_blocking=self.pin_memory)
+        self._sent_ranges[group].append((start, end))
+
     def send_grads(self, device_grads: Sequence[Tensor]) -> None:
-        """Start copying the reduced gradients into the host staging buffers (no-op on a CPU-only run).
+        """Start copying the reduced gradients into the host staging buffers (no-op on a CPU-only run): whatever
+        `send_grad_range` has not sent yet.
 
         Stream-ordered after the reduction that produced them; `host_grads` waits for the copy. Writes nothing
         but the staging buffers, so it may run before the step's verdict.
@@ -78,8 +99,16 @@ class HostOffload:
         if not self.is_staged:
             self._device_grads = list(device_grads)
             return
-        for staging, grad in zip(self._grads, device_grads):
-            staging.copy_(grad, non_blocking=self.pin_memory)
+        from deepspeed.accelerator import get_accelerator
+
+        for group, (staging, grad) in enumerate(zip(self._grads, device_grads)):
+            for start, end in unsent_ranges(self._sent_ranges[group], grad.numel()):
+                staging[start:end].copy_(grad[start:end], non_blocking=self.pin_memory)
+            self._sent_ranges[group] = []
+        if self._copy_stream is not None:
+            # The current stream goes on only after the backward's copies: `host_grads` waits for them through its
+            # event, and the gradient buffers, freed on this stream after the step, are not reused under them.
+            get_accelerator().current_stream().wait_stream(self._copy_stream)
         self._grads_arrived = self._event()
 
     def host_grads(self) -> List[Tensor]:
@@ -93,6 +122,10 @@ class HostOffload:
 
     def release_grads(self) -> None:
         self.__dict__.pop("_device_grads", None)
+
+    def forget_sent_ranges(self) -> None:
+        """The reducer let its gradients go (a step, or a load): what was sent of them no longer counts."""
+        self._sent_ranges = [[] for _ in self._sent_ranges]
 
     def lp_targets(self, lp_partitions: Sequence[Tensor]) -> List[Tensor]:
         """Where the host step writes the updated weights in the model dtype: the staging buffers (once their
@@ -131,3 +164,15 @@ class HostOffload:
         # all-gather that publishes it at stages 1-2, the gathers of stage 3) is queued behind it on the same stream.
         lp_partition.copy_(staging, non_blocking=self.pin_memory)
         self._lp_sent[group] = self._event()
+
+
+def unsent_ranges(sent: Sequence[Tuple[int, int]], numel: int) -> List[Tuple[int, int]]:
+    """The stretches of 0:numel that no (start, end) of `sent` covers, in order (`sent` may be in any order)."""
+    gaps, position = [], 0
+    for start, end in sorted(sent):
+        if start > position:
+            gaps.append((position, start))
+        position = max(position, end)
+    if position < numel:
+        gaps.append((position, numel))
+    return gaps

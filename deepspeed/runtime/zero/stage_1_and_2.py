@@ -118,6 +118,9 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         self._rebind_basic_optimizer()
         self.reducer = GradReducer(self.layouts, self._reduction_order(), self.dp_rank, self.dp_world_size, dp_group,
                                    self._reducer_options(), self.device)
+        if self._offload is not None and self._offload.is_staged:
+            # Gradients go to the host stretch by stretch as the backward makes them final, not all after it.
+            self.reducer.final_range_listener = self._send_grad_range
         self._hook_handles = self._register_grad_hooks()
         self._configure_basic_optimizer()
         self.overflow = False
@@ -347,6 +350,19 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         """Multiply the loss by the live loss scale (in fp32, so the product itself cannot overflow)."""
         return loss.float() * self.loss_scaler.cur_scale
 
+    def backward_prologue(self, is_boundary: bool) -> None:
+        """Before a backward: whether it ends the accumulation. Offloaded to a GPU, the reducer then hands each
+        stretch of the gradient partition to the host copy as soon as it is final, during the backward."""
+        self.reducer.begin_backward(is_boundary)
+
+    def _send_grad_range(self, group: int, start: int, end: int) -> None:
+        self._offload.send_grad_range(group, start, end, self.reducer.partition_grad(group))
+
+    def _release_reduced_grads(self) -> None:
+        self.reducer.release()
+        if self._offload is not None:
+            self._offload.forget_sent_ranges()
+
     def backward_epilogue(self, is_boundary: bool) -> None:
         """Finish this backward's reductions; at the boundary the partition gradients become readable."""
         self.reducer.end_of_backward(is_boundary)
@@ -366,7 +382,7 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
             self._release_master_grads()
         self.overflow = not outcome.applied
         self._last_outcome = outcome
-        self.reducer.release()
+        self._release_reduced_grads()
         self._grads_ready = False
         self.micro_step_id = 0
         return outcome
@@ -700,6 +716,6 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         if not load_from_fp32_weights:
             self.refresh_fp32_params()
         self.update_lp_params()
-        self.reducer.release()
+        self._release_reduced_grads()
         self._grads_ready = False
         self.micro_step_id = 0
