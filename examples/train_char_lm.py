@@ -392,6 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     # Tear the process group down before the interpreter exits: leaving it to exit-time destructors can
     # abort a gloo rank ("terminate called without an active exception").
     run.engine.destroy()
+    dist.barrier()  # no rank closes its connections while another still has work on them
     dist.destroy_process_group()
 
 
