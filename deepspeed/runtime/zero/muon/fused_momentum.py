@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -63,25 +64,36 @@ def _fusable(grads: Tensor, momenta: Tensor, direction: Tensor) -> bool:
             and grads.numel() == momenta.numel() == direction.numel())
 
 
-def _fused(grads: Tensor, momenta: Tensor, direction: Tensor, beta: float, nesterov: bool) -> bool:
-    """Run the kernel; False (and the torch passes from then on) when Triton cannot compile it on this machine,
-    which it finds out before anything is written."""
-    if _FAILED:
+def launched(failed: list[Exception], launch: Callable[[], None], device: torch.device, kernel: str,
+             instead: str) -> bool:
+    """Run ``launch`` (a Triton kernel launch) on ``device``; False when it raised, which a Triton install that
+    cannot compile does before anything is written. The error goes into ``failed`` (the caller's: its kernel is
+    not tried again) and a warning names the ``kernel`` and what runs ``instead``, once."""
+    if failed:
         return False
-    numel = grads.numel()
-    fold_weight = 1 - beta
-    grid = (-(-numel // _BLOCK),)
     try:
-        with torch.cuda.device(grads.device):
-            _kernel()[grid](grads, momenta, direction, numel, fold_weight, beta,
-                            FOLD_SMALL=abs(fold_weight) < 0.5, DIRECTION_SMALL=abs(beta) < 0.5, NESTEROV=nesterov,
-                            BLOCK=_BLOCK)
+        with torch.cuda.device(device):
+            launch()
     except Exception as error:  # a Triton install without a working compiler: keep training, say so once
-        _FAILED.append(error)
-        logger.warning("Muon: the fused momentum kernel could not run (%s); using torch's lerp passes instead "
-                       "(same results, one more pass over the momenta)", error)
+        failed.append(error)
+        logger.warning("Muon: the %s kernel could not run (%s); using %s instead (same results)", kernel, error,
+                       instead)
         return False
     return True
+
+
+def _fused(grads: Tensor, momenta: Tensor, direction: Tensor, beta: float, nesterov: bool) -> bool:
+    """Run the kernel; False (and the torch passes from then on) when Triton cannot compile it on this machine."""
+    numel = grads.numel()
+    fold_weight = 1 - beta
+
+    def launch() -> None:
+        _kernel()[(-(-numel // _BLOCK), )](grads, momenta, direction, numel, fold_weight, beta,
+                                          FOLD_SMALL=abs(fold_weight) < 0.5, DIRECTION_SMALL=abs(beta) < 0.5,
+                                          NESTEROV=nesterov, BLOCK=_BLOCK)
+
+    return launched(_FAILED, launch, grads.device, "fused momentum",
+                    "torch's lerp passes (one more pass over the momenta)")
 
 
 # The error that made the kernel unusable in this process, if any.

@@ -14,14 +14,11 @@ Everywhere else (CPU, no Triton, other layouts) the torch ops run.
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 from torch import Tensor
 
-from deepspeed.runtime.zero.muon.fused_momentum import triton_available
-
-logger = logging.getLogger(__name__)
+from deepspeed.runtime.zero.muon.fused_momentum import launched, triton_available
 
 _BLOCK = 4096
 _FAILED: list[Exception] = []
@@ -59,21 +56,15 @@ def _fusable(X: Tensor, out: Tensor) -> bool:
 
 def _launch(X: Tensor, out: Tensor, factor: Tensor | None, scalar: float, matrix_numel: int, divide: bool,
             through_fp16: bool) -> bool:
-    """Run the kernel; False (and torch from then on) when Triton cannot compile it here, found before anything
-    is written."""
+    """Run the kernel; False (and torch from then on) when Triton cannot compile it here."""
     numel = X.numel()
-    try:
-        with torch.cuda.device(X.device):
-            _kernel()[(-(-numel // _BLOCK), )](X, out, factor if factor is not None else X, scalar, numel,
-                                              matrix_numel, PER_MATRIX=factor is not None,
-                                              UNIFORM=matrix_numel % _BLOCK == 0, DIVIDE=divide,
-                                              THROUGH_FP16=through_fp16, BLOCK=_BLOCK)
-    except Exception as error:  # a Triton install without a working compiler: keep training, say so once
-        _FAILED.append(error)
-        logger.warning("Muon: the per-matrix scaling kernel could not run (%s); using torch's element-wise ops "
-                       "instead (same results)", error)
-        return False
-    return True
+
+    def launch() -> None:
+        _kernel()[(-(-numel // _BLOCK), )](X, out, factor if factor is not None else X, scalar, numel, matrix_numel,
+                                          PER_MATRIX=factor is not None, UNIFORM=matrix_numel % _BLOCK == 0,
+                                          DIVIDE=divide, THROUGH_FP16=through_fp16, BLOCK=_BLOCK)
+
+    return launched(_FAILED, launch, X.device, "per-matrix scaling", "torch's element-wise ops")
 
 
 @functools.cache

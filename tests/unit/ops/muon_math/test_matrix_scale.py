@@ -59,3 +59,25 @@ def test_the_kernel_is_what_runs_on_a_gpu():
     X = batch(SHAPES[0], torch.bfloat16, "cuda", transposed=True)
     assert _fusable(X, X.view(torch.float16))
     assert not _fusable(X[:, :, ::2], X[:, :, ::2]), "a strided batch is not one dense block per matrix"
+
+
+def test_a_kernel_that_cannot_run_is_tried_once_and_said_once(caplog):
+    """A Triton install without a working compiler raises at the launch, before anything is written: the torch
+    path takes over, the warning names the kernel and what runs instead, and the launch is not tried again."""
+    from deepspeed.runtime.zero.muon.fused_momentum import launched
+
+    failed, calls = [], []
+
+    def launch():
+        calls.append(1)
+        raise RuntimeError("no compiler")
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    with caplog.at_level("WARNING"):
+        assert not launched(failed, launch, device, "per-matrix scaling", "torch's element-wise ops")
+        assert not launched(failed, launch, device, "per-matrix scaling", "torch's element-wise ops")
+    assert len(calls) <= 1 and len(failed) == 1
+    warnings = [r.getMessage() for r in caplog.records if "could not run" in r.getMessage()]
+    assert len(warnings) == 1 and "per-matrix scaling" in warnings[0] and "torch's element-wise ops" in warnings[0]
+    if torch.cuda.is_available():
+        assert calls == [1] and launched([], lambda: None, device, "any", "torch")
