@@ -53,7 +53,7 @@ TRANSFORMER_KERNELS = ("DeepSpeed's fused transformer kernels are not implemente
                        "torch.nn's) transformer layers")
 INFERENCE = "DeepSpeed inference is not implemented; run the trained model with plain PyTorch (engine.module)"
 PIPELINE = ("pipeline parallelism is not implemented; this fork trains the whole model on every rank (data parallel "
-            "with ZeRO stages 0-2)")
+            "with ZeRO stages 0-3)")
 TENSOR_PARALLEL = ("tensor and model parallelism are not implemented; this fork is data parallel only (model-parallel "
                    "size 1)")
 INJECTION = "kernel injection and automatic tensor parallelism are not implemented"
@@ -63,8 +63,9 @@ DATALOADER = ("deepspeed.initialize(training_data=...) and engine.deepspeed_io()
 ACTIVATION_CHECKPOINTING = "activation checkpointing is not implemented; use torch.utils.checkpoint.checkpoint"
 ON_DEVICE = ("build the model under `with torch.device(...)` (e.g. 'meta') and in the dtype you need; the engine "
              "casts floating-point parameters to the configured precision")
-PER_HEAD_MUON = ("per-head Muon is not implemented (optimizer.params.per_head_muon is refused); Muon orthogonalises "
-                 "each weight matrix whole")
+PER_HEAD_MUON = ("upstream's re-derivation of head counts after tensor-parallel sharding, and its constants naming "
+                 "kinds of projection, are not provided (this fork has no tensor parallelism); per-head Muon is "
+                 "optimizer.params.per_head_muon, or muon_num_heads / muon_head_dim set on a parameter (docs/muon.md)")
 DIST_GLOBAL = "use deepspeed.comm (import deepspeed.comm as dist)"
 GROUPS = ("this fork has one process group, the world, for data parallelism and no model parallelism: use "
           "deepspeed.comm.get_world_size() / get_rank() / get_world_group() for data parallelism, and 1 / 0 for the "

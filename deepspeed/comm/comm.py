@@ -25,6 +25,15 @@ from deepspeed.accelerator import get_accelerator
 from .reduce_op import ReduceOp, is_avg, to_torch_op
 from .work import finish_now
 
+if torch_dist.is_available():
+    # torch.distributed.nn.functional binds `group.WORLD` as the default argument of its collectives when it is
+    # first imported, and torch imports it on the first torch optimizer built (Optimizer.add_param_group brings in
+    # torch._dynamo, which imports FSDP, which imports it). Imported after init_process_group, it holds the world
+    # group for good: destroy_process_group then frees nothing, gloo's worker threads outlive it, and one that drops
+    # its last reference to a finished collective while the interpreter exits aborts the process ("terminate called
+    # without an active exception"). Imported here, before any group exists, its defaults are None.
+    import torch.distributed.nn.functional  # noqa: F401
+
 __all__ = [
     "TORCH_DISTRIBUTED_DEFAULT_PORT",
     "ReduceOp",

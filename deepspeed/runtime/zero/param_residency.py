@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 import deepspeed.comm as dist
 from deepspeed.runtime.zero.flat_layout import GroupLayout
 from deepspeed.runtime.zero.gather_plan import GatherPlan, Run, plan_gather
+from deepspeed.runtime.zero.weak_hook import weak_hook
 
 
 class ZeroParamStatus(Enum):
@@ -234,7 +235,7 @@ class ParamResidency:
         for unit in self._units:
             for param in unit.params:
                 if param.requires_grad:
-                    handles.append(param.register_post_accumulate_grad_hook(self._grad_done))
+                    handles.append(param.register_post_accumulate_grad_hook(weak_hook(self._grad_done)))
         return handles
 
     def remove_hooks(self) -> None:

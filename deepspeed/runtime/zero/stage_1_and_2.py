@@ -27,6 +27,7 @@ from deepspeed.runtime.zero.flat_layout import GroupLayout, even_layout, newton_
 from deepspeed.runtime.zero.grad_reducer import GradReducer, ReducerOptions
 from deepspeed.runtime.zero.muon.per_head import NUM_HEADS_ATTRIBUTE, head_count
 from deepspeed.runtime.zero.offload import HostOffload
+from deepspeed.runtime.zero.weak_hook import weak_hook
 from deepspeed.runtime.unscaled_chunks import unscaled
 
 
@@ -272,12 +273,16 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         return handles
 
     def _grad_hook(self, group: int, index: int):
+        on_grad = weak_hook(self._accumulate_grad)
 
         def hook(param: torch.Tensor) -> None:
-            self.reducer.accumulate(group, index, param.grad)
-            param.grad = None
+            on_grad(group, index, param)
 
         return hook
+
+    def _accumulate_grad(self, group: int, index: int, param: torch.Tensor) -> None:
+        self.reducer.accumulate(group, index, param.grad)
+        param.grad = None
 
     # ------------------------------------------------------------------ properties upstream exposes
     @property

@@ -1,0 +1,62 @@
+"""`destroy_process_group` frees the world group after a training run, in a fresh interpreter under torch's
+launcher (two gloo ranks): the engine built a torch optimizer, which imports torch.distributed.nn.functional, whose
+collectives bind the world group as a default argument when imported after the group exists. A group that outlives
+`destroy_process_group` keeps gloo's worker threads running into the interpreter's exit, where one that drops the
+last reference to a finished collective aborts the process (an intermittent "terminate called without an active
+exception" at the end of a run that had succeeded)."""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+SCRIPT = textwrap.dedent("""
+    import gc
+    import sys
+    import weakref
+
+    import torch
+
+    import deepspeed
+    import deepspeed.comm as dist
+    from unit.simple_model import SimpleModel
+
+    deepspeed.init_distributed()
+    model = SimpleModel(hidden_dim=8)
+    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    y = torch.randint(0, 8, (2,))
+    engine.backward(engine(x, y))
+    engine.step()
+    del engine, _, model
+    world = weakref.ref(dist.get_world_group())
+    dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()
+    if world() is not None:
+        print("the world group outlived destroy_process_group")
+        sys.exit(3)
+""")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_destroy_process_group_frees_the_world_group_after_training(tmp_path):
+    script = tmp_path / "train_and_destroy.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, os.path.join(REPO_ROOT, "tests"),
+                                                      env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), str(script)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, f"{' '.join(cmd)} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
