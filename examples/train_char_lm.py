@@ -389,9 +389,9 @@ def main(argv: list[str] | None = None) -> None:
     start = time.time()
     run.train()
     run.finish(time.time() - start)
-    # Tear the process group down before the interpreter exits: leaving it to exit-time destructors can
-    # abort a gloo rank ("terminate called without an active exception").
-    run.engine.destroy()
+    # Drop the engine, then tear the process group down while the interpreter is whole: destroy_process_group
+    # then frees the group and joins gloo's worker threads (docs/getting-started.md, "Your own script").
+    del run
     dist.barrier()  # no rank closes its connections while another still has work on them
     dist.destroy_process_group()
 
