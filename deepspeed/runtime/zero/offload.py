@@ -5,7 +5,9 @@ reduced gradients.
 This module owns the host side of that: the masters, pinned staging buffers for the gradients on their way to the
 host and for the updated weights on their way back, and the copies between them. It knows nothing of loss scales,
 optimizers or collectives. On a CPU-only run the "accelerator" is the host: no copies, the optimizer reads the
-reducer's gradients and writes the model's weights directly.
+reducer's gradients and writes the model's weights directly -- unless staging is asked for (`staged=True`), which
+runs the accelerator's path with host memory on both ends (ordinary copies, no streams or events): how CPU CI
+checks that path's bookkeeping, what goes where and when.
 
 The transaction (runtime/optimizer_step.py) is unchanged: the verdict is taken on the device's gradients. Before it
 only the staging buffers are written; the step on the host and the copy back run after it.
@@ -26,15 +28,17 @@ class HostOffload:
         partition_numels: elements of this rank's partition of each group.
         grad_dtype: dtype of the reduced gradients (the gradient-accumulation dtype).
         lp_dtype: the model dtype.
-        device: the accelerator device of this rank (a CPU device means no staging).
-        pin_memory: allocate the host buffers and masters page-locked (faster, asynchronous copies).
+        device: the accelerator device of this rank.
+        pin_memory: allocate the host buffers and masters page-locked (faster, asynchronous copies); only where
+            the device is an accelerator.
+        staged: copy through staging buffers; default: when the device is not the CPU.
     """
 
     def __init__(self, partition_numels: Sequence[int], grad_dtype: torch.dtype, lp_dtype: torch.dtype,
-                 device: torch.device, pin_memory: bool) -> None:
+                 device: torch.device, pin_memory: bool, staged: Optional[bool] = None) -> None:
         self.device = device
-        self.is_staged = device.type != "cpu"
-        self.pin_memory = pin_memory and self.is_staged
+        self.is_staged = device.type != "cpu" if staged is None else staged
+        self.pin_memory = pin_memory and self.is_staged and device.type != "cpu"
         self._grads: List[Tensor] = []
         self._lp: List[Tensor] = []
         if self.is_staged:
@@ -51,9 +55,13 @@ class HostOffload:
         return torch.empty(numel, dtype=dtype, pin_memory=self.pin_memory)
 
     def _event(self):
+        """An event recorded on the current stream (None where there are no streams: the copies were ordinary)."""
         from deepspeed.accelerator import get_accelerator
 
-        event = get_accelerator().Event()
+        event_type = get_accelerator().Event
+        if event_type is None:
+            return None
+        event = event_type()
         event.record()
         return event
 
@@ -82,11 +90,14 @@ class HostOffload:
         from deepspeed.accelerator import get_accelerator
 
         accelerator = get_accelerator()
-        if self._copy_stream is None:
+        if self._copy_stream is None and accelerator.Stream is not None:
             self._copy_stream = accelerator.Stream()
-        self._copy_stream.wait_stream(accelerator.current_stream())
-        with accelerator.stream(self._copy_stream):
-            self._grads[group][start:end].copy_(device_grad[start:end], non_blocking=self.pin_memory)
+        if self._copy_stream is None:  # no streams: an ordinary copy, done when it returns
+            self._grads[group][start:end].copy_(device_grad[start:end])
+        else:
+            self._copy_stream.wait_stream(accelerator.current_stream())
+            with accelerator.stream(self._copy_stream):
+                self._grads[group][start:end].copy_(device_grad[start:end], non_blocking=self.pin_memory)
         self._sent_ranges[group].append((start, end))
 
     def send_grads(self, device_grads: Sequence[Tensor]) -> None:

@@ -100,6 +100,11 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         device: the accelerator device of this rank.
     """
 
+    # ZeRO-Offload's staging (gradients and weights copied through host buffers, gradient stretches sent during the
+    # backward) also where the device is the CPU: the accelerator's path with host memory on both ends, which CPU
+    # tests switch on to check its bookkeeping. Off in use: there it would only copy.
+    stage_offload_on_cpu = False
+
     def __init__(self, init_optimizer: torch.optim.Optimizer, param_names: Dict[torch.nn.Parameter, str],
                  options: ZeroOptions, loss_scaler, dp_group=None, device: Optional[torch.device] = None):
         self.optimizer = init_optimizer
@@ -169,8 +174,9 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         if offload is None:
             return None
         numels = [layout.partition_size for layout in self.layouts]
+        staged = self.device.type != "cpu" or self.stage_offload_on_cpu
         return HostOffload(numels, self.options.accum_dtype, self.options.model_dtype, self.device,
-                           offload.pin_memory)
+                           offload.pin_memory, staged=staged)
 
     def _create_hp_partitions(self) -> None:
         lp_partitions = [self._lp_partition(g).detach() for g in range(len(self.layouts))]

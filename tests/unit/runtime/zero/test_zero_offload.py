@@ -6,6 +6,7 @@ the overflow oracle (a skipped step equals never taking it, bit for bit, host st
 and what the engine refuses. The three-rank stage-3 layout with offload is in test_stage3_three_ranks.py.
 """
 
+import contextlib
 import copy
 import os
 
@@ -13,15 +14,17 @@ import pytest
 import torch
 
 import deepspeed
+import deepspeed.comm as dist
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 from deepspeed.ops.op_builder import CPUAdamBuilder
 from deepspeed.runtime.config import DeepSpeedConfigError
 from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 from unit.checkpoint.resume_harness import assert_identical, checkpoint_config, full_snapshot
 from unit.common import DistributedTest
 from unit.runtime.engine_harness import (fp32_masters, global_batches, initialize, make_config, make_model,
-                                         relative_error, train_steps)
+                                         micro_batch, relative_error, train_steps)
 from unit.simple_model import SimpleModel, random_dataloader
 
 HIDDEN = 16
@@ -146,6 +149,66 @@ class TestOffloadPublishedWeights(DistributedTest):
                 expected = master.to(lp.dtype)
                 assert torch.equal(lp.view(torch.int16), expected.view(torch.int16)), f"step {step} group {group}"
         assert engine.global_steps == len(batches) and engine.skipped_steps < len(batches)
+
+
+@contextlib.contextmanager
+def staging_on_the_host():
+    """Engines built inside take the accelerator's offload path with host memory on both ends."""
+    DeepSpeedZeroOptimizer.stage_offload_on_cpu = True
+    try:
+        yield
+    finally:
+        DeepSpeedZeroOptimizer.stage_offload_on_cpu = False
+
+
+class TestOffloadStaging(DistributedTest):
+    """The accelerator's offload path -- gradients and weights through staging buffers, each stretch of the gradient
+    partition sent as the backward that ends an accumulation makes it final, the rest at the step -- run with host
+    memory on both ends: the same bits as the direct path, step by step, through a skipped step (fp16) and an
+    accumulation of two micro-batches."""
+
+    world_size = 2
+
+    @pytest.mark.parametrize("optimizer, dtype", [("muon", "bf16"), ("muon", "fp16"), ("adamw", "bf16"),
+                                                  ("adamw", "fp16")])
+    @pytest.mark.parametrize("stage", [1, 2, 3])
+    def test_staged_steps_equal_direct_ones(self, stage, dtype, optimizer):
+        gas = 2
+        config = offload_config(stage, dtype, MUON if optimizer == "muon" else None, clip=1.0, gas=gas)
+        batches = global_batches(4, 8 * gas, HIDDEN)
+        overflow = {0: float("inf")} if dtype == "fp16" else None
+        direct, _ = initialize(make_model(HIDDEN), config)
+        with staging_on_the_host():
+            staged, _ = initialize(make_model(HIDDEN), config)
+        assert staged.optimizer._offload.is_staged and not direct.optimizer._offload.is_staged
+        for step, batch in enumerate(batches):
+            multipliers = overflow if step == 2 else None
+            assert train_steps(staged, [batch], dtype, multipliers) == train_steps(direct, [batch], dtype,
+                                                                                     multipliers), f"step {step}"
+            assert staged.was_step_applied() == direct.was_step_applied() == (multipliers is None)
+            assert_identical(full_snapshot(staged), full_snapshot(direct), f"step {step}")
+            assert_identical(lp_partitions(staged), lp_partitions(direct), f"lp partitions, step {step}")
+            for index, (a, b) in enumerate(zip(host_state_tensors(staged), host_state_tensors(direct), strict=True)):
+                assert torch.equal(a, b), f"host tensor {index}, step {step}"
+
+    @pytest.mark.parametrize("stage", [1, 2, 3])
+    def test_stretches_go_during_the_last_backward_only(self, stage):
+        gas = 2
+        with staging_on_the_host():
+            engine, _ = initialize(make_model(HIDDEN), offload_config(stage, "bf16", MUON, gas=gas))
+        offload = engine.optimizer._offload
+        batch = global_batches(1, 8 * gas, HIDDEN)[0]
+        for gas_index in range(gas):
+            x, y = micro_batch(batch, 4, gas_index, dist.get_rank(), dist.get_world_size(), engine.device,
+                               torch.bfloat16)
+            engine.backward(engine(x, y))
+            sent = sum(end - start for ranges in offload._sent_ranges for start, end in ranges)
+            if gas_index < gas - 1:
+                assert sent == 0, "a stretch went to the host before the accumulation's last backward"
+            else:
+                assert sent > 0, "no stretch went to the host during the last backward"
+            engine.step()
+        assert engine.was_step_applied() and all(not ranges for ranges in offload._sent_ranges)
 
 
 class TestOffloadOverflowOracle(DistributedTest):
