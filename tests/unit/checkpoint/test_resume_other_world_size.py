@@ -1,7 +1,7 @@
-"""Resume at another world size or ZeRO stage (0-3): a checkpoint saved by N ranks loads into M ranks (M != N, 1
-included) with every fp32 master and every optimizer-state tensor (Adam moments and step, Muon momentum) equal bit for
-bit to the saved one, gathered; loss scaler, LR scheduler and counters as saved. Its universal (per-parameter) form
-loads to the same state.
+"""Resume at another world size or ZeRO stage (0-3), with or without optimizer offload: a checkpoint saved by N ranks
+loads into M ranks (M != N, 1 included) with every fp32 master and every optimizer-state tensor (Adam moments and
+step, Muon momentum) equal bit for bit to the saved one, gathered; loss scaler, LR scheduler and counters as saved.
+Its universal (per-parameter) form loads to the same state.
 
 Continued training is checked against an oracle at the new world size: a fresh engine given the saved state through
 the public setters (safe_set_full_fp32_param / safe_set_full_optimizer_state, the scaler's and scheduler's
@@ -44,10 +44,20 @@ SAVED_AT_TWO = {
 }
 # Saved at 1 and at 3 ranks, loaded at 2.
 SAVED_ELSEWHERE = {(2, "muon", "bf16"): (2, 0), (1, "adamw", "fp16"): (2, )}
+# With optimizer offload (fp32 masters and state on the host), saved at 2 ranks and loaded with offload at 1 and 3.
+OFFLOADED_AT_TWO = {(2, "muon", "bf16"): (2, 3), (3, "adamw", "fp16"): (3, 1)}
+OFFLOAD = {"device": "cpu", "pin_memory": True}
 
 
-def _name(stage, optimizer, dtype):
-    return f"stage{stage}-{optimizer}-{dtype}"
+def _name(stage, optimizer, dtype, offload=False):
+    return f"stage{stage}-{optimizer}-{dtype}" + ("-offload" if offload else "")
+
+
+def _config(stage, dtype, optimizer, offload=False):
+    config = checkpoint_config(stage, dtype, optimizer)
+    if offload:
+        config["zero_optimization"]["offload_optimizer"] = dict(OFFLOAD)
+    return config
 
 
 def _poisoned(dtype):
@@ -60,11 +70,11 @@ def _batches(steps, seed):
     return global_batches(steps, MICRO * dist.get_world_size(), HIDDEN, seed=seed)
 
 
-def _save_all(root, combos):
+def _save_all(root, combos, offload=False):
     """Train k steps, save, convert to the universal form; rank 0 records the gathered state."""
     for (stage, optimizer, dtype) in combos:
-        directory = os.path.join(str(root), _name(stage, optimizer, dtype))
-        engine = new_engine(checkpoint_config(stage, dtype, optimizer))
+        directory = os.path.join(str(root), _name(stage, optimizer, dtype, offload))
+        engine = new_engine(_config(stage, dtype, optimizer, offload))
         train(engine, _batches(K, seed=11), dtype, _poisoned(dtype))
         engine.save_checkpoint(directory)
         snapshot = full_snapshot(engine)
@@ -82,6 +92,13 @@ class SavedAtTwo(DistributedFixture):
 
     def run(self, class_tmpdir):
         _save_all(os.path.join(str(class_tmpdir), "world2"), SAVED_AT_TWO)
+
+
+class SavedOffloadedAtTwo(DistributedFixture):
+    world_size = 2
+
+    def run(self, class_tmpdir):
+        _save_all(os.path.join(str(class_tmpdir), "world2"), OFFLOADED_AT_TWO, offload=True)
 
 
 class SavedAtOne(DistributedFixture):
@@ -119,12 +136,13 @@ def _set_through_public_setters(engine, reference):
         setattr(engine, key, counters[key])
 
 
-def _resume_and_compare(directory, stage, optimizer, dtype):
+def _resume_and_compare(directory, stage, optimizer, dtype, offload=False):
     reference = _reference(directory)
     where = f"{os.path.basename(directory)} at {reference['world_size']} ranks -> stage {stage} at " \
         f"{dist.get_world_size()} ranks"
-    config = checkpoint_config(stage, dtype, optimizer)
+    config = _config(stage, dtype, optimizer, offload)
     loaded = new_engine(config, seed=1)
+    assert loaded.optimizer.cpu_offload == offload, where
     loaded.load_checkpoint(directory)
     got = full_snapshot(loaded)
     for key in ("params", "masters", "states", "counters"):
@@ -164,6 +182,13 @@ class TestResumeAtOtherWorldSize(DistributedTest):
                 regrouped = _resume_and_compare(directory, stage, optimizer, dtype)
                 if stage == stages[0]:
                     _universal_equals(directory, stage, optimizer, dtype, regrouped)
+
+    @pytest.mark.world_size([1, 3])
+    def test_saved_offloaded_at_two(self, SavedOffloadedAtTwo, class_tmpdir):
+        for (saved_stage, optimizer, dtype), stages in OFFLOADED_AT_TWO.items():
+            directory = os.path.join(str(class_tmpdir), "world2", _name(saved_stage, optimizer, dtype, offload=True))
+            for stage in stages:
+                _resume_and_compare(directory, stage, optimizer, dtype, offload=True)
 
     @pytest.mark.world_size(2)
     def test_saved_at_one_and_three(self, SavedAtOne, SavedAtThree, class_tmpdir):
