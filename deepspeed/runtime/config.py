@@ -33,6 +33,7 @@ from deepspeed.runtime.constants import (
     MAX_GRAD_NORM,
     UPSTREAM_KEYS_NOT_IMPLEMENTED,
 )
+from deepspeed.runtime.config_effects import check_unused_settings
 from deepspeed.runtime.optimizer_params import validate_optimizer_params
 from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, ZeroStageEnum
@@ -386,6 +387,7 @@ class DeepSpeedConfig:
         self._set_batch_related_parameters()
         self._check_batch_related_parameters()
         self._check_combinations()
+        check_unused_settings(sections)
 
     def _initialize_params(self, sections: DeepSpeedTopLevelConfig) -> None:
         self.train_batch_size = sections.train_batch_size
