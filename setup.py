@@ -109,7 +109,7 @@ setup(
     description="DeepSpeed fork: Muon under ZeRO with fp16/bf16 and exact resume",
     long_description=open(os.path.join(HERE, "README.md")).read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.9",
+    python_requires=">=3.10",
     packages=find_packages(include=["deepspeed", "deepspeed.*"]),
     package_data={"deepspeed": ["../version.txt"],
                   # The op sources, for JIT builds of an installed tree (deepspeed/ops/csrc links to csrc/).

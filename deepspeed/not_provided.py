@@ -38,12 +38,14 @@ def _values(advice: str, *names: str) -> dict[str, Missing]:
     return {name: Missing(advice, is_value=True) for name in names}
 
 
-ZERO3 = ("this part of ZeRO stage 3 (leaf modules, external parameters, partitioning at construction) is not "
-         "implemented; stage 3 gathers each module's own parameters around its forward and backward, and "
-         "deepspeed.zero.GatheredParameters makes any of them whole")
-NATIVE_OPS = ("this fork builds one native op, cpu_adam (CPUAdamBuilder: DeepSpeedCPUAdam and ZeRO-Offload's step); "
-              "the config's other optimizer types (Adam, AdamW, Muon, or any torch.optim class name) build torch "
-              "optimizers, nothing needs compiling")
+ZERO3 = ("this part of ZeRO stage 3 (leaf modules, external parameters, parameter offload, tiled linear layers) is "
+         "not implemented; stage 3 gathers each module's own parameters around its forward and backward, "
+         "deepspeed.zero.Init partitions parameters at construction, and deepspeed.zero.GatheredParameters makes "
+         "any of them whole")
+NATIVE_OPS = ("this fork builds one native op, cpu_adam (CPUAdamBuilder). It steps DeepSpeedCPUAdam, which "
+              "optimizer.type Adam and AdamW build under zero_optimization.offload_optimizer device 'cpu', and runs "
+              "the element-wise work of Muon's host step under that offload; otherwise the config's optimizer types "
+              "(Adam, AdamW, Muon, or any torch.optim class name) build torch optimizers that need no compiled op")
 FUSED_ADAM = ("use optimizer.type 'Adam' or 'AdamW' in the config (torch.optim.AdamW), or torch.optim.AdamW directly "
               "(fused=True on CUDA); FusedAdam's own state layout and bias_correction=False are not reproduced")
 ZENFLOW = "ZenFlow is not implemented (zero_optimization.zenflow is refused); use optimizer.type 'AdamW'"

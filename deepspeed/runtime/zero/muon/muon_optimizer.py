@@ -126,7 +126,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
     ``step(grad_factor=f)`` takes gradients that still carry a loss scale, in any float dtype (ZeRO's reduced
     low-precision gradients): each is multiplied by ``f`` as it is read, a chunk at a time
-    (``zero/unscaled_chunks.py``), so no unscaled fp32 copy of all of them is made (``accepts_grad_factor``).
+    (``runtime/unscaled_chunks.py``), so no unscaled fp32 copy of all of them is made (``accepts_grad_factor``).
 
     Args:
         param_groups: dicts with ``params`` and ``use_muon``, plus the options above.

@@ -1,6 +1,7 @@
 """MuonWithAuxAdam.step(grad_factor=f) on loss-scaled low-precision gradients gives the bits of step() on the fp32
-gradients multiplied by f (what ZeRO used to hand it), with the gradients read a chunk at a time: the Adam step,
-the Muon fold into the workspace, and the whole-gradient path of a group that cannot use a workspace."""
+gradients multiplied by f (the reference: a whole unscaled fp32 copy of them, made before the step), with the
+gradients read a chunk at a time: the Adam step, the Muon fold into the workspace, and the whole-gradient path of a
+group that cannot use a workspace."""
 
 import pytest
 import torch
@@ -47,7 +48,7 @@ def test_scaled_gradients_with_a_factor_give_the_bits_of_unscaled_fp32_gradients
         generator = torch.Generator().manual_seed(10 + step)
         scaled = (torch.randn(sum(numels), generator=generator) * 1024).to(dtype)
         factor = torch.tensor(0.7 / 1024, dtype=torch.float32)
-        unscaled = scaled.to(torch.float32, copy=True).mul_(factor)  # what ZeRO used to give the optimizer
+        unscaled = scaled.to(torch.float32, copy=True).mul_(factor)  # the reference: a whole unscaled fp32 copy
         for p, q, grad, grad32 in zip(scaled_params, plain_params, scaled.split(numels), unscaled.split(numels)):
             p.grad_dtype = None
             p.grad, q.grad = grad.view(p.shape), grad32.view(q.shape)

@@ -146,7 +146,7 @@ def test_adam_single_field_corruption(key, value):
         params["lr"], tuple(params["betas"]), params["eps"], params["amsgrad"])
 
 
-def test_a_negative_ns_steps_no_longer_trains_without_orthogonalisation():
+def test_a_negative_ns_steps_is_refused():
     with pytest.raises(DeepSpeedConfigError, match=r"optimizer.params.ns_steps must be >= 1, got -1"):
         DeepSpeedConfig(_config("muon", {"ns_steps": -1}))
 
