@@ -95,7 +95,7 @@ class DeepSpeedBF16Config(DeepSpeedConfigModel):
         False, description="BF16_Optimizer only: accumulate into fp32 gradients from per-parameter hooks."
     )
     check_grad_overflow: bool = Field(
-        True, description="ZeRO stages 1-3: check gradients for inf/nan and skip the step when found."
+        True, description="Check gradients for inf/nan and skip the step when found (every ZeRO stage)."
     )
     bf16_master_weights_and_grads: bool = Field(
         False, description="Keep master weights and gradients in bf16 (ZeRO stages 1-3 only)."
