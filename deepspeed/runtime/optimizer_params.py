@@ -99,8 +99,9 @@ class AdamParams(OptimizerParams):
     model_config = ConfigDict(title="optimizer.params (adam, adamw)", extra="allow")
 
     adam_w_mode: bool = Field(None, description="Decoupled weight decay (AdamW) for type adam; default true.")
-    torch_adam: bool = Field(None, description="Upstream's choice of torch's Adam over its fused op; torch's "
-                             "Adam is always used here.")
+    torch_adam: bool = Field(None, description="Upstream's choice of torch's Adam over its fused op; here the "
+                             "implementation is chosen for you: torch's Adam/AdamW, or DeepSpeedCPUAdam with "
+                             "optimizer offload.")
     amsgrad: bool = Field(None, description="torch's AMSGrad variant.")
 
 
