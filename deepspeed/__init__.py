@@ -55,6 +55,8 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
         AssertionError: no model (upstream's message).
         DeepSpeedConfigError: the config is invalid; the message names the key. No config, or a config given
             twice, raise DeepSpeedConfigAssertionError, both a DeepSpeedConfigError and upstream's AssertionError.
+        ValueError: an `mpu` or `mesh_param` describing model or sequence parallelism (this fork is data parallel
+            over every rank).
     """
     log_dist(f"DeepSpeed info: version={__version__}, git-hash={__git_hash__}, git-branch={__git_branch__}",
              ranks=[0], level=logging.INFO)
@@ -62,6 +64,7 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
         raise AssertionError("deepspeed.initialize requires a model")
     comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                           distributed_port=distributed_port, dist_init_required=dist_init_required)
+    _check_data_parallel_only(mpu, mesh_param)
     config = _resolve_config(args, config if config is not None else config_params)
     config_class = DeepSpeedConfig(config, mpu)
     set_optimizer_flags(config_class, model)
@@ -70,6 +73,25 @@ def initialize(args=None, model: torch.nn.Module = None, optimizer=None, model_p
                              dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
                              config_class=config_class)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _check_data_parallel_only(mpu, mesh_param) -> None:
+    """The engine reduces gradients and partitions state over every rank: an `mpu` or `mesh_param` (upstream's
+    (data-parallel size, sequence-parallel size)) that describes anything else would be trained wrongly, so it is
+    refused rather than followed for the batch arithmetic alone."""
+    world = comm.get_world_size()
+    whole = f"this fork is data parallel over every rank (model- and sequence-parallel size 1, world size {world})"
+    if mpu is not None:
+        data_parallel = mpu.get_data_parallel_world_size()
+        model_parallel = mpu.get_model_parallel_world_size() if hasattr(mpu, "get_model_parallel_world_size") else 1
+        if data_parallel != world or model_parallel != 1:
+            raise ValueError(f"deepspeed.initialize(mpu=...): the mpu has data-parallel size {data_parallel} and "
+                             f"model-parallel size {model_parallel}; {whole}: pass mpu=None, or an mpu whose "
+                             "data-parallel group is every rank")
+    if mesh_param is not None:
+        if len(tuple(mesh_param)) != 2 or tuple(mesh_param) != (world, 1):
+            raise ValueError(f"deepspeed.initialize(mesh_param={mesh_param!r}): {whole}: pass mesh_param=None or "
+                             f"({world}, 1) (data-parallel size, sequence-parallel size)")
 
 
 def _resolve_config(args, config):

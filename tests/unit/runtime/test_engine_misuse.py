@@ -60,6 +60,43 @@ class TestMisuse(DistributedTest):
             deepspeed.initialize(model=model, optimizer=sgd, config=config)
 
 
+class ParallelUnit:
+    """An mpu (upstream's model-parallel unit) reporting the given sizes."""
+
+    def __init__(self, data_parallel, model_parallel):
+        self.data_parallel, self.model_parallel = data_parallel, model_parallel
+
+    def get_data_parallel_world_size(self):
+        return self.data_parallel
+
+    def get_model_parallel_world_size(self):
+        return self.model_parallel
+
+
+class TestDataParallelOnly(DistributedTest):
+    """An mpu or mesh_param describing model or sequence parallelism is refused, not followed for the batch
+    arithmetic alone while gradients are reduced over every rank; one describing the whole world is accepted."""
+
+    world_size = 2
+
+    @pytest.mark.parametrize("data_parallel, model_parallel", [(1, 2), (2, 2), (1, 1)])
+    def test_an_mpu_with_other_sizes_is_refused(self, data_parallel, model_parallel):
+        with pytest.raises(ValueError, match=f"the mpu has data-parallel size {data_parallel} and model-parallel "
+                           f"size {model_parallel}; this fork is data parallel over every rank"):
+            deepspeed.initialize(model=make_model(), config=make_config(1, "fp32"),
+                                 mpu=ParallelUnit(data_parallel, model_parallel))
+
+    @pytest.mark.parametrize("mesh_param", [(1, 2), (2, 2), (1, 1)])
+    def test_a_mesh_with_other_sizes_is_refused(self, mesh_param):
+        with pytest.raises(ValueError, match=r"mesh_param=\(.*\)\): this fork is data parallel over every rank"):
+            deepspeed.initialize(model=make_model(), config=make_config(1, "fp32"), mesh_param=mesh_param)
+
+    def test_the_whole_world_is_accepted(self):
+        engine, *_ = deepspeed.initialize(model=make_model(), config=make_config(1, "fp32"), mpu=ParallelUnit(2, 1),
+                                          mesh_param=(2, 1))
+        assert engine.train_batch_size() == 2 * engine.train_micro_batch_size_per_gpu()
+
+
 class TestUnimplementedOptions(DistributedTest):
     world_size = 1
 
