@@ -1,9 +1,10 @@
 """ZeRO-Offload on one GPU: GPT-2 small (124M), bf16, ZeRO-2, AdamW and Muon, with and without
-`offload_optimizer: {device: cpu}`: the model states' GPU memory per parameter, the peak, and the step time.
+`offload_optimizer: {device: cpu}` (and with the weights sent back only after the whole host step, "-at-end"): the
+model states' GPU memory per parameter, the peak, and the step time.
 
 Each mode runs in its own process (so its peak is its own), one after the other:
 
-    python benchmarks/offload_gpu_bench.py                      # the four modes, a markdown table
+    python benchmarks/offload_gpu_bench.py                      # every mode, a markdown table
     python benchmarks/offload_gpu_bench.py --modes adamw-offload --steps 5 --seq-len 256   # one mode, quick
     python benchmarks/offload_gpu_bench.py --json results.json
 
@@ -24,7 +25,9 @@ import subprocess
 import sys
 import time
 
-MODES = ("adamw", "adamw-offload", "muon", "muon-offload")
+# "-at-end": offload with the weights sent back only after the whole host step (each stretch's copy no longer
+# started as the step writes it): what the stretch-by-stretch copy back saves.
+MODES = ("adamw", "adamw-offload", "adamw-offload-at-end", "muon", "muon-offload", "muon-offload-at-end")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -32,7 +35,7 @@ def ds_config(mode: str, micro_batch: int) -> dict:
     optimizer = ({"type": "muon", "params": {"lr": 0.02, "adam_lr": 6e-4, "weight_decay": 0.0}}
                  if mode.startswith("muon") else {"type": "AdamW", "params": {"lr": 6e-4, "weight_decay": 0.1}})
     zero = {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 50_000_000}
-    if mode.endswith("offload"):
+    if "offload" in mode:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     return {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
             "gradient_clipping": 1.0, "bf16": {"enabled": True}, "optimizer": optimizer,
@@ -53,6 +56,10 @@ def run_mode(args) -> dict:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + MODES.index(args.modes[0])))
     deepspeed.init_distributed()
+    if args.modes[0].endswith("-at-end"):
+        from deepspeed.runtime.zero.offload import HostOffload
+
+        HostOffload.send_written = lambda self, written: None  # publishing then sends every stretch
     torch.manual_seed(0)
     cfg = GPTConfig(seq_len=args.seq_len)
     model = GPT(cfg)
