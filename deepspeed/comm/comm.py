@@ -31,8 +31,12 @@ if torch_dist.is_available():
     # torch._dynamo, which imports FSDP, which imports it). Imported after init_process_group, it holds the world
     # group for good: destroy_process_group then frees nothing, gloo's worker threads outlive it, and one that drops
     # its last reference to a finished collective while the interpreter exits aborts the process ("terminate called
-    # without an active exception"). Imported here, before any group exists, its defaults are None.
-    import torch.distributed.nn.functional  # noqa: F401
+    # without an active exception"). Imported here, before any group exists, its defaults are None. (A torch build
+    # without the module has nothing to pin the group.)
+    try:
+        import torch.distributed.nn.functional  # noqa: F401
+    except ImportError:
+        pass
 
 __all__ = [
     "TORCH_DISTRIBUTED_DEFAULT_PORT",
