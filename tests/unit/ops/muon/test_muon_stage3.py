@@ -73,3 +73,6 @@ class TestMuonClippingStage3(clipping.TestMuonClipping):
 
     def test_clipping_above_the_gradient_norm_changes_nothing(self):
         super().test_clipping_above_the_gradient_norm_changes_nothing(3)
+
+    def test_clipping_below_the_gradient_norm_clips_what_muon_folds_in(self):
+        super().test_clipping_below_the_gradient_norm_clips_what_muon_folds_in(3)
