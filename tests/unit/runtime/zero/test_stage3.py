@@ -150,6 +150,7 @@ class TestStage3OverflowOracle(DistributedTest):
         assert len(after_skip["states"]) == (3 + 3 * 2 if optimizer == "muon" else 4 * 2)
         assert after_skip["states"].keys() == never_taken["states"].keys()
         for name in after_skip:
+            assert len(after_skip[name]) == len(never_taken[name]), name
             pairs = after_skip[name].items() if name == "states" else enumerate(after_skip[name])
             for key, a in pairs:
                 b = never_taken[name][key]
