@@ -71,6 +71,13 @@ def host_state_tensors(engine):
     return tensors
 
 
+def adam_steps(engine):
+    """This rank's step count of every basic-optimizer state that keeps one, in parameter-group order."""
+    basic = engine.optimizer.optimizer
+    states = [basic.state.get(p, {}) for group in basic.param_groups for p in group["params"]]
+    return [float(state["step"]) for state in states if "step" in state]
+
+
 class TestOffloadParity(DistributedTest):
     world_size = 2
 
@@ -312,10 +319,17 @@ class TestOffloadAcrossCheckpoints(DistributedTest):
         before, after = full_snapshot(engine), full_snapshot(resumed)
         for key in ("masters", "params", "states", "counters"):
             assert_identical(after[key], before[key], key)
+        # Adam's bias correction reads the step count, which the moments' comparison above does not cover.
+        steps = adam_steps(resumed)
+        assert steps and steps == adam_steps(engine) == [3.0] * len(steps), f"{steps} vs {adam_steps(engine)}"
+        start = fp32_masters(resumed)
         assert train_steps(resumed, batches[3:], dtype) == pytest.approx(train_steps(engine, batches[3:], dtype),
-                                                                          rel=1e-2)
-        for a, b in zip(fp32_masters(resumed), fp32_masters(engine)):
-            assert relative_error(a, b) < 1e-2
+                                                                          rel=1e-3)
+        # The two runs differ by the host op's fp32 rounding against torch's: at most 9e-7 of a displacement here; a
+        # step count off by one (bias correction) or moments lost at the load are off by far more.
+        for index, (a, b, s) in enumerate(zip(fp32_masters(resumed), fp32_masters(engine), start, strict=True)):
+            error = relative_error(a - s, b - s)
+            assert error < 5e-6, f"param {index}: displacement relative error {error:.2e}"
 
 
 class TestOffloadReporterTable(DistributedTest):
