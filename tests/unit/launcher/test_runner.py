@@ -1,6 +1,7 @@
 """The `deepspeed` launcher's pure parts: specs, hostfiles, plans, torchrun commands, env, the shim."""
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -29,10 +30,15 @@ class TestHostfile:
     def test_keeps_file_order(self):
         assert list(dsrun._parse_hostfile(["b slots=1", "a slots=1"])) == ["b", "a"]
 
-    @pytest.mark.parametrize("lines", [["worker-0 slots=x"], ["worker-0"], ["worker-0 slots=2", "worker-0 slots=4"],
-                                       ["# only a comment"], []])
-    def test_bad(self, lines):
-        with pytest.raises(ValueError):
+    @pytest.mark.parametrize("lines, message", [
+        (["worker-0 slots=x"], "bad entry: worker-0 slots=x"),
+        (["worker-0"], "bad entry: worker-0,"),
+        (["worker-0 slots=2", "worker-0 slots=4"], "multiple entries for worker-0"),
+        (["# only a comment"], "Hostfile is empty or not formatted correctly"),
+        ([], "Hostfile is empty or not formatted correctly"),
+    ])
+    def test_bad(self, lines, message):
+        with pytest.raises(ValueError, match=re.escape(message)):
             dsrun._parse_hostfile(lines)
 
     def test_fetch(self, tmp_path):
@@ -101,15 +107,23 @@ class TestSelectResources:
         pool = {"a": [0, 1, 2], "b": [0, 1, 2], "c": [0, 1, 2]}
         assert dsrun.select_resources(pool, num_nodes=2, num_gpus=2) == {"a": [0, 1], "b": [0, 1]}
 
-    @pytest.mark.parametrize("kwargs", [{"num_nodes": 3}, {"num_gpus": 5}, {"exclude": "worker-0@worker-1"}])
-    def test_too_much_or_nothing(self, kwargs):
-        with pytest.raises(ValueError):
+    @pytest.mark.parametrize("kwargs, message", [
+        ({"num_nodes": 3}, "--num_nodes 3 requested but the hostfile lists only 2 host(s)"),
+        ({"num_gpus": 5}, "--num_gpus 5 requested but host 'worker-0' has only 4 slot(s)"),
+        ({"exclude": "worker-0@worker-1"}, "No resources left to launch on after applying --include/--exclude"),
+    ])
+    def test_too_much_or_nothing(self, kwargs, message):
+        with pytest.raises(ValueError, match=re.escape(message)):
             dsrun.select_resources(HOSTS, **kwargs)
 
-    @pytest.mark.parametrize("argv", ["--num_nodes 1 -i localhost", "--num_gpus 1 -e localhost:0",
-                                      "--no_python --module", "--num_gpus 0"])
-    def test_rejected_combinations(self, argv):
-        with pytest.raises(ValueError):
+    @pytest.mark.parametrize("argv, message", [
+        ("--num_nodes 1 -i localhost", "Cannot specify num_nodes/gpus with include/exclude"),
+        ("--num_gpus 1 -e localhost:0", "Cannot specify num_nodes/gpus with include/exclude"),
+        ("--no_python --module", "Don't use both the '--no_python' flag and the '--module' flag"),
+        ("--num_gpus 0", "--num_nodes and --num_gpus/--num_accelerators must be positive"),
+    ])
+    def test_rejected_combinations(self, argv, message):
+        with pytest.raises(ValueError, match=re.escape(message)):
             plan(argv)
 
     def test_main_rejects_before_launching(self):
@@ -256,9 +270,13 @@ class TestShim:
         assert options == launch_shim.ShimOptions(module=True, rank_log_prefix="/l/p")
         assert command == ["m", "--module"]
 
-    @pytest.mark.parametrize("argv", [["train.py"], ["--bogus", "--user_command", "t.py"], ["--user_command"]])
-    def test_parse_errors(self, argv):
-        with pytest.raises(ValueError):
+    @pytest.mark.parametrize("argv, message", [
+        (["train.py"], "expected '--user_command' before the user script, got ['train.py']"),
+        (["--bogus", "--user_command", "t.py"], "unknown flag '--bogus'"),
+        (["--user_command"], "no user script after '--user_command'"),
+    ])
+    def test_parse_errors(self, argv, message):
+        with pytest.raises(ValueError, match=re.escape(message)):
             launch_shim.parse_shim_args(argv)
 
     @pytest.mark.parametrize("options, expected", [
