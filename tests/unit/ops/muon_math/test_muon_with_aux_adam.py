@@ -147,8 +147,13 @@ def test_empty_groups_are_allowed():
     assert b.lt(1).all()
 
 
-def test_momentum_stays_fp32_for_bf16_params():
+def test_momentum_stays_fp32_for_bf16_params(monkeypatch):
+    # Learning rates at which a step moves a parameter by many bf16 ulps: at the defaults a step is about half an
+    # ulp of the weights, and where it rounds decides more than the update does.
+    monkeypatch.setitem(MUON_OPTIONS, "lr", 0.5)
+    monkeypatch.setitem(ADAM_OPTIONS, "lr", 0.2)
     params = make_params(torch.bfloat16)
+    start = {name: p.detach().double().clone() for name, p in params.items()}
     optimizer = make_optimizer(params)
     reference = ReferenceMuonAdam(params)
     for step in range(3):
@@ -160,8 +165,11 @@ def test_momentum_stays_fp32_for_bf16_params():
         assert p.dtype == torch.bfloat16
         keys = ("momentum_buffer",) if name in MUON_SHAPES else ("exp_avg", "exp_avg_sq")
         assert all(optimizer.state[p][key].dtype == torch.float32 for key in keys)
-        # bf16 rounding of the parameter each step (~2^-8 relative) dominates the tolerance.
-        torch.testing.assert_close(p.double(), reference.params[name], rtol=2e-2, atol=2e-2)
+        # Each parameter's change against the fp64 loop's: what remains is bf16 rounding of the parameter (and of
+        # Newton-Schulz in bf16), measured at most 2.3e-2.
+        moved, expected = p.double() - start[name], reference.params[name] - start[name]
+        error = ((moved - expected).norm() / expected.norm()).item()
+        assert error < 5e-2, f"{name}: relative error of the change {error:.3g}"
 
 
 def _state_summary(optimizer):
