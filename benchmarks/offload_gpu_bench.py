@@ -25,8 +25,8 @@ import subprocess
 import sys
 import time
 
-# "-at-end": offload with the weights sent back only after the whole host step (each stretch's copy no longer
-# started as the step writes it): what the stretch-by-stretch copy back saves.
+# "-at-end": offload with the weights sent back only after the whole host step (no stretch's copy started as the
+# step writes it): what the stretch-by-stretch copy back saves.
 MODES = ("adamw", "adamw-offload", "adamw-offload-at-end", "muon", "muon-offload", "muon-offload-at-end")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
