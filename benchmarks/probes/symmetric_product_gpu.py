@@ -24,7 +24,24 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from deepspeed.runtime.zero.muon import addend_gemm  # noqa: E402
 from deepspeed.runtime.zero.muon.symmetric_gram import symmetric_product  # noqa: E402
+
+
+def separate_addend(enabled: bool) -> None:
+    """Switch addend_gemm between cuBLASLt's separate addend and copy-then-baddbmm (its environment switch); the
+    library is looked up again only when the switch changes."""
+    value = "1" if enabled else "0"
+    if os.environ.get(addend_gemm.ENV_SWITCH) != value:
+        os.environ[addend_gemm.ENV_SWITCH] = value
+        addend_gemm._library.cache_clear()
+
+
+def with_addend_path(enabled: bool, function):
+    def call():
+        separate_addend(enabled)
+        function()
+    return call
 
 
 def timed(function, reps: int) -> float:
@@ -57,8 +74,12 @@ def main() -> None:
     A, B, addend, out = matrix(), matrix(), matrix(), matrix()
     block_macs = 3 * count * h * m * h
     cases = {
-        "as made: whole copy + 3 block baddbmm": (lambda: symmetric_product(A, B, out, addend=addend, beta=0.5,
-                                                                            alpha=2.0), block_macs),
+        "addend copied whole + 3 block baddbmm": (
+            with_addend_path(False, lambda: symmetric_product(A, B, out, addend=addend, beta=0.5, alpha=2.0)),
+            block_macs),
+        "3 block products, addend read in place (cuBLASLt)": (
+            with_addend_path(True, lambda: symmetric_product(A, B, out, addend=addend, beta=0.5, alpha=2.0)),
+            block_macs),
         "3 block products, no addend": (lambda: symmetric_product(A, B, out), block_macs),
         "addend copy, whole": (lambda: out.copy_(addend), 0),
         "addend copy, upper blocks": (lambda: (out[:, :h].copy_(addend[:, :h]),

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from deepspeed.runtime.zero.muon.addend_gemm import gemm_with_addend, separate_addend_supported
 from deepspeed.runtime.zero.muon.matrix_scale import scale_fp16, scale_matrices
 from deepspeed.runtime.zero.muon.ns_common import (
     NS_COEFFICIENTS,
@@ -115,21 +116,23 @@ def symmetric_product(A: Tensor, B: Tensor, out: Tensor, addend: Tensor | None =
     """The upper blocks of ``beta * addend + alpha * A B`` into ``out``, for upper-stored symmetric A, B (and
     addend) whose product is symmetric: three block products, each a row panel of A times a column panel of B.
 
-    An addend other than ``out`` is first copied into ``out`` whole: ``baddbmm`` into a block would copy the addend's
-    block itself, with a strided copy per block (measured at 3-4x the time of one contiguous copy of the matrix).
-    The bits are the same: ``baddbmm`` copies its addend into its output and accumulates there either way."""
-    if addend is not None and addend is not out:
+    An addend other than ``out`` is read where it lies (:func:`~.addend_gemm.gemm_with_addend`, cuBLASLt's separate
+    C and D) on a GPU that offers it; otherwise it is first copied into ``out`` whole, since ``baddbmm`` into a block
+    would copy the addend's block itself with a strided copy per block (measured at 3-4x the time of one contiguous
+    copy of the matrix). Either way the addend is added in the fp32 accumulator."""
+    if addend is not None and addend is not out and not separate_addend_supported(out):
         out.copy_(addend)
         addend = out
     for row, col in _UPPER_BLOCKS:
         rows, cols, target = _row_panel(A, row), _col_panel(B, col), _block(out, row, col)
         if addend is None:
             torch.bmm(rows, cols, out=target)
-        else:
+        elif addend is out:
             # With the addend already in ``out``, the block itself is passed: torch then accumulates in place rather
             # than copying the block onto itself first.
-            torch.baddbmm(target if addend is out else _block(addend, row, col), rows, cols, beta=beta,
-                          alpha=alpha, out=target)
+            torch.baddbmm(target, rows, cols, beta=beta, alpha=alpha, out=target)
+        else:
+            gemm_with_addend(target, _block(addend, row, col), rows, cols, beta=beta, alpha=alpha)
 
 
 def symmetric_left_product(S: Tensor, X: Tensor, out: Tensor, beta: float | None = None, tall: bool = False) -> Tensor:
@@ -139,27 +142,28 @@ def symmetric_left_product(S: Tensor, X: Tensor, out: Tensor, beta: float | None
     as X^T S^T, so that a matrix transposed into the wide orientation comes back contiguous in its own layout.
     Returns the result as written (wide or tall).
 
-    With ``beta``, X is first copied into ``out`` whole and each panel's product accumulated onto it in place (the
-    bits ``baddbmm`` gives with X's panel as its addend, without a strided copy per panel); that copy is contiguous
-    when X's memory has ``out``'s layout, so a caller whose X is stored transposed asks for ``tall``.
+    With ``beta``, X's panel is each product's addend: read where it lies where cuBLASLt is offered (see
+    :func:`symmetric_product`), else X is first copied into ``out`` whole and each panel's product accumulated onto
+    it in place (the bits ``baddbmm`` gives with X's panel as its addend, without a strided copy per panel). Either
+    needs X's memory in ``out``'s layout, so a caller whose X is stored transposed asks for ``tall``.
     """
     h = _half(S.size(-1))
-    if beta is not None:
-        out.copy_(X.mT if tall else X)
+    X_out = X.mT if tall else X  # X in the layout of ``out``
+    separate = beta is not None and separate_addend_supported(out)
+    if beta is not None and not separate:
+        out.copy_(X_out)
     for row, rows in ((0, slice(None, h)), (1, slice(h, None))):
         panel = _row_panel(S, row)
         if tall:
-            target = out[:, :, rows]
-            if beta is None:
-                torch.bmm(X.mT, panel.mT, out=target)
-            else:
-                torch.baddbmm(target, X.mT, panel.mT, beta=beta, out=target)
+            target, left, right, addend = out[:, :, rows], X.mT, panel.mT, X_out[:, :, rows]
         else:
-            target = out[:, rows]
-            if beta is None:
-                torch.bmm(panel, X, out=target)
-            else:
-                torch.baddbmm(target, panel, X, beta=beta, out=target)
+            target, left, right, addend = out[:, rows], panel, X, X_out[:, rows]
+        if beta is None:
+            torch.bmm(left, right, out=target)
+        elif separate:
+            gemm_with_addend(target, addend, left, right, beta=beta)
+        else:
+            torch.baddbmm(target, left, right, beta=beta, out=target)
     return out
 
 

@@ -1,0 +1,88 @@
+"""``gemm_with_addend``: out = beta * addend + alpha * A @ B with the addend read where it lies.
+
+On a CPU (and wherever cuBLASLt is not offered) it copies the addend and calls ``baddbmm``: the same bits as torch.
+On a GPU it calls cuBLASLt with separate C and D; there it must actually take that path for the layouts the
+symmetric Gram iteration uses (a silent fallback would bring the copies back), agree with an fp32 reference to
+fp32-accumulation rounding, and leave the addend untouched.
+"""
+
+import pytest
+import torch
+
+from deepspeed.runtime.zero.muon import addend_gemm
+from deepspeed.runtime.zero.muon.addend_gemm import gemm_with_addend, separate_addend_supported
+
+
+def _operand(count, rows, cols, transposed, dtype, device, generator):
+    """A (count, rows, cols) matrix batch, stored transposed when asked (a .mT view of contiguous memory)."""
+    shape = (count, cols, rows) if transposed else (count, rows, cols)
+    t = torch.randn(shape, generator=generator, dtype=torch.float32).to(device=device, dtype=dtype)
+    return t.mT if transposed else t
+
+
+LAYOUTS = [(False, False), (True, False), (False, True), (True, True)]
+
+
+@pytest.mark.parametrize("a_transposed,b_transposed", LAYOUTS)
+def test_without_cublaslt_it_is_baddbmm_bit_for_bit(a_transposed, b_transposed):
+    generator = torch.Generator().manual_seed(0)
+    A = _operand(3, 5, 7, a_transposed, torch.float32, "cpu", generator)
+    B = _operand(3, 7, 6, b_transposed, torch.float32, "cpu", generator)
+    addend = torch.randn(3, 5, 6, generator=generator)
+    before = addend.clone()
+    out = torch.empty(3, 5, 6)
+    gemm_with_addend(out, addend, A, B, beta=-0.5, alpha=3.0)
+    assert torch.equal(out, torch.baddbmm(addend, A, B, beta=-0.5, alpha=3.0))
+    assert torch.equal(addend, before)
+    assert not separate_addend_supported(out)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt needs a CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("a_transposed,b_transposed", LAYOUTS)
+def test_cublaslt_matches_an_fp32_reference_and_leaves_the_addend(dtype, a_transposed, b_transposed):
+    generator = torch.Generator().manual_seed(1)
+    count, m, k, n = 4, 96, 160, 128
+    A = _operand(count, m, k, a_transposed, dtype, "cuda", generator) / k**0.5
+    B = _operand(count, k, n, b_transposed, dtype, "cuda", generator)
+    addend = torch.randn(count, m, n, generator=generator).to("cuda", dtype)
+    before = addend.clone()
+    out = torch.empty(count, m, n, device="cuda", dtype=dtype)
+    assert separate_addend_supported(out)
+    assert addend_gemm._separate_addend_plan(out, addend, A, B) is not None, "cuBLASLt turned the layout down"
+    gemm_with_addend(out, addend, A, B, beta=0.75, alpha=-2.0)
+    reference = 0.75 * addend.float() + -2.0 * torch.bmm(A.float(), B.float())
+    # One rounding of an fp32 accumulation to the output dtype (plus fp32 summation-order differences).
+    ulp = torch.finfo(dtype).eps
+    assert (out.float() - reference).abs().max() <= 2 * ulp * reference.abs().max()
+    assert torch.equal(addend, before)
+
+
+@cuda
+def test_cublaslt_on_the_blocks_of_an_upper_stored_matrix():
+    """The layouts symmetric_product hands it: blocks of (count, m, m) buffers at an offset, row panels and
+    transposed column panels; the lower block of the output is never written."""
+    from deepspeed.runtime.zero.muon.symmetric_gram import symmetric_product
+
+    generator = torch.Generator().manual_seed(2)
+    count, m = 3, 256
+
+    def symmetric():
+        S = torch.randn(count, m, m, generator=generator) / m**0.5
+        return (S + S.mT).to("cuda", torch.float16)
+
+    A, B, addend = symmetric(), symmetric(), symmetric()
+    # A and B commute only if they are polynomials of one matrix: use powers of one symmetric matrix.
+    B = (A.float() @ A.float()).half()
+    out = torch.full_like(A, float("nan"))
+    symmetric_product(A, B, out, addend=addend, beta=0.5, alpha=2.0)
+    reference = 0.5 * addend.float() + 2.0 * (A.float() @ B.float())
+    h = m // 2
+    for rows, cols in ((slice(None, h), slice(None, h)), (slice(None, h), slice(h, None)),
+                       (slice(h, None), slice(h, None))):
+        error = (out[:, rows, cols].float() - reference[:, rows, cols]).abs().max()
+        assert error <= 4 * torch.finfo(torch.float16).eps * reference.abs().max()
+    assert torch.isnan(out[:, h:, :h]).all(), "the lower block is not the product's to write"
