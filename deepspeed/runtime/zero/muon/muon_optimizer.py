@@ -29,6 +29,7 @@ from deepspeed.runtime.zero.muon.original_muon import (
     update_scale,
 )
 from deepspeed.runtime.zero.muon.aux_adam import adam_in_chunks, fusable, fused_adamw, unscaled_gradients
+from deepspeed.runtime.zero.muon.fused_update import apply_update
 from deepspeed.runtime.zero.muon.fused_momentum import fold_and_direction
 from deepspeed.runtime.zero.muon.host_step import HostStep
 from deepspeed.runtime.zero.muon.per_head import head_count
@@ -573,14 +574,15 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 self._host.apply_updates(params, update, -lr * scale,
                                          1 - lr * weight_decay if weight_decay != 0 else None, batch_copies)
                 continue
-            if weight_decay != 0:
-                torch._foreach_mul_(params, 1 - lr * weight_decay)
-            # One fused read of the low-precision update per element: the RMS factor and the learning rate
-            # travel as alpha, computed in fp32 against the fp32 master.
+            # One read of the low-precision update per element: the RMS factor and the learning rate travel as
+            # alpha, computed in fp32 against the fp32 master; on a GPU the decay rides in the same pass.
+            decay = 1 - lr * weight_decay if weight_decay != 0 else None
             stacked = stacked_view(params)
             if stacked is not None:
-                stacked.add_(update, alpha=-lr * scale)
+                apply_update(stacked, update, -lr * scale, decay)
             else:
+                if decay is not None:
+                    torch._foreach_mul_(params, decay)
                 torch._foreach_add_(params, list(update.unbind(0)), alpha=-lr * scale)
             for param, copy in zip(params, batch_copies or ()):
                 copy.view(-1).copy_(param.view(-1))

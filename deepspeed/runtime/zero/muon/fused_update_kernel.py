@@ -1,0 +1,22 @@
+"""The Triton kernel behind :func:`deepspeed.runtime.zero.muon.fused_update.apply_update`.
+
+A module of its own because it imports Triton at the top (Triton resolves the kernel's names in its module's
+globals): :mod:`fused_update` imports it only on a CUDA machine with Triton installed.
+"""
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+
+@triton.jit
+def apply_update_kernel(params_ptr, update_ptr, numel, alpha, decay, HAS_DECAY: tl.constexpr, BLOCK: tl.constexpr):
+    """param <- param * decay (rounded, as torch's mul_), then fma(alpha, update, param) in fp32 (torch's add_
+    with alpha on CUDA). One program per BLOCK elements."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    param = tl.load(params_ptr + offsets, mask=mask)
+    if HAS_DECAY:
+        param = libdevice.mul_rn(param, decay)  # rounded on its own: never contracted into the fma below
+    update = tl.load(update_ptr + offsets, mask=mask).to(tl.float32)
+    tl.store(params_ptr + offsets, tl.fma(update, alpha, param), mask=mask)

@@ -1,0 +1,51 @@
+"""Muon's update applied in one pass: bit for bit torch's ``mul_`` (weight decay) and ``add_`` (the update).
+
+On a CPU (and in CI) the function runs those torch passes; on a GPU with Triton it runs the fused kernel, which the
+CUDA cases compare against the torch passes on the same device, with and without decay, for every update dtype and
+a length that is not a multiple of the kernel's block.
+"""
+
+import pytest
+import torch
+
+from deepspeed.runtime.zero.muon import fused_momentum, fused_update
+from deepspeed.runtime.zero.muon.fused_update import apply_update
+
+CASES = [(torch.bfloat16, None), (torch.bfloat16, 0.999), (torch.float16, 0.9), (torch.float32, None),
+         (torch.float32, 0.95)]
+
+
+def compare(device: str, dtype: torch.dtype, decay, numel: int = 1_000_003) -> None:
+    generator = torch.Generator().manual_seed(0)
+    # Masters and updates over several orders of magnitude, so the products' rounding matters.
+    params = (torch.randn(numel, generator=generator) * torch.rand(numel, generator=generator) * 100).to(device)
+    update = torch.randn(numel, generator=generator).to(device, dtype)
+    alpha = -0.0173
+    expected = params.clone()
+    if decay is not None:
+        expected.mul_(decay)
+    expected.add_(update, alpha=alpha)
+    update_before = update.clone()
+    apply_update(params, update, alpha, decay)
+    assert torch.equal(params, expected)
+    assert torch.equal(update, update_before)
+
+
+@pytest.mark.parametrize("dtype,decay", CASES)
+def test_cpu_matches_the_torch_passes(dtype, decay):
+    compare("cpu", dtype, decay, numel=10_007)
+
+
+def test_a_stacked_update_of_another_shape_is_applied_by_element():
+    params, update = torch.randn(3, 4, 5), torch.randn(3, 20)
+    expected = params.clone().add_(update.view(3, 4, 5), alpha=0.5)
+    apply_update(params, update, 0.5)
+    assert torch.equal(params, expected)
+
+
+@pytest.mark.skipif(not fused_momentum.triton_available(), reason="the fused kernel needs a GPU and Triton")
+@pytest.mark.parametrize("dtype,decay", CASES)
+def test_fused_kernel_gives_the_bits_of_the_torch_passes(dtype, decay):
+    fused_update._FAILED.clear()
+    compare("cuda", dtype, decay)
+    assert not fused_update._FAILED, f"the kernel did not run: {fused_update._FAILED}"
