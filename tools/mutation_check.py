@@ -137,8 +137,8 @@ MUTATIONS: Tuple[Mutation, ...] = (
             # The form the ZeRO step runs (the update computed inside step() in the lent workspace): the gradients
             # are left holding the Nesterov direction.
             Patch(MUON_OPTIMIZER,
-                  "            _fold_unscaled(grads, grad_factor, momenta, direction, beta, nesterov)\n",
-                  "            _fold_unscaled(grads, grad_factor, momenta, direction, beta, nesterov)\n"
+                  "        fold_and_direction(grads, momenta, direction, beta, nesterov, factor=grad_factor)\n",
+                  "        fold_and_direction(grads, momenta, direction, beta, nesterov, factor=grad_factor)\n"
                   "        if nesterov:\n"
                   "            grads.copy_(direction)\n"),
         ),

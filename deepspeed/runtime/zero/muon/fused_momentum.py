@@ -4,10 +4,14 @@ Why: under ZeRO the Muon step's element-wise work before Newton-Schulz is two pa
 rank's matrices (``momenta.lerp_(grads)``, then ``lerp(grads, momenta)`` into the Newton-Schulz input), which
 on a GPU is bound by memory bandwidth: 22 bytes moved per element. One Triton kernel reads the gradient and
 the momentum once and writes the new momentum and the direction: 14 bytes per element
-(``benchmarks/probes/muon_elementwise_probe.py`` measures both). The kernel evaluates torch's own ``lerp`` formula
-in fp32, so the results are the same bits as the two torch passes (checked on the GPU by the tests).
+(``benchmarks/probes/muon_elementwise_probe.py`` measures both). Gradients the reducer holds in bf16/fp16 and
+loss-scaled are read as they are, converted and multiplied by the step's unscale-and-clip factor in registers:
+the torch path first writes them unscaled into fp32 chunks (a copy and a ``mul_``, 14 more bytes per element,
+6.8 ms a step at the 1.11B point on an H200). The kernel evaluates torch's own formulas in fp32 (the factor's
+product rounded on its own, then ``lerp``), so the results are the same bits as the torch passes (checked on the
+GPU by the tests).
 
-Everywhere else (CPU, no Triton, non-contiguous or non-fp32 operands) the two torch passes run.
+Everywhere else (CPU, no Triton, non-contiguous operands) the torch passes run.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
+
+from deepspeed.runtime.unscaled_chunks import unscaled_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -40,28 +46,37 @@ def triton_available() -> bool:
     return True
 
 
-def fold_and_direction(grads: Tensor, momenta: Tensor, direction: Tensor, beta: float, nesterov: bool) -> None:
-    """momenta <- lerp(momenta, grads, 1 - beta) in place; direction <- lerp(grads, momenta, beta) (Nesterov) or
-    the new momenta, cast to ``direction``'s dtype.
+def fold_and_direction(grads: Tensor, momenta: Tensor, direction: Tensor, beta: float, nesterov: bool,
+                       factor: Tensor | None = None) -> None:
+    """momenta <- lerp(momenta, g, 1 - beta) in place; direction <- lerp(g, momenta, beta) (Nesterov) or the new
+    momenta, cast to ``direction``'s dtype; g is ``grads`` in fp32, times ``factor`` when given.
 
-    ``grads`` and ``momenta`` are fp32 and of one shape; ``direction`` has their element count (any float dtype).
-    ``grads`` is only read. Bit for bit the two torch passes this replaces.
+    ``momenta`` is fp32; ``grads`` (any float dtype) and ``direction`` (any float dtype) have its element count;
+    ``factor`` is a 0-d fp32 tensor (the step's unscale-and-clip factor, read on the device). ``grads`` is only
+    read. Bit for bit the torch passes this replaces: the gradients unscaled into fp32 a chunk at a time
+    (``unscaled_chunks``: a copy to fp32, then ``mul_``), then the two ``lerp`` passes per chunk; those run where
+    the kernel cannot.
     """
-    if _fusable(grads, momenta, direction) and _fused(grads, momenta, direction, beta, nesterov):
+    if _fusable(grads, momenta, direction, factor) and _fused(grads, momenta, direction, beta, nesterov, factor):
         return
-    momenta.lerp_(grads, 1 - beta)
-    if nesterov:
-        torch.lerp(grads, momenta, beta, out=direction.view(momenta.shape))
-    else:
-        direction.view(momenta.shape).copy_(momenta)
+    momenta, direction = momenta.view(-1), direction.view(-1)
+    for start, end, chunk in unscaled_chunks(grads, factor):
+        chunk_momenta = momenta[start:end]
+        chunk_momenta.lerp_(chunk, 1 - beta)
+        if nesterov:
+            torch.lerp(chunk, chunk_momenta, beta, out=direction[start:end])
+        else:
+            direction[start:end].copy_(chunk_momenta)
 
 
-def _fusable(grads: Tensor, momenta: Tensor, direction: Tensor) -> bool:
+def _fusable(grads: Tensor, momenta: Tensor, direction: Tensor, factor: Tensor | None) -> bool:
+    floats = (torch.float32, torch.bfloat16, torch.float16)
     return (grads.is_cuda and grads.device == momenta.device == direction.device and triton_available()
-            and grads.numel() > 0 and grads.dtype == momenta.dtype == torch.float32
-            and direction.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and grads.is_contiguous() and momenta.is_contiguous() and direction.is_contiguous()
-            and grads.numel() == momenta.numel() == direction.numel())
+            and grads.numel() > 0 and momenta.dtype == torch.float32 and grads.dtype in floats
+            and direction.dtype in floats and grads.is_contiguous() and momenta.is_contiguous()
+            and direction.is_contiguous() and grads.numel() == momenta.numel() == direction.numel()
+            and (factor is None or (factor.device == grads.device and factor.dtype == torch.float32
+                                    and factor.numel() == 1)))
 
 
 def launched(failed: list[Exception], launch: Callable[[], None], device: torch.device, kernel: str,
@@ -82,18 +97,20 @@ def launched(failed: list[Exception], launch: Callable[[], None], device: torch.
     return True
 
 
-def _fused(grads: Tensor, momenta: Tensor, direction: Tensor, beta: float, nesterov: bool) -> bool:
+def _fused(grads: Tensor, momenta: Tensor, direction: Tensor, beta: float, nesterov: bool,
+           factor: Tensor | None = None) -> bool:
     """Run the kernel; False (and the torch passes from then on) when Triton cannot compile it on this machine."""
     numel = grads.numel()
     fold_weight = 1 - beta
 
     def launch() -> None:
-        _kernel()[(-(-numel // _BLOCK), )](grads, momenta, direction, numel, fold_weight, beta,
+        _kernel()[(-(-numel // _BLOCK), )](grads, momenta if factor is None else factor, momenta, direction, numel,
+                                          fold_weight, beta, HAS_FACTOR=factor is not None,
                                           FOLD_SMALL=abs(fold_weight) < 0.5, DIRECTION_SMALL=abs(beta) < 0.5,
                                           NESTEROV=nesterov, BLOCK=_BLOCK)
 
     return launched(_FAILED, launch, grads.device, "fused momentum",
-                    "torch's lerp passes (one more pass over the momenta)")
+                    "torch's passes (the gradients unscaled into fp32 chunks, then two lerp passes)")
 
 
 # The error that made the kernel unusable in this process, if any.

@@ -6,6 +6,7 @@ globals): :mod:`fused_momentum` imports it only on a CUDA machine with Triton in
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 
 @triton.jit
@@ -17,14 +18,18 @@ def _lerp(start, end, weight, SMALL: tl.constexpr):
 
 
 @triton.jit
-def fold_and_direction_kernel(grads_ptr, momenta_ptr, direction_ptr, numel, fold_weight, direction_weight,
-                              FOLD_SMALL: tl.constexpr, DIRECTION_SMALL: tl.constexpr, NESTEROV: tl.constexpr,
-                              BLOCK: tl.constexpr):
-    """momentum <- lerp(momentum, grad, fold_weight); direction <- lerp(grad, momentum, direction_weight) or the
-    momentum, stored in the direction's dtype. One program per BLOCK elements."""
+def fold_and_direction_kernel(grads_ptr, factor_ptr, momenta_ptr, direction_ptr, numel, fold_weight,
+                              direction_weight, HAS_FACTOR: tl.constexpr, FOLD_SMALL: tl.constexpr,
+                              DIRECTION_SMALL: tl.constexpr, NESTEROV: tl.constexpr, BLOCK: tl.constexpr):
+    """grad <- grad (any float dtype) as fp32, times the 0-d fp32 factor if given (one rounding, as torch's copy to
+    fp32 then mul_); momentum <- lerp(momentum, grad, fold_weight); direction <- lerp(grad, momentum,
+    direction_weight) or the momentum, stored in the direction's dtype. One program per BLOCK elements."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
-    grad = tl.load(grads_ptr + offsets, mask=mask)
+    grad = tl.load(grads_ptr + offsets, mask=mask).to(tl.float32)
+    if HAS_FACTOR:
+        # Rounded on its own, as torch's mul_: never contracted into the lerps' multiply-adds.
+        grad = libdevice.mul_rn(grad, tl.load(factor_ptr))
     momentum = _lerp(tl.load(momenta_ptr + offsets, mask=mask), grad, fold_weight, FOLD_SMALL)
     tl.store(momenta_ptr + offsets, momentum, mask=mask)
     if NESTEROV:

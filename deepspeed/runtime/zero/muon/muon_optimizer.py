@@ -35,7 +35,6 @@ from deepspeed.runtime.zero.muon.host_step import HostStep
 from deepspeed.runtime.zero.muon.per_head import head_count
 from deepspeed.runtime.zero.muon.ns_graph import GraphedCalls
 from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
-from deepspeed.runtime.unscaled_chunks import unscaled_chunks
 
 MUON_DEFAULTS: dict[str, Any] = {
     "lr": 0.02,
@@ -496,10 +495,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             captured = self.__dict__["_graphs"].get(key, orthogonalise, grads.device, workspace)
         beta, nesterov = group["momentum"], group["nesterov"]
         # The new momenta, then the direction straight into the Newton-Schulz input: one pass on a GPU with Triton.
-        if grad_factor is None and grads.dtype == torch.float32:
-            fold_and_direction(grads, momenta, direction, beta, nesterov)
-        else:
-            _fold_unscaled(grads, grad_factor, momenta, direction, beta, nesterov)
+        fold_and_direction(grads, momenta, direction, beta, nesterov, factor=grad_factor)
         updates = captured.replay(workspace) if captured is not None else orthogonalise()
         plans[key] = workspace.fallback_sizes
         return _MuonUpdates(_recorded_batches(by_key, batches, group["adjust_lr_fn"]), updates, (grads, momenta),
@@ -733,14 +729,6 @@ def _recorded_batches(by_key: dict[BatchKey, list[Tensor]], views: list[Tensor],
     (``update_scale``: by default sqrt(max(1, rows / cols)))."""
     return [(params, [p.grad for p in params], update_scale(view.size(-2), view.size(-1), adjust_lr_fn))
             for params, view in zip(by_key.values(), views)]
-
-
-def _fold_unscaled(grads: Tensor, grad_factor: Tensor | None, momenta: Tensor, direction: Tensor, beta: float,
-                   nesterov: bool) -> None:
-    """``fold_and_direction`` on 1-D runs, the gradients unscaled into fp32 a chunk at a time (the chunk buffer is
-    freed on return, before Newton-Schulz allocates)."""
-    for start, end, chunk in unscaled_chunks(grads, grad_factor):
-        fold_and_direction(chunk, momenta[start:end], direction[start:end], beta, nesterov)
 
 
 def _scale_of(grad_factor: Tensor | None) -> float | None:

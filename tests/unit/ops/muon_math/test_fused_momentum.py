@@ -15,7 +15,12 @@ CASES = [(0.95, True, torch.bfloat16), (0.9, False, torch.float16), (0.3, True, 
          (0.95, True, torch.float32), (0.6, True, torch.bfloat16)]
 
 
-def torch_passes(grads, momenta, direction, beta, nesterov):
+def torch_passes(grads, momenta, direction, beta, nesterov, factor=None):
+    """What the ZeRO step ran before the fused kernel: the gradient unscaled into fp32 (a copy, then mul_ by the
+    factor), then the two lerp passes."""
+    grads = grads.to(torch.float32, copy=True)
+    if factor is not None:
+        grads.mul_(factor)
     momenta.lerp_(grads, 1 - beta)
     if nesterov:
         torch.lerp(grads, momenta, beta, out=direction)
@@ -23,16 +28,20 @@ def torch_passes(grads, momenta, direction, beta, nesterov):
         direction.copy_(momenta)
 
 
-def compare(device: str, beta: float, nesterov: bool, dtype: torch.dtype, numel: int = 1_000_003) -> None:
+def compare(device: str, beta: float, nesterov: bool, dtype: torch.dtype, numel: int = 1_000_003,
+            grad_dtype: torch.dtype = torch.float32, factor=None) -> None:
     generator = torch.Generator().manual_seed(0)
     # Gradients over several orders of magnitude, so the products' rounding matters.
-    grads = (torch.randn(numel, generator=generator) * torch.rand(numel, generator=generator) * 100).to(device)
+    grads = (torch.randn(numel, generator=generator) * torch.rand(numel, generator=generator) * 100)
+    grads = grads.to(device, grad_dtype)
+    if factor is not None:
+        factor = torch.tensor(factor, dtype=torch.float32, device=device)
     momenta = torch.randn(numel, generator=generator).to(device)
     expected_momenta, expected = momenta.clone(), torch.empty(numel, dtype=dtype, device=device)
-    torch_passes(grads, expected_momenta, expected, beta, nesterov)
+    torch_passes(grads, expected_momenta, expected, beta, nesterov, factor)
     grads_before = grads.clone()
     direction = torch.empty(numel, dtype=dtype, device=device)
-    fold_and_direction(grads, momenta, direction, beta, nesterov)
+    fold_and_direction(grads, momenta, direction, beta, nesterov, factor=factor)
     assert torch.equal(momenta, expected_momenta)
     assert torch.equal(direction, expected)
     assert torch.equal(grads, grads_before)
@@ -47,6 +56,25 @@ def test_cpu_matches_the_torch_passes(beta, nesterov, dtype):
 @pytest.mark.parametrize("beta,nesterov,dtype", CASES)
 def test_fused_kernel_gives_the_bits_of_the_torch_passes(beta, nesterov, dtype):
     compare("cuda", beta, nesterov, dtype)
+
+
+# Loss-scaled low-precision gradients with the step's factor (1 / (scale * clip)), as the reducer leaves them.
+SCALED = [(torch.bfloat16, 1 / (65536 * 1.7)), (torch.float16, 1 / 3.3), (torch.float32, 0.37)]
+
+
+@pytest.mark.parametrize("grad_dtype,factor", SCALED)
+def test_cpu_scaled_low_precision_gradients_match_the_torch_passes(grad_dtype, factor):
+    compare("cpu", 0.95, True, torch.bfloat16, numel=10_007, grad_dtype=grad_dtype, factor=factor)
+
+
+@pytest.mark.skipif(not fused_momentum.triton_available(), reason="the fused kernel needs a GPU and Triton")
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("grad_dtype,factor", SCALED + [(torch.bfloat16, None)])
+def test_fused_kernel_reads_scaled_low_precision_gradients_with_the_bits_of_the_torch_passes(grad_dtype, factor,
+                                                                                           nesterov):
+    fused_momentum._FAILED.clear()
+    compare("cuda", 0.95, nesterov, torch.bfloat16, grad_dtype=grad_dtype, factor=factor)
+    assert not fused_momentum._FAILED, f"the kernel did not run: {fused_momentum._FAILED}"
 
 
 @pytest.fixture
