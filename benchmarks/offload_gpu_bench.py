@@ -2,9 +2,12 @@
 `offload_optimizer: {device: cpu}` (and with the weights sent back only after the whole host step, "-at-end"): the
 model states' GPU memory per parameter, the peak, and the step time.
 
-Each mode runs in its own process (so its peak is its own), one after the other:
+Each mode runs in its own process (so its peak is its own), one after the other; with `--rounds R` every mode
+runs R times, the order reversed every other round, and the table gives the median over rounds (each round's
+value is in the JSON): what tells two modes a few percent apart on a machine whose speed drifts between runs.
 
     python benchmarks/offload_gpu_bench.py                      # every mode, a markdown table
+    python benchmarks/offload_gpu_bench.py --modes adamw-offload adamw-offload-at-end --rounds 4   # an A/B
     python benchmarks/offload_gpu_bench.py --modes adamw-offload --steps 5 --seq-len 256   # one mode, quick
     python benchmarks/offload_gpu_bench.py --json results.json
 
@@ -124,29 +127,44 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every mode this many times, in alternating order; report the median over rounds")
     parser.add_argument("--json", default=None)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child process: one mode
     args = parser.parse_args(argv)
     if args.one:
         print("RESULT " + json.dumps(run_mode(args)), flush=True)
         return
-    results = []
-    for mode in args.modes:
-        command = [sys.executable, os.path.abspath(__file__), "--one", "--modes", mode, "--micro-batch",
-                   str(args.micro_batch), "--seq-len", str(args.seq_len), "--warmup", str(args.warmup), "--steps",
-                   str(args.steps)]
-        output = subprocess.run(command, capture_output=True, text=True)
-        lines = [line for line in output.stdout.splitlines() if line.startswith("RESULT ")]
-        if output.returncode != 0 or not lines:
-            print(f"{mode} failed:\n{output.stdout[-3000:]}\n{output.stderr[-6000:]}", flush=True)
-            continue
-        results.append(json.loads(lines[-1][len("RESULT "):]))
-        print(json.dumps(results[-1]), flush=True)
+    runs: dict[str, list[dict]] = {mode: [] for mode in args.modes}
+    for round_index in range(args.rounds):
+        # Every other round in reverse order, so that no mode always runs right after the same one.
+        for mode in args.modes if round_index % 2 == 0 else reversed(args.modes):
+            command = [sys.executable, os.path.abspath(__file__), "--one", "--modes", mode, "--micro-batch",
+                       str(args.micro_batch), "--seq-len", str(args.seq_len), "--warmup", str(args.warmup),
+                       "--steps", str(args.steps)]
+            output = subprocess.run(command, capture_output=True, text=True)
+            lines = [line for line in output.stdout.splitlines() if line.startswith("RESULT ")]
+            if output.returncode != 0 or not lines:
+                print(f"{mode} failed:\n{output.stdout[-3000:]}\n{output.stderr[-6000:]}", flush=True)
+                continue
+            runs[mode].append(json.loads(lines[-1][len("RESULT "):]))
+            print(json.dumps(runs[mode][-1]), flush=True)
+    results = [combined(mode_runs) for mode_runs in runs.values() if mode_runs]
     print(table(results))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=2)
 
+
+def combined(mode_runs: list[dict]) -> dict:
+    """One mode's rounds as one row: the median of the rounds' medians, each round's value kept beside it."""
+    row = dict(mode_runs[-1])
+    for key in ("step_ms", "optimizer_step_ms", "tokens_per_s"):
+        values = [run[key] for run in mode_runs]
+        row[key] = statistics.median(values)
+        row[f"{key}_rounds"] = values
+    row["peak_bytes"] = max(run["peak_bytes"] for run in mode_runs)
+    return row
 
 if __name__ == "__main__":
     main()
