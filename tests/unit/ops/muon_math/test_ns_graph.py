@@ -13,13 +13,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA grap
 SHAPES = [(384, 128)] * 3 + [(128, 384)] * 2 + [(128, 128)] * 2
 
 
-def run(lent: bool, graph: bool, steps: int = 5, count: bool = False):
+def run(lent: bool, graph: bool, steps: int = 5, count: bool = False, ns_method: str = "auto"):
     device = torch.device("cuda", 0)
     numels = [torch.Size(shape).numel() for shape in SHAPES]
     master = torch.randn(sum(numels), generator=torch.Generator().manual_seed(0)).to(device)
     params = [torch.nn.Parameter(piece.view(shape)) for piece, shape in zip(master.split(numels), SHAPES)]
     optimizer = MuonWithAuxAdam([{"params": params, "use_muon": True, "lr": 0.05, "weight_decay": 0.1,
-                                  "ns_cuda_graph": graph}])
+                                  "ns_cuda_graph": graph, "ns_method": ns_method}])
     if lent:
         optimizer.lend_step_workspace([torch.zeros(4_000_000, dtype=torch.bfloat16, device=device)])
     calls = []
@@ -49,6 +49,17 @@ def test_graph_replay_gives_the_bits_of_the_eager_paths():
     # Everything large lives in the lent buffer; the pool holds only the per-matrix norms and cuBLAS's needs.
     assert graphed.__dict__["_step_workspace"].fallback_bytes == 0
     assert graphed.graph_pool_bytes < 64 * 2**20
+
+
+def test_graph_replay_of_the_symmetric_iteration_gives_the_bits_of_its_eager_path():
+    """gram_sym at these shapes runs its wide matrices' Gram iteration in fp16 with products that read their addend
+    where it lies (cuBLASLt called through ctypes on the capturing stream): the replay must be those bits."""
+    graphed, graphed_params, _ = run(lent=True, graph=True, ns_method="gram_sym")
+    eager, eager_params, _ = run(lent=True, graph=False, ns_method="gram_sym")
+    assert graphed.__dict__["_graphs"]._captured, "no graph was captured"
+    for p, q in zip(graphed_params, eager_params):
+        assert torch.equal(p, q)
+        assert torch.equal(graphed.state[p]["momentum_buffer"], eager.state[q]["momentum_buffer"])
 
 
 def test_no_graph_while_the_entries_are_wrapped():
