@@ -8,8 +8,9 @@ made. This module calls it through ctypes on the cuBLASLt library torch already 
 
 :func:`gemm_with_addend` uses cuBLASLt where it can (a CUDA tensor in fp16 or bf16, each matrix with one unit
 stride, cuBLASLt found and offering an algorithm for the shapes) and otherwise copies the addend and calls
-``baddbmm``, the bits torch gives. Both accumulate in fp32 with the addend added in the accumulator; cuBLASLt may
-choose another kernel than torch's ``baddbmm``, so the two agree to fp32 accumulation order, not bit for bit.
+``baddbmm``, the bits torch gives. Both accumulate in fp32 with the addend added in the accumulator (cuBLASLt is
+offered no split-K reduction in the 16-bit output type); cuBLASLt may choose another kernel than torch's
+``baddbmm``, so the two agree to fp32 accumulation order, not bit for bit.
 """
 
 from __future__ import annotations
@@ -35,11 +36,13 @@ _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB = 3, 4
 _LAYOUT_BATCH_COUNT, _LAYOUT_STRIDED_BATCH_OFFSET = 5, 6
 _PREF_MAX_WORKSPACE_BYTES = 1
+_PREF_REDUCTION_SCHEME_MASK = 3
+_REDUCTION_SCHEME_COMPUTE_TYPE = 2  # split-K partial sums in the compute type (fp32); no scheme is always allowed
 _PREF_MIN_ALIGNMENT = (5, 6, 7, 8)  # A, B, C, D, in bytes
 _DTYPES = {torch.float16: _CUDA_R_16F, torch.bfloat16: _CUDA_R_16BF}
 
-# The workspace the heuristic may plan for: cuBLAS's own size on Hopper. Taken from torch's caching allocator for
-# the call and given back at once, so it is reused by whatever comes next rather than held.
+# The most workspace the heuristic may plan for: cuBLAS's own size on Hopper. What the chosen algorithm needs is taken
+# from torch's caching allocator for the call and given back at once, so it is reused by whatever comes next.
 WORKSPACE_BYTES = 32 << 20
 
 
@@ -88,8 +91,16 @@ class _CublasLt:
             function = getattr(lib, name)
             function.argtypes, function.restype = argtypes, ctypes.c_int
             setattr(self, name, function)
-        self.handle = ctypes.c_void_p()
-        self.check(self.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+        self._handles: dict[int, ctypes.c_void_p] = {}
+
+    def handle(self, device: int) -> ctypes.c_void_p:
+        """This device's handle, created with the device current (one per device, as cuBLAS advises)."""
+        if device not in self._handles:
+            handle = ctypes.c_void_p()
+            with torch.cuda.device(device):
+                self.check(self.cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
+            self._handles[device] = handle
+        return self._handles[device]
 
     @staticmethod
     def check(status: int, what: str) -> None:
@@ -146,6 +157,7 @@ class _Plan:
     desc: ctypes.c_void_p
     layouts: tuple  # A, B, C, D layouts (cuBLAS's A is torch's B)
     algo: _Algo
+    workspace_bytes: int
 
 
 def _layout(lt: _CublasLt, dtype: int, operand: _Operand, batch: int) -> ctypes.c_void_p:
@@ -163,7 +175,7 @@ def _layout(lt: _CublasLt, dtype: int, operand: _Operand, batch: int) -> ctypes.
 _plans: dict[tuple, _Plan | None] = {}
 
 
-def _plan(lt: _CublasLt, key: tuple, dtype: int, operands: tuple[_Operand, ...], batch: int,
+def _plan(lt: _CublasLt, device: int, key: tuple, dtype: int, operands: tuple[_Operand, ...], batch: int,
           alignments: tuple[int, ...]) -> _Plan | None:
     if key in _plans:
         return _plans[key]
@@ -178,12 +190,15 @@ def _plan(lt: _CublasLt, key: tuple, dtype: int, operands: tuple[_Operand, ...],
     lt.check(lt.cublasLtMatmulPreferenceCreate(ctypes.byref(preference)), "cublasLtMatmulPreferenceCreate")
     lt.set_attribute(lt.cublasLtMatmulPreferenceSetAttribute, preference, _PREF_MAX_WORKSPACE_BYTES,
                      ctypes.c_uint64(WORKSPACE_BYTES))
+    lt.set_attribute(lt.cublasLtMatmulPreferenceSetAttribute, preference, _PREF_REDUCTION_SCHEME_MASK,
+                     ctypes.c_uint32(_REDUCTION_SCHEME_COMPUTE_TYPE))
     for attribute, alignment in zip(_PREF_MIN_ALIGNMENT, alignments):
         lt.set_attribute(lt.cublasLtMatmulPreferenceSetAttribute, preference, attribute, ctypes.c_uint32(alignment))
     result, found = _HeuristicResult(), ctypes.c_int(0)
-    status = lt.cublasLtMatmulAlgoGetHeuristic(lt.handle, desc, *layouts, preference, 1, ctypes.byref(result),
-                                               ctypes.byref(found))
-    plan = _Plan(desc, layouts, result.algo) if status == 0 and found.value > 0 and result.state == 0 else None
+    status = lt.cublasLtMatmulAlgoGetHeuristic(lt.handle(device), desc, *layouts, preference, 1,
+                                               ctypes.byref(result), ctypes.byref(found))
+    found_one = status == 0 and found.value > 0 and result.state == 0
+    plan = _Plan(desc, layouts, result.algo, result.workspace_size) if found_one else None
     if plan is None:
         logger.warning("cuBLASLt has no algorithm for a Newton-Schulz product (status %d, %d found; shapes %s): "
                        "its addend is copied into the output first", status, found.value, key[1:4])
@@ -198,6 +213,10 @@ def _separate_addend_plan(out: Tensor, addend: Tensor, A: Tensor, B: Tensor) -> 
         return None
     if addend.shape != out.shape or out.stride(-1) != 1 or addend.stride(-1) != 1:
         return None
+    # Shapes that do not fit go to baddbmm, which names the mismatch (cuBLASLt would read out of bounds).
+    count, rows, cols = out.shape
+    if A.shape != (count, rows, A.size(2)) or B.shape != (count, A.size(2), cols) or min(out.shape) == 0:
+        return None
     lt = _library()
     if lt is None:
         return None
@@ -209,7 +228,7 @@ def _separate_addend_plan(out: Tensor, addend: Tensor, A: Tensor, B: Tensor) -> 
     alignments = tuple(_alignment(t) for t in (B, A, addend, out))
     key = (_DTYPES[out.dtype], tuple(A.shape), tuple(B.shape), operands, batch, alignments, out.device.index)
     with torch.cuda.device(out.device):
-        plan = _plan(lt, key, _DTYPES[out.dtype], operands, batch, alignments)
+        plan = _plan(lt, out.device.index, key, _DTYPES[out.dtype], operands, batch, alignments)
     return None if plan is None else (lt, plan)
 
 
@@ -227,11 +246,13 @@ def gemm_with_addend(out: Tensor, addend: Tensor, A: Tensor, B: Tensor, beta: fl
         out.copy_(addend)
         return torch.baddbmm(out, A, B, beta=beta, alpha=alpha, out=out)
     lt, plan = found
-    workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=out.device)
+    workspace = torch.empty(plan.workspace_bytes, dtype=torch.uint8, device=out.device)
     stream = torch.cuda.current_stream(out.device).cuda_stream
-    lt.check(lt.cublasLtMatmul(lt.handle, plan.desc, ctypes.byref(ctypes.c_float(alpha)), B.data_ptr(),
-                               plan.layouts[0], A.data_ptr(), plan.layouts[1], ctypes.byref(ctypes.c_float(beta)),
-                               addend.data_ptr(), plan.layouts[2], out.data_ptr(), plan.layouts[3],
-                               ctypes.byref(plan.algo), workspace.data_ptr(), WORKSPACE_BYTES, stream),
-             "cublasLtMatmul")
+    with torch.cuda.device(out.device):
+        lt.check(lt.cublasLtMatmul(lt.handle(out.device.index), plan.desc, ctypes.byref(ctypes.c_float(alpha)),
+                                   B.data_ptr(), plan.layouts[0], A.data_ptr(), plan.layouts[1],
+                                   ctypes.byref(ctypes.c_float(beta)), addend.data_ptr(), plan.layouts[2],
+                                   out.data_ptr(), plan.layouts[3], ctypes.byref(plan.algo),
+                                   workspace.data_ptr() if plan.workspace_bytes else None, plan.workspace_bytes,
+                                   stream), "cublasLtMatmul")
     return out

@@ -51,7 +51,7 @@ def fold_and_direction(grads: Tensor, momenta: Tensor, direction: Tensor, beta: 
     """momenta <- lerp(momenta, g, 1 - beta) in place; direction <- lerp(g, momenta, beta) (Nesterov) or the new
     momenta, cast to ``direction``'s dtype; g is ``grads`` in fp32, times ``factor`` when given.
 
-    ``momenta`` is fp32; ``grads`` (any float dtype) and ``direction`` (any float dtype) have its element count;
+    ``momenta`` is fp32 and contiguous; ``grads`` and ``direction`` (any float dtypes) have its element count;
     ``factor`` is a 0-d fp32 tensor (the step's unscale-and-clip factor, read on the device). ``grads`` is only
     read. Bit for bit the torch passes this replaces: the gradients unscaled into fp32 a chunk at a time
     (``unscaled_chunks``: a copy to fp32, then ``mul_``), then the two ``lerp`` passes per chunk; those run where

@@ -6,7 +6,6 @@ globals): :mod:`fused_momentum` imports it only on a CUDA machine with Triton in
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 
 @triton.jit
@@ -15,6 +14,14 @@ def _lerp(start, end, weight, SMALL: tl.constexpr):
     if SMALL:
         return start + weight * (end - start)
     return end - (end - start) * (1.0 - weight)
+
+
+@triton.jit
+def _mul_rn(a, b):
+    # An IEEE product rounded on its own: ptxas never contracts an explicitly rounded mul into an fma, and unlike
+    # libdevice's __nv_fmul_rn (linked with flush-to-zero on) it keeps subnormal results, as torch's mul_ does.
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True,
+                                     pack=1)
 
 
 @triton.jit
@@ -29,7 +36,7 @@ def fold_and_direction_kernel(grads_ptr, factor_ptr, momenta_ptr, direction_ptr,
     grad = tl.load(grads_ptr + offsets, mask=mask).to(tl.float32)
     if HAS_FACTOR:
         # Rounded on its own, as torch's mul_: never contracted into the lerps' multiply-adds.
-        grad = libdevice.mul_rn(grad, tl.load(factor_ptr))
+        grad = _mul_rn(grad, tl.full([BLOCK], 0.0, tl.float32) + tl.load(factor_ptr))
     momentum = _lerp(tl.load(momenta_ptr + offsets, mask=mask), grad, fold_weight, FOLD_SMALL)
     tl.store(momenta_ptr + offsets, momentum, mask=mask)
     if NESTEROV:

@@ -6,7 +6,7 @@ elements at the 1.11B point, 3.9 ms a step). One Triton kernel reads the master 
 master: 10 bytes per element. It evaluates what the torch passes do on CUDA (the decay product rounded, then a fused
 multiply-add in fp32), so the results are the same bits (checked on the GPU by the tests).
 
-Everywhere else (CPU, no Triton, non-contiguous or non-fp32 masters) the torch passes run.
+Everywhere else (CPU, no Triton, a non-contiguous master or update, non-fp32 masters) the torch passes run.
 """
 
 from __future__ import annotations

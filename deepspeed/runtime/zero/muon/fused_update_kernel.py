@@ -6,7 +6,6 @@ globals): :mod:`fused_update` imports it only on a CUDA machine with Triton inst
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 
 @triton.jit
@@ -17,6 +16,7 @@ def apply_update_kernel(params_ptr, update_ptr, numel, alpha, decay, HAS_DECAY: 
     mask = offsets < numel
     param = tl.load(params_ptr + offsets, mask=mask)
     if HAS_DECAY:
-        param = libdevice.mul_rn(param, decay)  # rounded on its own: never contracted into the fma below
+        # Rounded on its own, as torch's mul_: its only use is the fma's addend, which no contraction can merge.
+        param = param * decay
     update = tl.load(update_ptr + offsets, mask=mask).to(tl.float32)
     tl.store(params_ptr + offsets, tl.fma(update, alpha, param), mask=mask)

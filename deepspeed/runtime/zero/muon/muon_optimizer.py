@@ -460,7 +460,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         bits: the momenta are packed into one run (created as zeros on the first step: this is the step, after the
         caller's verdict), the new momenta are written, the direction goes straight into the workspace in the
         Newton-Schulz dtype, and Newton-Schulz runs there, replayed from a CUDA graph when it can. Gradients that are
-        not fp32, or come with ``grad_factor``, are unscaled into fp32 a chunk at a time on their way into the fold.
+        not fp32, or come with ``grad_factor``, are unscaled as the fold reads them (on a GPU with Triton in its
+        kernel's registers, elsewhere into fp32 a chunk at a time; see ``fused_momentum``).
         """
         operands = self._workspace_operands(group)
         if operands is None:

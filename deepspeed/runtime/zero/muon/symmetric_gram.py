@@ -149,7 +149,8 @@ def symmetric_left_product(S: Tensor, X: Tensor, out: Tensor, beta: float | None
     """
     h = _half(S.size(-1))
     X_out = X.mT if tall else X  # X in the layout of ``out``
-    separate = beta is not None and separate_addend_supported(out)
+    # Read in place only where X's panels have out's layout (a unit last stride); else one whole copy, as below.
+    separate = beta is not None and X_out.stride(-1) == 1 and separate_addend_supported(out)
     if beta is not None and not separate:
         out.copy_(X_out)
     for row, rows in ((0, slice(None, h)), (1, slice(h, None))):

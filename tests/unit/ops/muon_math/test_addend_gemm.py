@@ -55,30 +55,32 @@ def test_cublaslt_matches_an_fp32_reference_and_leaves_the_addend(dtype, a_trans
     assert addend_gemm._separate_addend_plan(out, addend, A, B) is not None, "cuBLASLt turned the layout down"
     gemm_with_addend(out, addend, A, B, beta=0.75, alpha=-2.0)
     reference = 0.75 * addend.float() + -2.0 * torch.bmm(A.float(), B.float())
-    # One rounding of an fp32 accumulation to the output dtype (plus fp32 summation-order differences).
+    # Within two units in the last place of the largest reference entry: one rounding of an fp32 accumulation to
+    # the output dtype, plus fp32 summation-order differences.
     ulp = torch.finfo(dtype).eps
     assert (out.float() - reference).abs().max() <= 2 * ulp * reference.abs().max()
     assert torch.equal(addend, before)
 
 
 @cuda
-def test_cublaslt_on_the_blocks_of_an_upper_stored_matrix():
+@pytest.mark.parametrize("count,m", [(3, 256), (1, 250), (2, 97)])
+def test_cublaslt_on_the_blocks_of_an_upper_stored_matrix(count, m):
     """The layouts symmetric_product hands it: blocks of (count, m, m) buffers at an offset, row panels and
-    transposed column panels; the lower block of the output is never written."""
+    transposed column panels (odd sizes: blocks at offsets of a few bytes, odd leading dimensions; one matrix: no
+    batch stride); the lower block of the output is never written."""
     from deepspeed.runtime.zero.muon.symmetric_gram import symmetric_product
 
     generator = torch.Generator().manual_seed(2)
-    count, m = 3, 256
-
-    def symmetric():
-        S = torch.randn(count, m, m, generator=generator) / m**0.5
-        return (S + S.mT).to("cuda", torch.float16)
-
-    A, B, addend = symmetric(), symmetric(), symmetric()
-    # A and B commute only if they are polynomials of one matrix: use powers of one symmetric matrix.
+    S = torch.randn(count, m, m, generator=generator) / m**0.5
+    A = (S + S.mT).to("cuda", torch.float16)
+    # A and B commute only if they are polynomials of one matrix: B = A^2.
     B = (A.float() @ A.float()).half()
+    S = torch.randn(count, m, m, generator=generator) / m**0.5
+    addend = (S + S.mT).to("cuda", torch.float16)
     out = torch.full_like(A, float("nan"))
+    addend_gemm._plans.clear()
     symmetric_product(A, B, out, addend=addend, beta=0.5, alpha=2.0)
+    assert any(plan is not None for plan in addend_gemm._plans.values()), "no block product went through cuBLASLt"
     reference = 0.5 * addend.float() + 2.0 * (A.float() @ B.float())
     h = m // 2
     for rows, cols in ((slice(None, h), slice(None, h)), (slice(None, h), slice(h, None)),
@@ -86,3 +88,12 @@ def test_cublaslt_on_the_blocks_of_an_upper_stored_matrix():
         error = (out[:, rows, cols].float() - reference[:, rows, cols]).abs().max()
         assert error <= 4 * torch.finfo(torch.float16).eps * reference.abs().max()
     assert torch.isnan(out[:, h:, :h]).all(), "the lower block is not the product's to write"
+
+
+@cuda
+def test_mismatched_shapes_are_refused_as_baddbmm_refuses_them():
+    A = torch.randn(2, 8, 16, device="cuda", dtype=torch.float16)
+    B = torch.randn(3, 16, 8, device="cuda", dtype=torch.float16)  # one batch more than A
+    addend, out = (torch.randn(2, 8, 8, device="cuda", dtype=torch.float16) for _ in range(2))
+    with pytest.raises(RuntimeError):
+        gemm_with_addend(out, addend, A, B, beta=1.0)

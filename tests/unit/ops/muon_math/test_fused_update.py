@@ -18,8 +18,13 @@ CASES = [(torch.bfloat16, None), (torch.bfloat16, 0.999), (torch.float16, 0.9), 
 def compare(device: str, dtype: torch.dtype, decay, numel: int = 1_000_003) -> None:
     generator = torch.Generator().manual_seed(0)
     # Masters and updates over several orders of magnitude, so the products' rounding matters.
-    params = (torch.randn(numel, generator=generator) * torch.rand(numel, generator=generator) * 100).to(device)
-    update = torch.randn(numel, generator=generator).to(device, dtype)
+    params = (torch.randn(numel, generator=generator) * torch.rand(numel, generator=generator) * 100)
+    # Some masters subnormal (and their decayed values): kept as torch keeps them, never flushed to zero.
+    params[:997] *= 1e-40
+    params = params.to(device)
+    update = torch.randn(numel, generator=generator)
+    update[:500] = 0.0  # there the result is the decayed subnormal master itself
+    update = update.to(device, dtype)
     alpha = -0.0173
     expected = params.clone()
     if decay is not None:
