@@ -111,9 +111,17 @@ class _CublasLt:
         self.check(setter(obj, attribute, ctypes.byref(value), ctypes.sizeof(value)), setter.__name__)
 
 
+def _switched_on() -> bool:
+    value = os.environ.get(ENV_SWITCH, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV_SWITCH}={value!r}: expected 1 (products read their addend in place, the default) or "
+                         f"0 (the addend is copied into the output first)")
+    return value == "1"
+
+
 @functools.cache
 def _library() -> _CublasLt | None:
-    if os.environ.get(ENV_SWITCH, "1") == "0" or not torch.cuda.is_available():
+    if not _switched_on() or not torch.cuda.is_available():
         return None
     path = _loaded_cublaslt_path()
     if path is None:

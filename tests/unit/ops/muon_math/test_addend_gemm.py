@@ -97,3 +97,15 @@ def test_mismatched_shapes_are_refused_as_baddbmm_refuses_them():
     addend, out = (torch.randn(2, 8, 8, device="cuda", dtype=torch.float16) for _ in range(2))
     with pytest.raises(RuntimeError):
         gemm_with_addend(out, addend, A, B, beta=1.0)
+
+
+@pytest.mark.parametrize("value", ["false", "off", " 0"])
+def test_an_unknown_switch_value_is_refused_by_name(monkeypatch, value):
+    monkeypatch.setenv(addend_gemm.ENV_SWITCH, value)
+    addend_gemm._library.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=f"{addend_gemm.ENV_SWITCH}=.*expected 1 .* or 0"):
+            addend_gemm._library()
+    finally:
+        monkeypatch.undo()
+        addend_gemm._library.cache_clear()
