@@ -1,13 +1,12 @@
 """ZeRO-Offload on one GPU: GPT-2 small (124M), bf16, ZeRO-2, AdamW and Muon, with and without
-`offload_optimizer: {device: cpu}` (and with the weights sent back only after the whole host step, "-at-end"): the
-model states' GPU memory per parameter, the peak, and the step time.
+`offload_optimizer: {device: cpu}`: the model states' GPU memory per parameter, the peak, and the step time.
 
 Each mode runs in its own process (so its peak is its own), one after the other; with `--rounds R` every mode
 runs R times, the order reversed every other round, and the table gives the median over rounds (each round's
 value is in the JSON): what tells two modes a few percent apart on a machine whose speed drifts between runs.
 
     python benchmarks/offload_gpu_bench.py                      # every mode, a markdown table
-    python benchmarks/offload_gpu_bench.py --modes adamw-offload adamw-offload-at-end --rounds 4   # an A/B
+    python benchmarks/offload_gpu_bench.py --modes adamw-offload muon-offload --rounds 4   # medians of 4 rounds
     python benchmarks/offload_gpu_bench.py --modes adamw-offload --steps 5 --seq-len 256   # one mode, quick
     python benchmarks/offload_gpu_bench.py --json results.json
 
@@ -28,9 +27,7 @@ import subprocess
 import sys
 import time
 
-# "-at-end": offload with the weights sent back only after the whole host step (no stretch's copy started as the
-# step writes it): what the stretch-by-stretch copy back saves.
-MODES = ("adamw", "adamw-offload", "adamw-offload-at-end", "muon", "muon-offload", "muon-offload-at-end")
+MODES = ("adamw", "adamw-offload", "muon", "muon-offload")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -59,10 +56,6 @@ def run_mode(args) -> dict:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + MODES.index(args.modes[0])))
     deepspeed.init_distributed()
-    if args.modes[0].endswith("-at-end"):
-        from deepspeed.runtime.zero.offload import HostOffload
-
-        HostOffload.send_written = lambda self, written: None  # publishing then sends every stretch
     torch.manual_seed(0)
     cfg = GPTConfig(seq_len=args.seq_len)
     model = GPT(cfg)

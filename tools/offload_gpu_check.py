@@ -2,7 +2,7 @@
 """ZeRO-Offload's device paths on one GPU (what CPU CI cannot reach: pinned staging, asynchronous copies behind
 events, Newton-Schulz on the GPU with the momentum on the host), at stages 1, 2 and 3; one process, world size 1.
 
-The weights go back stretch by stretch as the host step writes them. At stage 3 they come back from the host into
+The weights go back after the host step, one asynchronous copy per group. At stage 3 they come back from the host into
 the lp partitions (no all-gather: the next forward reads them, and the persistent parameters are republished from
 them), and `safe_set_full_*` writes host masters and host state beside the device partition.
 
@@ -30,15 +30,11 @@ for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MA
     os.environ.setdefault(key, value)
 
 import deepspeed  # noqa: E402
-from deepspeed.ops.adam import cpu_adam  # noqa: E402
 from unit.checkpoint.resume_harness import assert_identical, full_snapshot  # noqa: E402
 from unit.runtime.engine_harness import (fp32_masters, global_batches, make_config, make_model,  # noqa: E402
                                          relative_error, train_steps)
 
 HIDDEN = 64
-# The host step hands its written weights on in stretches of this many elements (4M in use): short here, so that
-# every 64 x 64 matrix goes back to the GPU in several asynchronous copies while the step goes on.
-cpu_adam.COPY_BACK_CHUNK_NUMEL = 1000
 OFFLOAD = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
 MUON = {"type": "muon", "params": {"lr": 0.02, "adam_lr": 1e-2, "ns_dtype": "fp32", "weight_decay": 0.01}}
 

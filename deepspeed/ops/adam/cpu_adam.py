@@ -13,34 +13,6 @@ from deepspeed.ops.op_builder import CPUAdamBuilder
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
-# Elements per op call when each written stretch of the copies is handed on as soon as it is written (`on_written`):
-# ZeRO-Offload starts copying it to the accelerator while the op updates the next stretch. 4M elements: 8 MB of
-# bf16, a fraction of a millisecond on the bus, and many times the op's own cost per call.
-COPY_BACK_CHUNK_NUMEL = 1 << 22
-
-
-def adam_step(op, param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, max_exp_avg_sq: Tensor | None,
-              copy: Tensor | None, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-              bias_correction: bool, adamw_mode: bool, grad_scale: float,
-              on_written: Callable[[Tensor], None] | None = None) -> None:
-    """The op's `adam_step` on one parameter; with `copy` and `on_written`, in stretches of COPY_BACK_CHUNK_NUMEL
-    elements, each stretch of `copy` handed to `on_written` once written. The update is element-wise, so the
-    stretches give the bits of one call."""
-    if copy is None or on_written is None or param.numel() <= COPY_BACK_CHUNK_NUMEL:
-        op.adam_step(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, copy, step, lr, beta1, beta2, eps,
-                     weight_decay, bias_correction, adamw_mode, grad_scale)
-        if copy is not None and on_written is not None:
-            on_written(copy)
-        return
-    flat = [t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq, copy)]
-    flat_max = None if max_exp_avg_sq is None else max_exp_avg_sq.view(-1)
-    for start in range(0, param.numel(), COPY_BACK_CHUNK_NUMEL):
-        end = min(start + COPY_BACK_CHUNK_NUMEL, param.numel())
-        p, g, m, v, c = (t[start:end] for t in flat)
-        op.adam_step(p, g, m, v, None if flat_max is None else flat_max[start:end], c, step, lr, beta1, beta2, eps,
-                     weight_decay, bias_correction, adamw_mode, grad_scale)
-        on_written(c)
-
 
 class DeepSpeedCPUAdam(torch.optim.Optimizer):
     """Adam (L2 weight decay) or AdamW (decoupled weight decay) for parameters that live on the CPU.
@@ -101,7 +73,7 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None,
              fp16_param_groups: Sequence[Tensor | Sequence[Tensor]] | None = None, *,
-             grad_scale: float = 1.0, on_written: Callable[[Tensor], None] | None = None) -> float | None:
+             grad_scale: float = 1.0) -> float | None:
         """Update every parameter that has a gradient.
 
         Args:
@@ -109,8 +81,6 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
             fp16_param_groups: one entry per param group, each a tensor or a list with one tensor per parameter (CPU,
                 same number of elements, fp32/bf16/fp16): they receive the updated parameters in their own dtype.
             grad_scale: every gradient is multiplied by it first (1 / loss scale / clip coefficient).
-            on_written: called with each stretch of `fp16_param_groups` as soon as the step has written it (in
-                stretches of COPY_BACK_CHUNK_NUMEL elements), so that its copy elsewhere can start.
 
         Returns:
             The closure's loss, or None.
@@ -134,10 +104,9 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
                     raise ValueError("DeepSpeedCPUAdam does not support sparse gradients")
                 state = self._state_for(param, group["amsgrad"])
                 state["step"] += 1
-                adam_step(op, param, param.grad, state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq"),
-                          copy, int(state["step"].item()), group["lr"], beta1, beta2, group["eps"],
-                          group["weight_decay"], group["bias_correction"], self.adamw_mode, float(grad_scale),
-                          on_written)
+                op.adam_step(param, param.grad, state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq"),
+                             copy, int(state["step"].item()), group["lr"], beta1, beta2, group["eps"],
+                             group["weight_decay"], group["bias_correction"], self.adamw_mode, float(grad_scale))
                 # The op writes through pointers; tell autograd the parameter changed, as an in-place op would.
                 torch.autograd.graph.increment_version(param)
         return loss

@@ -46,10 +46,6 @@ class HostOffload:
             self._lp = [self._empty(numel, lp_dtype) for numel in partition_numels]
         self._grads_arrived: Optional[object] = None
         self._lp_sent: List[Optional[object]] = [None] * len(partition_numels)
-        # Where each group's weights go (its lp partition on the device), and the stretches of them already on
-        # their way (`send_written`), between `lp_targets` and `send_weights`.
-        self._destinations: List[Tensor] = []
-        self._sent_weight_ranges: List[List[Tuple[int, int]]] = [[] for _ in partition_numels]
         # Stretches of each group's gradient partition already on their way to the host (`send_grad_range`), and the
         # stream their copies run on (created with the first).
         self._sent_ranges: List[List[Tuple[int, int]]] = [[] for _ in partition_numels]
@@ -149,25 +145,7 @@ class HostOffload:
             return list(lp_partitions)
         for group in range(len(self._lp)):
             self._wait_for_send(group)
-        self._destinations = list(lp_partitions)
-        self._sent_weight_ranges = [[] for _ in self._lp]
         return self._lp
-
-    def send_written(self, written: Tensor) -> None:
-        """Start copying a stretch of `lp_targets()` that the host step has just written to its lp partition on the
-        device, while the step goes on with the rest (asynchronous from pinned memory; `send_weights` sends what
-        no such call covered). No-op on a CPU-only run (the step wrote the lp partitions themselves)."""
-        if not self.is_staged or written.numel() == 0:
-            return
-        for group, staging in enumerate(self._lp):
-            offset = written.data_ptr() - staging.data_ptr()
-            if 0 <= offset < staging.numel() * staging.element_size():
-                start = offset // staging.element_size()
-                end = start + written.numel()
-                self._destinations[group][start:end].copy_(staging[start:end], non_blocking=self.pin_memory)
-                self._sent_weight_ranges[group].append((start, end))
-                return
-        raise ValueError("HostOffload.send_written: the tensor is not a stretch of the weights' staging buffers")
 
     def _wait_for_send(self, group: int) -> None:
         sent = self._lp_sent[group]
@@ -193,12 +171,9 @@ class HostOffload:
         if not is_written:
             self._wait_for_send(group)
             staging.copy_(master)
-            self._sent_weight_ranges[group] = []
         # Asynchronous from pinned memory: the host goes on while the copy runs; what reads the partition next (the
         # all-gather that publishes it at stages 1-2, the gathers of stage 3) is queued behind it on the same stream.
-        for start, end in unsent_ranges(self._sent_weight_ranges[group], staging.numel()):
-            lp_partition[start:end].copy_(staging[start:end], non_blocking=self.pin_memory)
-        self._sent_weight_ranges[group] = []
+        lp_partition.copy_(staging, non_blocking=self.pin_memory)
         self._lp_sent[group] = self._event()
 
 

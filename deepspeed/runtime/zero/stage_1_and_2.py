@@ -479,8 +479,7 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         """The offloaded step in one pass per group: unscale and clip, update the host masters, write the model-dtype
         weights into the buffers that go back to the device. Returns True (the weights are written)."""
         self._set_master_grads(self._offload.host_grads())
-        self.optimizer.step(fp16_param_groups=self._lp_copy_targets(), grad_scale=factor.item(),
-                            on_written=self._offload.send_written)
+        self.optimizer.step(fp16_param_groups=self._lp_copy_targets(), grad_scale=factor.item())
         return True
 
     def _host_step_with_grad_factor(self) -> bool:
@@ -490,8 +489,7 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         if not self._host_step_writes_lp:
             self.optimizer.step(grad_factor=self._host_grad_factor)
             return False
-        self.optimizer.step(grad_factor=self._host_grad_factor, fp16_param_groups=self._lp_copy_targets(),
-                            on_written=self._offload.send_written)
+        self.optimizer.step(grad_factor=self._host_grad_factor, fp16_param_groups=self._lp_copy_targets())
         return True
 
     def _lp_copy_targets(self) -> List[List[torch.Tensor]]:

@@ -13,13 +13,11 @@ publishes, rounded as torch's `.to(dtype)` rounds.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from deepspeed.ops.adam.cpu_adam import adam_step
 
 from deepspeed.runtime.zero.muon.original_muon import flat_view, resolve_ns_dtype, stacked_view, update_scale
 
@@ -46,9 +44,6 @@ class HostStep:
         # every first touch (and, page-locked, a registration), a pass over memory the step need not make. Per group,
         # because every group's updates are prepared before any is applied.
         self._buffers: dict[tuple[str, int], Tensor] = {}
-        # Called with each stretch of the copies (the model-dtype weights) as soon as it is written, while a step
-        # that was given one runs (MuonWithAuxAdam.step's `on_written`).
-        self.on_written: Callable[[Tensor], None] | None = None
 
     def _buffer(self, role: tuple[str, int], numel: int, dtype: torch.dtype) -> Tensor:
         """`numel` elements of `dtype` of the buffer kept for `role` (grown when too small)."""
@@ -128,24 +123,17 @@ class HostStep:
         stacked_copy = None if copies is None else flat_view(copies)
         if stacked is not None and (copies is None or stacked_copy is not None):
             self.op.apply_update(stacked, update, alpha, decay, has_decay, stacked_copy)
-            self.written(stacked_copy)
             return
         for index, (param, one) in enumerate(zip(params, update.unbind(0))):
             copy = None if copies is None else copies[index]
             self.op.apply_update(param, one, alpha, decay, has_decay, copy)
-            self.written(copy)
-
-    def written(self, copy: Tensor | None) -> None:
-        """Hand a written copy to `on_written`, when a step was given one."""
-        if copy is not None and self.on_written is not None:
-            self.on_written(copy)
 
     def adam(self, param: Tensor, state: dict[str, Any], group: dict[str, Any], grad_scale: float | None = None,
              copy: Tensor | None = None) -> None:
         """One bias-corrected AdamW step of `param` (its state's step already counted), as `adam_update` does, on its
         gradient multiplied by `grad_scale` as it is read; `copy` (as many elements, any float dtype) receives the
-        updated param in its dtype in the same pass, handed to `on_written` stretch by stretch."""
+        updated param in its dtype in the same pass."""
         beta1, beta2 = group["betas"]
-        adam_step(self.op, param, param.grad, state["exp_avg"], state["exp_avg_sq"], None, copy,
-                  int(state["step"].item()), group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                  True, True, 1.0 if grad_scale is None else grad_scale, self.on_written)
+        self.op.adam_step(param, param.grad, state["exp_avg"], state["exp_avg_sq"], None, copy,
+                          int(state["step"].item()), group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                          True, True, 1.0 if grad_scale is None else grad_scale)

@@ -222,8 +222,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, grad_factor: Tensor | None = None,
-             fp16_param_groups: Sequence[Sequence[Tensor]] | None = None,
-             on_written: Callable[[Tensor], None] | None = None) -> float | None:
+             fp16_param_groups: Sequence[Sequence[Tensor]] | None = None) -> float | None:
         """Apply one Muon or Adam update to every param that has a gradient.
 
         Muon groups use the updates :meth:`prepare_muon_updates` computed for the current gradients, if it ran;
@@ -238,8 +237,6 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 param (as many elements, contiguous, fp32/bf16/fp16), as DeepSpeedCPUAdam's step takes them; each
                 receives its updated param in its own dtype (``param.to(dtype)``'s bits) in the op's pass that
                 updates it. A param without a gradient is not stepped and its tensor is left as it is.
-            on_written: with ``fp16_param_groups``: called with each stretch of them as soon as it is written, so
-                that its copy elsewhere can start while the step goes on.
 
         Returns:
             The closure's loss, or None.
@@ -253,8 +250,6 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 loss = closure()
         copies = self._copies_by_param(fp16_param_groups)
         prepared, self._prepared = self._prepared, {}
-        if self._host is not None:
-            self._host.on_written = on_written if copies else None
         try:
             # Adam groups first: their few element-wise launches are queued at once, and the device works through
             # them while the host is still issuing the Muon groups' launches.
@@ -265,8 +260,6 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 if group["use_muon"]:
                     self._muon_group_step(group, prepared.get(index), grad_factor, copies)
         finally:
-            if self._host is not None:
-                self._host.on_written = None
             self.__dict__.pop("_operands", None)
             workspace = self.__dict__.get("_step_workspace")
             if workspace is not None:

@@ -95,38 +95,6 @@ def test_grad_scale_and_copies_in_one_step():
         optimizer.step(fp16_param_groups=[copies, copies])
 
 
-@pytest.mark.parametrize("amsgrad", [False, True])
-def test_copies_handed_on_stretch_by_stretch_as_written(monkeypatch, amsgrad):
-    """With `on_written` the step goes in stretches of COPY_BACK_CHUNK_NUMEL elements (a prime here: stretches end
-    mid-row, short tails), each handed on once written: every copy is covered once, in order, and the params,
-    states and copies are the bits of the step in one call."""
-    from deepspeed.ops.adam import cpu_adam
-
-    monkeypatch.setattr(cpu_adam, "COPY_BACK_CHUNK_NUMEL", 37)
-    params = make_params(shapes=((33, 17), (17, ), (5, 3, 7), (36, )))
-    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    options = {"lr": 1e-2, "weight_decay": 0.01, "amsgrad": amsgrad}
-    optimizer, twin_optimizer = DeepSpeedCPUAdam(params, **options), DeepSpeedCPUAdam(twin, **options)
-    copies = [torch.empty(p.numel(), dtype=torch.bfloat16) for p in params]
-    twin_copies = [torch.empty(p.numel(), dtype=torch.bfloat16) for p in params]
-    for step in range(3):
-        set_grads(params, step)
-        set_grads(twin, step)
-        written = []
-        optimizer.step(fp16_param_groups=[copies], on_written=written.append)
-        twin_optimizer.step(fp16_param_groups=[twin_copies])
-        for target in copies:
-            stretches = [w for w in written if w.untyped_storage().data_ptr() == target.untyped_storage().data_ptr()]
-            offsets = [(w.data_ptr() - target.data_ptr()) // target.element_size() for w in stretches]
-            assert offsets == list(range(0, target.numel(), 37))
-            assert sum(w.numel() for w in stretches) == target.numel()
-        assert len(written) == sum(len(range(0, c.numel(), 37)) for c in copies)
-    for p, t, c, tc in zip(params, twin, copies, twin_copies):
-        assert torch.equal(p, t) and torch.equal(c, tc)
-        for key, value in optimizer.state[p].items():
-            assert torch.equal(value, twin_optimizer.state[t][key]), key
-
-
 def test_state_dict_round_trip_continues_bit_for_bit():
     params = make_params()
     optimizer = DeepSpeedCPUAdam(params, lr=1e-2, amsgrad=True)
