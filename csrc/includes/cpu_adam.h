@@ -20,6 +20,16 @@ struct Array {
     explicit operator bool() const { return data != nullptr; }
 };
 
+// The copy of an updated param is the param as stored, cast (`param.to(copy.dtype)`): a 16-bit param is read back
+// from what was just stored, so the copy is rounded from its value, not from the fp32 result (whose own rounding
+// to the copy's dtype can differ). An fp32 param is the result itself.
+template <class V>
+inline void store_copy(const Array& param_array, const Array& copy, int64_t i, typename V::reg param)
+{
+    if (param_array.dtype != Dtype::f32) param = V::load_as_float(param_array.dtype, param_array.data, i);
+    V::store_from_float(copy.dtype, copy.data, i, param);
+}
+
 // Scalars of one Adam step, derived once on the host in double precision.
 struct AdamArgs {
     float step_size;           // lr / (1 - beta1^step), or lr without bias correction
@@ -62,7 +72,7 @@ inline void adam_lanes(const AdamArgs& a, const AdamArrays& t, int64_t i)
     if (a.has_weight_decay && a.adamw_mode) param = V::mul(param, V::set1(a.decay));
     param = V::fma(V::set1(-a.step_size), V::div(exp_avg, denom), param);
     V::store_from_float(t.param.dtype, t.param.data, i, param);
-    if (t.copy) V::store_from_float(t.copy.dtype, t.copy.data, i, param);
+    if (t.copy) store_copy<V>(t.param, t.copy, i, param);
 }
 
 // Elements [begin, end) of one Adam step.
@@ -154,7 +164,7 @@ inline void update_lanes(const UpdateArgs& a, const UpdateArrays& t, int64_t i)
     if (a.has_decay) param = V::mul(param, V::set1(a.decay));
     param = V::fma(V::load_as_float(t.update.dtype, t.update.data, i), V::set1(a.alpha), param);
     V::store_from_float(t.param.dtype, t.param.data, i, param);
-    if (t.copy) V::store_from_float(t.copy.dtype, t.copy.data, i, param);
+    if (t.copy) V::store_from_float(t.copy.dtype, t.copy.data, i, param);  // the param is the fp32 master
 }
 
 template <class V>

@@ -576,8 +576,6 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 torch._foreach_add_(params, list(update.unbind(0)), alpha=-lr * scale)
             for param, copy in zip(params, batch_copies or ()):
                 copy.view(-1).copy_(param.view(-1))
-                if self._host is not None:
-                    self._host.written(copy)
 
     def _fold(self, updates: _MuonUpdates, beta: float) -> None:
         if updates.flat is not None:

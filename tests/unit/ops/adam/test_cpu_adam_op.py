@@ -247,6 +247,23 @@ def test_apply_update_writes_the_updated_master_as_torch_casts_it(op, n, copy_dt
         assert same_bits(copy, applied.to(copy_dtype)), f"width {width}"
 
 
+@pytest.mark.parametrize("param_dtype, copy_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.float16),
+                                                     (torch.float16, torch.float32), (torch.float16, torch.bfloat16)])
+@pytest.mark.parametrize("n", LENGTHS)
+def test_the_copy_of_a_16_bit_param_is_the_param_as_stored(op, n, param_dtype, copy_dtype):
+    """A 16-bit param's copy in another dtype is the updated param as stored, cast (`param.to(copy.dtype)`): rounded
+    to the param's dtype first, not cast from the fp32 result, at every width and tail."""
+    generator = torch.Generator().manual_seed(2000 + n)
+    start = (torch.randn(n, generator=generator) * 3).to(param_dtype)
+    grad = torch.randn(n, generator=generator).to(param_dtype)
+    for width in op.simd_widths():
+        param, copy = start.clone(), torch.full((n, ), float("nan"), dtype=copy_dtype)
+        exp_avg, exp_avg_sq = torch.zeros(n, dtype=param_dtype), torch.zeros(n, dtype=param_dtype)
+        op.adam_step(param, grad, exp_avg, exp_avg_sq, None, copy, 1, 1e-2, 0.9, 0.99, 1e-8, 0.01, True, True, 1.0,
+                     width)
+        assert same_bits(copy, param.to(copy_dtype)), f"width {width}"
+
+
 @pytest.mark.parametrize("copy_dtype", [torch.bfloat16, torch.float16])
 def test_apply_update_copy_rounds_ties_to_even(op, copy_dtype):
     """Masters exactly halfway between two values of the copy's dtype (an even and an odd last bit below them), the

@@ -183,6 +183,32 @@ def test_the_step_writes_the_params_as_torch_casts_them(flat, contiguous, prepar
             assert torch.equal(value, plain_opt.state[b][key])
 
 
+@pytest.mark.parametrize("param_dtype, copy_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.float16),
+                                                     (torch.float16, torch.bfloat16)])
+def test_16_bit_params_on_the_host_write_their_copies_as_torch_casts_them(param_dtype, copy_dtype):
+    """Params kept in 16 bits on the host (no fp32 masters): the step still writes every updated param, Muon matrices
+    and the Adam half, into its copy, `param.to(copy.dtype)` bit for bit after every step; the params are those of a
+    step without copies."""
+    runs = []
+    for with_copies in (False, True):
+        matrices, biases = params_and_grads(flat=False)
+        matrices = [m.to(param_dtype) for m in matrices]
+        biases = [b.to(param_dtype) for b in biases]
+        optimizer = make(matrices, biases, on_host=True)
+        copies = lp_copies(matrices, biases, copy_dtype, contiguous=True)
+        for step in range(3):
+            generator = torch.Generator().manual_seed(100 + step)
+            for p in matrices + biases:
+                p.grad = torch.randn(p.shape, generator=generator).to(param_dtype)
+            optimizer.step(fp16_param_groups=copies if with_copies else None)
+            if with_copies:
+                for p, c in zip(matrices + biases, copies[0] + copies[1]):
+                    assert torch.equal(c, p.reshape(-1).to(copy_dtype)), f"step {step}"
+        runs.append(matrices + biases)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 def test_copies_need_the_host_step_and_one_tensor_per_param():
     matrices, biases = params_and_grads(flat=True)
     set_grads(matrices, biases, 0, flat=True)
