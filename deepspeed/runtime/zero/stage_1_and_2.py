@@ -409,7 +409,9 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
 
         Offloaded, the gradients first travel to host staging buffers; an optimizer that unscales in its own step
         (DeepSpeedCPUAdam) needs nothing else before the verdict, and one that steps on the host with the factor
-        (MuonWithAuxAdam) gets the staged gradients as they are and prepares its Muon updates with the factor.
+        (MuonWithAuxAdam) gets the staged gradients as they are: its step, after the verdict, computes each Muon
+        direction in the pass that folds the momentum (one pass where a prepare before the verdict would need two)
+        and runs the Adam half on the host while the device runs Newton-Schulz.
         """
         reduced = [self.reducer.partition_grad(g) for g in range(len(self.layouts))]
         if self._offload is not None:
@@ -420,7 +422,6 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
             if self._steps_on_scaled_host_grads:
                 self._set_master_grads(reduced)
                 self._host_grad_factor = factor
-                self.optimizer.prepare_muon_updates(grad_factor=factor)
                 return
         elif self._steps_on_scaled_grads is not None:
             self._set_master_grads(reduced)

@@ -44,6 +44,8 @@ class HostStep:
         # every first touch (and, page-locked, a registration), a pass over memory the step need not make. Per group,
         # because every group's updates are prepared before any is applied.
         self._buffers: dict[tuple[str, int], Tensor] = {}
+        # Per group: the event after the copies of its updates back to the host, while they are in flight.
+        self._pending: dict[int, Any] = {}
 
     def _buffer(self, role: tuple[str, int], numel: int, dtype: torch.dtype) -> Tensor:
         """`numel` elements of `dtype` of the buffer kept for `role` (grown when too small)."""
@@ -57,26 +59,26 @@ class HostStep:
         """The Newton-Schulz dtype, judged on the device Newton-Schulz runs on (not the host's)."""
         return resolve_ns_dtype(torch.empty(0, device=self.ns_device), configured)
 
-    def direction(self, grads: Tensor, momenta: Tensor, group: dict[str, Any], grad_scale: float | None = None
-                  ) -> Tensor:
-        """The Nesterov direction (or the new momentum) of a group laid out as one run, out of place: a 1-D tensor in
-        the Newton-Schulz dtype (host memory kept for the group: valid until the next call for it); the momenta are
-        only read. `grad_scale`: a factor every gradient is multiplied by as it is read (gradients in any float
-        dtype: the bits of `grad.float() * factor`)."""
+    def direction(self, grads: Tensor, momenta: Tensor, group: dict[str, Any], grad_scale: float | None = None,
+                  fold: bool = False) -> Tensor:
+        """The Nesterov direction (or the new momentum) of a group laid out as one run: a 1-D tensor in the
+        Newton-Schulz dtype (host memory kept for the group: valid until the next call for it). The momenta are only
+        read, or with `fold` receive the new momenta in the same pass. `grad_scale`: a factor every gradient is
+        multiplied by as it is read (gradients in any float dtype: the bits of `grad.float() * factor`)."""
         direction = self._buffer(("direction", id(group)), grads.numel(), self.ns_dtype(group["ns_dtype"]))
-        self.op.muon_momentum(grads, momenta, direction, group["momentum"], group["nesterov"], False, grad_scale)
+        self.op.muon_momentum(grads, momenta, direction, group["momentum"], group["nesterov"], fold, grad_scale)
         return direction
 
     def directions(self, grads: list[Tensor], momenta: list[Tensor], group: dict[str, Any],
-                   num_heads: int = 1, grad_scale: float | None = None) -> tuple[Tensor, float]:
-        """`momentum_directions(..., fold=False)` for same-shape matrices, matrix by matrix: a new (count * heads,
+                   num_heads: int = 1, grad_scale: float | None = None, fold: bool = False) -> tuple[Tensor, float]:
+        """`momentum_directions(..., fold=fold)` for same-shape matrices, matrix by matrix: a new (count * heads,
         rows / heads, cols) tensor in the Newton-Schulz dtype, and the factor its update is multiplied by
         (`update_scale` of one head's block, by the group's adjust_lr_fn)."""
         rows = grads[0].shape[0]
         cols = grads[0].numel() // rows
         direction = torch.empty((len(grads), rows, cols), dtype=self.ns_dtype(group["ns_dtype"]), pin_memory=self._pin)
         for index, (grad, momentum) in enumerate(zip(grads, momenta)):
-            self.op.muon_momentum(grad, momentum, direction[index], group["momentum"], group["nesterov"], False,
+            self.op.muon_momentum(grad, momentum, direction[index], group["momentum"], group["nesterov"], fold,
                                   grad_scale)
         head_rows = rows // num_heads
         return (direction.view(len(grads) * num_heads, head_rows, cols),
@@ -87,9 +89,12 @@ class HostStep:
         for grad, momentum in zip(grads, momenta):
             self.op.muon_momentum(grad, momentum, None, beta, False, True, grad_scale)
 
-    def orthogonalised(self, orthogonalise, directions: list[Tensor], group: dict[str, Any]) -> list[Tensor]:
+    def orthogonalised(self, orthogonalise, directions: list[Tensor], group: dict[str, Any],
+                       wait: bool = True) -> list[Tensor]:
         """`orthogonalise(directions)` of `group` on the Newton-Schulz device; the updates come back to the host,
-        contiguous, into host memory kept for the group (valid until the next call for it)."""
+        contiguous, into host memory kept for the group (valid until the next call for it). With `wait=False` the
+        copies are only queued: the host goes on (the Adam half of the step) while the device works, and
+        :meth:`wait_for_updates` must be called before the updates are read."""
         home = directions[0].device
         if home == self.ns_device:
             return orthogonalise(directions)
@@ -99,7 +104,7 @@ class HostStep:
         for update in updates:
             view = flat[start:start + update.numel()].view(update.shape)
             start += update.numel()
-            # Asynchronous into page-locked memory; one wait for all of them below.
+            # Asynchronous into page-locked memory; one wait for all of them.
             view.copy_(update, non_blocking=self._pin)
             host.append(view)
         if self._pin:
@@ -107,8 +112,17 @@ class HostStep:
 
             event = get_accelerator().Event()
             event.record()
-            event.synchronize()
+            self._pending[id(group)] = event
+        if wait:
+            self.wait_for_updates(group)
         return host
+
+    def wait_for_updates(self, group: dict[str, Any]) -> None:
+        """Block until the updates :meth:`orthogonalised` queued for `group` are in host memory (no-op when none
+        are in flight)."""
+        event = self._pending.pop(id(group), None)
+        if event is not None:
+            event.synchronize()
 
     def apply_updates(self, params: list[Tensor], update: Tensor, alpha: float, weight_decay_factor: float | None,
                       copies: list[Tensor] | None = None) -> None:

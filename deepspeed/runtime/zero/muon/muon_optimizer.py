@@ -251,8 +251,11 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         copies = self._copies_by_param(fp16_param_groups)
         prepared, self._prepared = self._prepared, {}
         try:
+            if self._host is not None:
+                prepared.update(self._launch_host_muon_updates(prepared, grad_factor))
             # Adam groups first: their few element-wise launches are queued at once, and the device works through
-            # them while the host is still issuing the Muon groups' launches.
+            # them while the host is still issuing the Muon groups' launches (on the host: while the device runs the
+            # Muon groups' Newton-Schulz launched above).
             for group in self.param_groups:
                 if not group["use_muon"]:
                     self._adam_group_step(group, grad_factor, copies)
@@ -265,6 +268,19 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             if workspace is not None:
                 workspace.release()  # what did not fit in the lent buffers is step memory only
         return loss
+
+    def _launch_host_muon_updates(self, prepared: dict[int, _MuonUpdates], grad_factor: Tensor | None
+                                  ) -> dict[int, _MuonUpdates]:
+        """On the host, inside the step (writing is allowed): the updates of every Muon group not prepared for this
+        step, each group's new momenta and Nesterov direction in one pass of the op (the momenta folded in place),
+        its Newton-Schulz and the copies back queued on the device without waiting for them."""
+        scale = _scale_of(grad_factor)
+        return {
+            index: self._muon_updates(group, scale, fold=True, wait=False)
+            for index, group in enumerate(self.param_groups)
+            if group["use_muon"] and not (index in prepared and prepared[index].is_for(group)
+                                          and _same_scale(prepared[index].grad_scale, grad_factor))
+        }
 
     def _copies_by_param(self, fp16_param_groups: Sequence[Sequence[Tensor]] | None) -> dict[int, Tensor]:
         """``step``'s ``fp16_param_groups`` by ``id`` of the param each belongs to (empty for None)."""
@@ -368,19 +384,24 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
     def _prepared(self, value: dict[int, _MuonUpdates]) -> None:
         self.__dict__["_prepared_updates"] = value
 
-    def _muon_updates(self, group: dict[str, Any], grad_scale: float | None = None) -> _MuonUpdates:
+    def _muon_updates(self, group: dict[str, Any], grad_scale: float | None = None, fold: bool = False,
+                      wait: bool = True) -> _MuonUpdates:
         """The orthogonalised updates of every param with a gradient, with one Newton-Schulz call for the group.
 
         Matrices of one shape (and head count) are stacked into one batch, a matrix split by heads as one
         (heads, rows / heads, cols) block of it; the call gets every batch, so the Gram iteration can also share its
         small-matrix work across shapes (see ``zeropower_via_gram_newtonschulz``).
         Nothing is written: a missing momentum counts as zeros. ``grad_scale`` (the host step only): a factor the
-        gradients, in any float dtype, are multiplied by as they are read.
+        gradients, in any float dtype, are multiplied by as they are read. The host step only, inside ``step()``:
+        ``fold`` writes the new momenta in the pass that computes the directions (created packed where missing), and
+        ``wait=False`` leaves the updates in flight (:meth:`HostStep.wait_for_updates` before reading them).
         """
         params, by_key = _with_grads_by_key(group)
+        if fold:
+            self._packed_momenta([p for batch in by_key.values() for p in batch])
         flat = self._flat_operands(params, by_key)
         if flat is not None:
-            return self._flat_muon_updates(group, by_key, flat, grad_scale)
+            return self._flat_muon_updates(group, by_key, flat, grad_scale, fold, wait)
         batches, directions = [], []
         for (_, num_heads), key_params in by_key.items():
             grads = [p.grad for p in key_params]
@@ -391,14 +412,15 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                            for p, m in zip(key_params, momenta)]
             if self._host is not None:
                 direction, scale = self._host.directions(grads, momenta, group, num_heads=num_heads,
-                                                         grad_scale=grad_scale)
+                                                         grad_scale=grad_scale, fold=fold)
             else:
                 direction, scale = momentum_directions(grads, momenta, beta=group["momentum"],
                                                        nesterov=group["nesterov"], fold=False, num_heads=num_heads,
                                                        adjust_lr_fn=group["adjust_lr_fn"])
             batches.append((key_params, grads, scale))
             directions.append(direction)
-        return _MuonUpdates(batches, self._orthogonalised(group, directions), grad_scale=grad_scale)
+        return _MuonUpdates(batches, self._orthogonalised(group, directions, wait), folded=fold,
+                            grad_scale=grad_scale)
 
     def run_on_host(self, ns_device: torch.device | str) -> None:
         """Step on the host from now on (ZeRO-Offload): the params, their gradients and all state are CPU tensors.
@@ -517,14 +539,15 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         return flat_grads, flat_momenta
 
     def _flat_muon_updates(self, group: dict[str, Any], by_key: dict[BatchKey, list[Tensor]],
-                           flat: tuple[Tensor, Tensor], grad_scale: float | None = None) -> _MuonUpdates:
+                           flat: tuple[Tensor, Tensor], grad_scale: float | None = None, fold: bool = False,
+                           wait: bool = True) -> _MuonUpdates:
         """:meth:`_muon_updates` for a group laid out as one run: the element-wise work in three launches for all
         matrices (new momentum, Nesterov direction written over it, cast to the Newton-Schulz dtype), bit for bit
         what the per-shape path computes, with one fp32 temporary instead of two."""
         grads, momenta = flat
         beta = group["momentum"]
         if self._host is not None:
-            direction = self._host.direction(grads, momenta, group, grad_scale)
+            direction = self._host.direction(grads, momenta, group, grad_scale, fold)
         else:
             direction = torch.lerp(momenta, grads, 1 - beta)
             if group["nesterov"]:
@@ -532,17 +555,18 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             direction = direction.to(resolve_ns_dtype(direction, group["ns_dtype"]))
         directions = _batch_views(direction, by_key)
         return _MuonUpdates(_recorded_batches(by_key, directions, group["adjust_lr_fn"]),
-                            self._orthogonalised(group, directions), flat, grad_scale=grad_scale)
+                            self._orthogonalised(group, directions, wait), flat, folded=fold, grad_scale=grad_scale)
 
-    def _orthogonalised(self, group: dict[str, Any], directions: list[Tensor]) -> list[Tensor]:
+    def _orthogonalised(self, group: dict[str, Any], directions: list[Tensor], wait: bool = True) -> list[Tensor]:
         if not directions:
             return []
 
         def orthogonalise(batches: list[Tensor]) -> list[Tensor]:
             return NS_FUNCTIONS[group["ns_method"]](batches, steps=group["ns_steps"], dtype=group["ns_dtype"])
 
-        return orthogonalise(directions) if self._host is None else self._host.orthogonalised(orthogonalise,
-                                                                                              directions, group)
+        if self._host is None:
+            return orthogonalise(directions)
+        return self._host.orthogonalised(orthogonalise, directions, group, wait)
 
     def _commit_muon_updates(self, group: dict[str, Any], updates: _MuonUpdates,
                              copies: dict[int, Tensor] | None = None) -> None:
@@ -554,6 +578,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         # to the commit. (An update computed inside the step wrote them already.)
         if not updates.folded:
             self._fold(updates, beta)
+        if self._host is not None:
+            self._host.wait_for_updates(group)
         for (params, _, scale), update in zip(updates.batches, updates.updates):
             if update.shape[1:] != params[0].shape:  # 4-D kernels were orthogonalised as (out, -1)
                 update = update.reshape(len(params), *params[0].shape)
