@@ -278,8 +278,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         return {
             index: self._muon_updates(group, scale, fold=True, wait=False)
             for index, group in enumerate(self.param_groups)
-            if group["use_muon"] and not (index in prepared and prepared[index].is_for(group)
-                                          and _same_scale(prepared[index].grad_scale, grad_factor))
+            if group["use_muon"] and not _fits(prepared.get(index), group, grad_factor)
         }
 
     def _copies_by_param(self, fp16_param_groups: Sequence[Sequence[Tensor]] | None) -> dict[int, Tensor]:
@@ -305,7 +304,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
     def _muon_group_step(self, group: dict[str, Any], prepared: _MuonUpdates | None,
                          grad_factor: Tensor | None, copies: dict[int, Tensor]) -> None:
-        if prepared is not None and prepared.is_for(group) and _same_scale(prepared.grad_scale, grad_factor):
+        if _fits(prepared, group, grad_factor):
             self._commit_muon_updates(group, prepared, copies)
             return
         updates = self._muon_updates_in_workspace(group, grad_factor)
@@ -752,6 +751,11 @@ def _recorded_batches(by_key: dict[BatchKey, list[Tensor]], views: list[Tensor],
 def _scale_of(grad_factor: Tensor | None) -> float | None:
     """``grad_factor`` as the float the host op takes (exact: the factor is fp32), None for None."""
     return None if grad_factor is None else float(grad_factor)
+
+
+def _fits(updates: _MuonUpdates | None, group: dict[str, Any], grad_factor: Tensor | None) -> bool:
+    """Whether `updates` were computed for `group`'s current gradients with this step's factor."""
+    return updates is not None and updates.is_for(group) and _same_scale(updates.grad_scale, grad_factor)
 
 
 def _same_scale(grad_scale: float | None, grad_factor: Tensor | None) -> bool:
