@@ -124,6 +124,12 @@ class HostStep:
         if event is not None:
             event.synchronize()
 
+    def wait_for_all(self) -> None:
+        """Block until no group's updates are in flight."""
+        for event in self._pending.values():
+            event.synchronize()
+        self._pending.clear()
+
     def apply_updates(self, params: list[Tensor], update: Tensor, alpha: float, weight_decay_factor: float | None,
                       copies: list[Tensor] | None = None) -> None:
         """params <- params * weight_decay_factor (when given), then + alpha * update (stacked as the params), in the

@@ -250,9 +250,10 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 loss = closure()
         copies = self._copies_by_param(fp16_param_groups)
         prepared, self._prepared = self._prepared, {}
+        launched: dict[int, _MuonUpdates] = {}
         try:
             if self._host is not None:
-                prepared.update(self._launch_host_muon_updates(prepared, grad_factor))
+                launched = self._launch_host_muon_updates(prepared, grad_factor)
             # Adam groups first: their few element-wise launches are queued at once, and the device works through
             # them while the host is still issuing the Muon groups' launches (on the host: while the device runs the
             # Muon groups' Newton-Schulz launched above).
@@ -260,9 +261,13 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 if not group["use_muon"]:
                     self._adam_group_step(group, grad_factor, copies)
             for index, group in enumerate(self.param_groups):
-                if group["use_muon"]:
+                if index in launched:  # momenta already folded: commit as they are, never recompute
+                    self._commit_muon_updates(group, launched[index], copies)
+                elif group["use_muon"]:
                     self._muon_group_step(group, prepared.get(index), grad_factor, copies)
         finally:
+            if self._host is not None:
+                self._host.wait_for_all()  # a step that raised leaves no copy in flight into the kept buffers
             self.__dict__.pop("_operands", None)
             workspace = self.__dict__.get("_step_workspace")
             if workspace is not None:
