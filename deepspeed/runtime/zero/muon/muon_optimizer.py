@@ -263,7 +263,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             for index, group in enumerate(self.param_groups):
                 if index in launched:  # momenta already folded: commit as they are, never recompute
                     self._commit_muon_updates(group, launched[index], copies)
-                elif group["use_muon"]:
+                    continue
+                if group["use_muon"]:
                     self._muon_group_step(group, prepared.get(index), grad_factor, copies)
         finally:
             if self._host is not None:
