@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-
 from deepspeed.runtime.zero.muon.original_muon import flat_view, resolve_ns_dtype, stacked_view, update_scale
 
 
