@@ -73,6 +73,7 @@ MUON_OPTIMIZER = "deepspeed/runtime/zero/muon/muon_optimizer.py"
 MUON_MATH = "deepspeed/runtime/zero/muon/original_muon.py"
 PARTITION_STATE = "deepspeed/runtime/zero/partition_state.py"
 STEP = "deepspeed/runtime/optimizer_step.py"
+LR_SCHEDULES = "deepspeed/runtime/lr_schedules.py"
 
 MUTATIONS: Tuple[Mutation, ...] = (
     Mutation(
@@ -243,6 +244,17 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "        raise ValueError(f'{key} not found in optimizer state fragment')\n"
                   "\n"
                   "    def _muon_state(self, group: int, index: int, key: str) -> torch.Tensor:\n"),
+        ),
+    ),
+    Mutation(
+        key="g",
+        title="LR schedule writes one value into every param group",
+        upstream=("a single warmup_max_lr (the Hugging Face Trainer's \"auto\") is written into the Muon and the Adam "
+                  "group alike, so Muon's matrices train at the Adam lr (#7713)"),
+        patches=(
+            Patch(LR_SCHEDULES,
+                  "    if len(set(base_lrs)) <= 1 or value == 0:\n",
+                  "    if True:\n"),
         ),
     ),
 )

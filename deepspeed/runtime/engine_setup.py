@@ -113,7 +113,8 @@ def optimizer_from_config(config: DeepSpeedConfig, named_params, params,
         elif per_head_muon:
             raise DeepSpeedConfigError("optimizer.params.per_head_muon needs the model (its config names the head "
                                        "counts); build the optimizer through deepspeed.initialize")
-        return MuonWithAuxAdam(groups)
+        # optimizer.params.lr is what a single LR-schedule value stands for (both groups follow it in proportion).
+        return MuonWithAuxAdam(groups, lr=kwargs.get("lr"))
     if name in ADAM_OPTIMIZERS:
         kwargs.pop("torch_adam", None)
         adam_w_mode = kwargs.pop("adam_w_mode", True)

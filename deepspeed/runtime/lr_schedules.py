@@ -4,6 +4,17 @@ Each schedule is a function of ``last_batch_iteration`` (the number of applied o
 writes into every param group's ``lr``. The engine calls ``step()`` once per applied optimizer step, never on a
 step skipped for overflow. The config's ``scheduler.type`` names a class here, else one in
 ``torch.optim.lr_scheduler``.
+
+Param groups keep their lr split. A learning-rate argument (``warmup_max_lr``, ``cycle_min_lr``, ...) is either
+one value per param group, written as given, or a single value. A single value is the schedule of the *reference
+lr* and every group follows it in proportion to its own base lr (its ``lr`` when the schedule was built):
+``group value = value * base_lr / reference_lr``. When every group has the same base lr that is the reference (each
+group gets the value itself, upstream's behaviour). Otherwise the reference is the optimizer's ``defaults['lr']``
+(the lr given to a torch optimizer's constructor; ``optimizer.params.lr`` for Muon), which must be one of the
+groups' base lrs. So with Muon ``lr`` 3e-4, ``muon_lr`` 0.02 and a scalar ``warmup_max_lr`` 3e-4 (what the Hugging
+Face Trainer writes for "auto"), the Adam group warms up to 3e-4 and the Muon group to 0.02. A non-zero single
+value that no reference can place is refused with a ValueError naming the argument; upstream wrote it into every
+group, silently training groups configured apart at one lr.
 """
 
 import logging
@@ -51,17 +62,37 @@ def get_torch_optimizer(optimizer: Any) -> Optimizer:
     raise TypeError(f"{type(optimizer).__name__} is not a subclass of torch.optim.Optimizer")
 
 
-def _per_group(value: PerGroup, num_groups: int, name: str) -> list[float]:
-    """Expand a scalar to one value per param group, or check a per-group list's length.
+def _reference_lr(optimizer: Optimizer, base_lrs: list[float]) -> float | None:
+    """The lr a single schedule value stands for (see the module docstring), or None when none can be named."""
+    if len(set(base_lrs)) <= 1:
+        return base_lrs[0] if base_lrs else None
+    reference = optimizer.defaults.get("lr")
+    if isinstance(reference, numbers.Real) and any(math.isclose(reference, lr) for lr in base_lrs):
+        return float(reference)
+    return None
+
+
+def _per_group(value: PerGroup, base_lrs: list[float], reference: float | None, name: str) -> list[float]:
+    """One value per param group: a list as given, a single value scaled by each group's base lr (module docstring).
 
     Raises:
-        ValueError: if a list or tuple does not have one value per param group.
+        ValueError: if a list or tuple does not have one value per param group, or a non-zero single value is given
+            while the groups' base lrs differ and no reference lr is known.
     """
+    num_groups = len(base_lrs)
     if isinstance(value, (list, tuple)):
         if len(value) != num_groups:
             raise ValueError(f"expected {num_groups} values for {name} (one per param group), got {len(value)}")
         return list(value)
-    return [value] * num_groups
+    if len(set(base_lrs)) <= 1 or value == 0:
+        return [value] * num_groups
+    if reference is None or reference == 0:
+        raise ValueError(
+            f"{name} is a single value ({value!r}) but the param groups have different learning rates {base_lrs} "
+            "and no reference lr says which group it is for: give one value per param group, or set the "
+            "optimizer's lr (optimizer.params.lr) to the group lr this value scales"
+        )
+    return [value * base_lr / reference for base_lr in base_lrs]
 
 
 def _check_warmup_num_steps(warmup_num_steps: int) -> int:
@@ -109,10 +140,24 @@ class _BatchSchedule:
         self.optimizer = get_torch_optimizer(optimizer)
         self.last_batch_iteration = last_batch_iteration
         self._last_lr: list[float] | None = None
+        # Read before any schedule writes the groups' lr: a single schedule value scales these.
+        self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]
+        self.reference_lr = _reference_lr(self.optimizer, self.base_lrs)
+        # name -> the value as configured (scalar or list); expanded per group by _group_values.
+        self._configured: dict[str, PerGroup] = {}
 
     @property
     def _num_groups(self) -> int:
         return len(self.optimizer.param_groups)
+
+    def _configure(self, name: str, value: PerGroup) -> list[float]:
+        """Keep a learning-rate argument as given and return it per group (checked now, so bad input fails here)."""
+        self._configured[name] = value
+        return self._group_values(name)
+
+    def _group_values(self, name: str) -> list[float]:
+        """The configured argument ``name``, one value per param group, from the current base lrs."""
+        return _per_group(self._configured[name], self.base_lrs, self.reference_lr, name)
 
     def get_lr(self) -> list[float]:
         """Return the learning rate of each param group at ``last_batch_iteration``."""
@@ -144,25 +189,44 @@ class _BatchSchedule:
             group["lr"] = lr
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
-    def state_dict(self) -> dict[str, int]:
-        """Return ``{'last_batch_iteration': n}``; everything else is configuration."""
-        return {"last_batch_iteration": self.last_batch_iteration}
+    def state_dict(self) -> dict[str, Any]:
+        """Return ``last_batch_iteration`` and the groups' lr split; everything else is configuration.
 
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        """Restore ``last_batch_iteration``; the next ``step()`` continues from it.
+        The split (``base_lrs``, each group's lr when the schedule was built, and ``reference_lr``) is saved so that a
+        resumed schedule scales each group exactly as the uninterrupted one, whatever lrs the groups hold on load.
+        """
+        return {"last_batch_iteration": self.last_batch_iteration, "base_lrs": list(self.base_lrs),
+                "reference_lr": self.reference_lr}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore ``last_batch_iteration`` and the lr split; the next ``step()`` continues from it.
 
         Args:
-            state_dict: ``{'last_batch_iteration': n}``.
+            state_dict: what :meth:`state_dict` returned; upstream's ``{'last_batch_iteration': n}`` is accepted too
+                and keeps the split this schedule was built with.
 
         Raises:
-            ValueError: if the dict lacks ``last_batch_iteration`` or has other keys.
+            ValueError: if the dict lacks ``last_batch_iteration``, has other keys, has only one of ``base_lrs``
+                and ``reference_lr``, or its ``base_lrs`` does not have one lr per param group.
         """
-        if set(state_dict) != {"last_batch_iteration"}:
-            missing = sorted({"last_batch_iteration"} - set(state_dict))
-            unexpected = sorted(set(state_dict) - {"last_batch_iteration"})
+        split = {"base_lrs", "reference_lr"}
+        allowed = {"last_batch_iteration"} | split
+        given = set(state_dict)
+        if "last_batch_iteration" not in given or not given <= allowed or 0 < len(given & split) < 2:
+            missing = sorted(({"last_batch_iteration"} | (split if given & split else set())) - given)
+            unexpected = sorted(given - allowed)
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict: missing keys {missing}, unexpected keys {unexpected}"
             )
+        if given & split:
+            base_lrs = [float(lr) for lr in state_dict["base_lrs"]]
+            if len(base_lrs) != self._num_groups:
+                raise ValueError(
+                    f"{type(self).__name__}.load_state_dict: base_lrs has {len(base_lrs)} values but the optimizer "
+                    f"has {self._num_groups} param groups"
+                )
+            reference = state_dict["reference_lr"]
+            self.base_lrs, self.reference_lr = base_lrs, None if reference is None else float(reference)
         self.last_batch_iteration = state_dict["last_batch_iteration"]
 
 
@@ -196,7 +260,7 @@ class LRRangeTest(_BatchSchedule):
         super().__init__(optimizer, last_batch_iteration)
         if not lr_range_test_step_size > 0:
             raise ValueError(f"lr_range_test_step_size must be > 0, got {lr_range_test_step_size!r}")
-        self.min_lr = _per_group(lr_range_test_min_lr, self._num_groups, "lr_range_test_min_lr")
+        self._configure("lr_range_test_min_lr", lr_range_test_min_lr)
         self.step_size = lr_range_test_step_size
         self.step_rate = lr_range_test_step_rate
         self.staircase = lr_range_test_staircase
@@ -211,6 +275,10 @@ class LRRangeTest(_BatchSchedule):
         """Return ``min_lr * (1 + step_rate * interval)`` for each param group."""
         increase = 1 + self.step_rate * self._interval()
         return [min_lr * increase for min_lr in self.min_lr]
+
+    @property
+    def min_lr(self) -> list[float]:
+        return self._group_values("lr_range_test_min_lr")
 
 
 class OneCycle(_BatchSchedule):
@@ -276,8 +344,8 @@ class OneCycle(_BatchSchedule):
             cycle_first_stair_count if cycle_second_stair_count is None else cycle_second_stair_count
         )
         self.decay_step_size = decay_step_size
-        self.min_lrs = _per_group(cycle_min_lr, self._num_groups, "cycle_min_lr")
-        self.max_lrs = _per_group(cycle_max_lr, self._num_groups, "cycle_max_lr")
+        self._configure("cycle_min_lr", cycle_min_lr)
+        self._configure("cycle_max_lr", cycle_max_lr)
         self.decay_lr_rate = decay_lr_rate
         self.skip_lr_decay = math.isclose(decay_step_size, 0) or math.isclose(decay_lr_rate, 0)
         self.cycle_momentum = cycle_momentum and self._supports_betas()
@@ -287,6 +355,14 @@ class OneCycle(_BatchSchedule):
         self.skip_mom_decay = math.isclose(decay_step_size, 0) or math.isclose(decay_mom_rate, 0)
         if last_batch_iteration == -1:
             self._apply()
+
+    @property
+    def min_lrs(self) -> list[float]:
+        return self._group_values("cycle_min_lr")
+
+    @property
+    def max_lrs(self) -> list[float]:
+        return self._group_values("cycle_max_lr")
 
     def _supports_betas(self) -> bool:
         if "betas" in self.optimizer.defaults:
@@ -368,16 +444,26 @@ class WarmupLR(_BatchSchedule):
         last_batch_iteration: int = -1,
     ) -> None:
         super().__init__(optimizer, last_batch_iteration)
-        if warmup_max_lr is None:
-            # Read before the lr is overwritten with warmup_min_lr below.
-            warmup_max_lr = [group["lr"] for group in self.optimizer.param_groups]
-        self.min_lrs = _per_group(warmup_min_lr, self._num_groups, "warmup_min_lr")
-        self.max_lrs = _per_group(warmup_max_lr, self._num_groups, "warmup_max_lr")
-        self.delta_lrs = [hi - lo for lo, hi in zip(self.min_lrs, self.max_lrs, strict=True)]
+        self._configure("warmup_min_lr", warmup_min_lr)
+        self._max_from_groups = warmup_max_lr is None
+        if not self._max_from_groups:
+            self._configure("warmup_max_lr", warmup_max_lr)
         self.warmup_num_steps = _check_warmup_num_steps(warmup_num_steps)
         self.warmup_type = _check_warmup_type(warmup_type)
         if last_batch_iteration == -1:
             self._apply()
+
+    @property
+    def min_lrs(self) -> list[float]:
+        return self._group_values("warmup_min_lr")
+
+    @property
+    def max_lrs(self) -> list[float]:
+        return list(self.base_lrs) if self._max_from_groups else self._group_values("warmup_max_lr")
+
+    @property
+    def delta_lrs(self) -> list[float]:
+        return [hi - lo for lo, hi in zip(self.min_lrs, self.max_lrs, strict=True)]
 
     def get_lr(self) -> list[float]:
         """Return ``min + (max - min) * gamma`` for each param group (``min`` before the first step)."""
@@ -473,8 +559,6 @@ class WarmupCosineLR(_BatchSchedule):
         self.warmup_type = _check_warmup_type(warmup_type)
         if self.total_num_steps < self.warmup_num_steps:
             logger.warning(f"total_num_steps {total_num_steps} is less than warmup_num_steps {warmup_num_steps}")
-        # Read before the lr is overwritten below: every later lr is a ratio of these.
-        self.org_lrs = [group["lr"] for group in self.optimizer.param_groups]
         if last_batch_iteration == -1:
             self._apply()
 
@@ -497,3 +581,8 @@ class WarmupCosineLR(_BatchSchedule):
         """Return ``original_lr * ratio`` for each param group."""
         ratio = self.get_lr_ratio()
         return [org_lr * ratio for org_lr in self.org_lrs]
+
+    @property
+    def org_lrs(self) -> list[float]:
+        """Upstream's name for the groups' original lrs (``base_lrs``)."""
+        return self.base_lrs

@@ -328,9 +328,13 @@ def test_state_dict_round_trip_equals_continuing(name: str) -> None:
     uninterrupted = build(uninterrupted_opt)
     step_to(uninterrupted, 4)
     state = uninterrupted.state_dict()
-    assert state == {"last_batch_iteration": 4}
+    assert state == {"last_batch_iteration": 4, "base_lrs": [0.1, 0.2], "reference_lr": 0.1}
 
+    # The resumed optimizer's groups hold other lrs when the schedule is built (as after loading a scheduled
+    # optimizer's state): the saved split, not those, must drive the schedule.
     resumed_opt = make_optimizer(lrs=[0.1, 0.2])
+    for group in resumed_opt.param_groups:
+        group["lr"] = 0.05
     resumed = build(resumed_opt)
     resumed.load_state_dict(state)
     for _ in range(15):
@@ -341,6 +345,29 @@ def test_state_dict_round_trip_equals_continuing(name: str) -> None:
         assert [g.get("betas") for g in resumed_opt.param_groups] == [
             g.get("betas") for g in uninterrupted_opt.param_groups
         ]
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_upstream_state_dict_keeps_the_built_split(name: str) -> None:
+    """Upstream's {'last_batch_iteration': n} loads and continues on the split the schedule was built with."""
+    uninterrupted_opt, resumed_opt = make_optimizer(lrs=[0.1, 0.2]), make_optimizer(lrs=[0.1, 0.2])
+    uninterrupted, resumed = SCHEDULES[name](uninterrupted_opt), SCHEDULES[name](resumed_opt)
+    step_to(uninterrupted, 4)
+    resumed.load_state_dict({"last_batch_iteration": 4})
+    for _ in range(6):
+        uninterrupted.step()
+        resumed.step()
+        assert lrs_of(resumed_opt) == lrs_of(uninterrupted_opt)
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_load_state_dict_rejects_a_split_of_other_length(name: str) -> None:
+    scheduler = SCHEDULES[name](make_optimizer(lrs=[0.1, 0.2]))
+    with pytest.raises(ValueError, match="base_lrs has 3 values but the optimizer has 2 param groups"):
+        scheduler.load_state_dict({"last_batch_iteration": 3, "base_lrs": [0.1, 0.2, 0.3], "reference_lr": 0.1})
+    with pytest.raises(ValueError, match=r"missing keys \['reference_lr'\]"):
+        scheduler.load_state_dict({"last_batch_iteration": 3, "base_lrs": [0.1, 0.2]})
+    assert scheduler.last_batch_iteration == -1
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))
@@ -407,3 +434,90 @@ def test_get_last_lr_before_any_write() -> None:
     scheduler.step()
     assert scheduler.last_batch_iteration == 6
     assert scheduler.get_last_lr() == lrs_of(optimizer)
+
+
+# ------------------------------------------------------------------------------------------ the groups' lr split
+# A Muon-like split: a group at 0.02 and one at 3e-4 (the reference, the optimizer's lr), as the Hugging Face
+# Trainer's "auto" config gives it, with single schedule values of the reference's size.
+MUON_LR, ADAM_LR = 0.02, 3e-4
+
+SPLIT_SCHEDULES = {
+    "WarmupLR": lambda opt: WarmupLR(opt, warmup_min_lr=1e-5, warmup_max_lr=ADAM_LR, warmup_num_steps=6),
+    "WarmupDecayLR": lambda opt: WarmupDecayLR(opt, total_num_steps=20, warmup_min_lr=1e-5, warmup_max_lr=ADAM_LR,
+                                               warmup_num_steps=6, warmup_type="linear"),
+    "WarmupCosineLR": lambda opt: WarmupCosineLR(opt, total_num_steps=20, warmup_num_steps=6),
+    "OneCycle": lambda opt: OneCycle(opt, cycle_min_lr=1e-5, cycle_max_lr=ADAM_LR, cycle_first_step_size=4,
+                                     decay_step_size=2, decay_lr_rate=0.1),
+    "LRRangeTest": lambda opt: LRRangeTest(opt, lr_range_test_min_lr=1e-5, lr_range_test_step_size=3),
+}
+
+
+def split_optimizer(reference: float | None = ADAM_LR) -> torch.optim.Optimizer:
+    """Two groups at MUON_LR and ADAM_LR; ``defaults['lr']`` is ``reference``."""
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(2))], "lr": MUON_LR},
+              {"params": [torch.nn.Parameter(torch.zeros(2))], "lr": ADAM_LR}]
+    optimizer = torch.optim.AdamW(groups, lr=ADAM_LR if reference is None else reference)
+    if reference is None:
+        del optimizer.defaults["lr"]
+    return optimizer
+
+
+@pytest.mark.parametrize("name", list(SPLIT_SCHEDULES))
+def test_single_value_scales_each_group_from_its_own_lr(name: str) -> None:
+    """Each group follows the one-group schedule of the reference lr, times its base lr / the reference."""
+    build = SPLIT_SCHEDULES[name]
+    split_opt, single_opt = split_optimizer(), make_optimizer(lrs=[ADAM_LR])
+    split, single = build(split_opt), build(single_opt)
+    assert lrs_of(split_opt) == pytest.approx([lrs_of(single_opt)[0] * MUON_LR / ADAM_LR, lrs_of(single_opt)[0]])
+    peak = 0.0
+    for _ in range(25):
+        split.step()
+        single.step()
+        expected = lrs_of(single_opt)[0]
+        assert lrs_of(split_opt) == pytest.approx([expected * MUON_LR / ADAM_LR, expected], rel=1e-12)
+        peak = max(peak, lrs_of(split_opt)[0])
+    # The Muon group reaches its own lr's scale, not the Adam group's (upstream wrote 3e-4 into both groups).
+    assert peak > 10 * ADAM_LR
+
+
+@pytest.mark.parametrize("name", ["WarmupLR", "WarmupDecayLR", "OneCycle", "LRRangeTest"])
+def test_per_group_lists_are_written_as_given(name: str) -> None:
+    """A list sets each group explicitly, whatever the groups' own lrs (WarmupCosineLR takes ratios, no lrs)."""
+    optimizer = split_optimizer()
+    if name == "WarmupLR":
+        WarmupLR(optimizer, warmup_min_lr=[0.1, 0.2], warmup_max_lr=[0.3, 0.4], warmup_num_steps=4)
+        assert lrs_of(optimizer) == [0.1, 0.2]
+    elif name == "OneCycle":
+        OneCycle(optimizer, cycle_min_lr=[0.1, 0.2], cycle_max_lr=[0.3, 0.4])
+        assert lrs_of(optimizer) == [0.1, 0.2]
+    elif name == "LRRangeTest":
+        LRRangeTest(optimizer, lr_range_test_min_lr=[0.1, 0.2])
+        assert lrs_of(optimizer) == [0.1, 0.2]
+    else:
+        scheduler = WarmupDecayLR(optimizer, total_num_steps=10, warmup_min_lr=[0.1, 0.2], warmup_max_lr=[0.3, 0.4],
+                                  warmup_num_steps=2, warmup_type="linear")
+        step_to(scheduler, 2)
+        assert lrs_of(optimizer) == pytest.approx([0.3, 0.4])
+
+
+def test_single_value_without_a_reference_is_refused() -> None:
+    """Groups at different lrs and no reference lr: a non-zero single value cannot be placed, so it is refused."""
+    with pytest.raises(ValueError, match=r"warmup_max_lr is a single value \(0.0003\) but the param groups have "
+                       r"different learning rates \[0.02, 0.0003\]"):
+        WarmupLR(split_optimizer(reference=None), warmup_max_lr=ADAM_LR)
+    # A reference that is no group's lr (a constructor default, say) names none either.
+    with pytest.raises(ValueError, match="cycle_max_lr is a single value"):
+        OneCycle(split_optimizer(reference=1e-3), cycle_min_lr=0.0, cycle_max_lr=1e-3)
+    # Zero needs no reference, and neither do groups that share one lr.
+    scheduler = WarmupLR(split_optimizer(reference=None), warmup_min_lr=0.0, warmup_num_steps=2)
+    step_to(scheduler, 3)
+    assert lrs_of(scheduler.optimizer) == [MUON_LR, ADAM_LR]
+
+
+def test_equal_groups_take_the_value_itself() -> None:
+    """Groups sharing one lr each get the single value, whatever the constructor's lr (upstream's behaviour)."""
+    optimizer = make_optimizer(lrs=[5e-4, 5e-4])
+    optimizer.defaults["lr"] = 1e-3
+    scheduler = WarmupLR(optimizer, warmup_min_lr=0.0, warmup_max_lr=2e-3, warmup_num_steps=2)
+    step_to(scheduler, 3)
+    assert lrs_of(optimizer) == [2e-3, 2e-3]

@@ -130,6 +130,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
     Args:
         param_groups: dicts with ``params`` and ``use_muon``, plus the options above.
+        lr: the reference lr (``optimizer.params.lr``), kept in ``defaults['lr']``: a single learning-rate value
+            given to an LR schedule is this lr's schedule, and each group follows it in proportion to its own lr
+            (``deepspeed/runtime/lr_schedules.py``). It sets no group's lr. None: there is none.
 
     Raises:
         ValueError: a group without ``use_muon``, an unknown group key, a Muon param with fewer than
@@ -145,8 +148,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
     # that updates them; ZeRO-Offload asks for this instead of casting every master again to publish it.
     writes_param_copies_on_host = True
 
-    def __init__(self, param_groups: Iterable[dict[str, Any]]) -> None:
-        super().__init__(list(param_groups), defaults={})
+    def __init__(self, param_groups: Iterable[dict[str, Any]], lr: float | None = None) -> None:
+        super().__init__(list(param_groups), defaults={} if lr is None else {"lr": lr})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Validate ``param_group``, fill its defaults, order Muon params, and add it.

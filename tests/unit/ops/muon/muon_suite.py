@@ -260,15 +260,19 @@ def reference_muon_update(grad: torch.Tensor, momentum: torch.Tensor, beta: floa
 
 def reference_training(model: torch.nn.Module, batches: Sequence[Batch], lr: float, adam_lr: float,
                        betas=(0.9, 0.95), eps: float = 1e-10, clip: Optional[float] = None,
-                       grad_norms: Optional[list] = None) -> Dict[str, torch.Tensor]:
+                       grad_norms: Optional[list] = None,
+                       step_lrs: Optional[Sequence[Tuple[float, float]]] = None) -> Dict[str, torch.Tensor]:
     """Single-process fp32 Muon (matrices) + Adam (vectors) on the full global batches; final parameters.
 
     `clip`: the gradients are first clipped to this global L2 norm (torch's clip_grad_norm_), as
     `gradient_clipping` does. `grad_norms`: receives each step's global gradient norm before clipping.
+    `step_lrs`: the (Muon, Adam) learning rates of each step, instead of `lr` and `adam_lr` at every step.
     """
     model = copy.deepcopy(model).float().cpu()
     state: Dict[str, Dict[str, torch.Tensor]] = {}
     for step, (x, y) in enumerate(batches, start=1):
+        if step_lrs is not None:
+            lr, adam_lr = step_lrs[step - 1]
         model.zero_grad()
         model(x, y).backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else float("inf"))
