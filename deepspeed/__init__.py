@@ -26,7 +26,8 @@ from deepspeed import comm, ops  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 from deepspeed.comm import TORCH_DISTRIBUTED_DEFAULT_PORT, init_distributed  # noqa: E402
 from deepspeed.not_provided import module_getattr  # noqa: E402
-from deepspeed.runtime import zero  # noqa: E402
+# accelerate reads deepspeed.runtime.lr_schedules as an attribute after `import deepspeed`, as upstream loads it.
+from deepspeed.runtime import lr_schedules, zero  # noqa: E402,F401
 from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer  # noqa: E402
 from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigAssertionError, DeepSpeedConfigError  # noqa: E402
 from deepspeed.runtime.constants import MUON_OPTIMIZER  # noqa: E402

@@ -18,6 +18,7 @@ where it differs from upstream.
 import os
 import random
 import shutil
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
@@ -311,17 +312,45 @@ def _resolve_tag(load_dir: str, tag, universal: bool) -> Optional[str]:
         return f.read().strip()
 
 
-def _gathered_module_state(engine, exclude_frozen: bool) -> dict:
-    """The module's state dict with stage-3 parameters gathered one unit at a time (a collective), on the CPU."""
+def _gathered_module_state(engine, exclude_frozen: bool, on_this_rank: bool = True) -> Optional[dict]:
+    """The module's state dict with stage-3 parameters gathered one at a time (a collective), on the CPU.
+
+    Every key is filled, a tied parameter's too: `named_parameters()` lists a tied parameter once, under its first
+    name, so the walk is over every name (`remove_duplicate=False`) and each parameter is gathered once; its keys
+    then share one tensor, as in the module's own state dict. With `on_this_rank` False the rank joins the gathers
+    and returns None (only rank 0 needs the copy).
+    """
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-    state = {}
-    for name, value in engine.module_state_dict(exclude_frozen_parameters=exclude_frozen).items():
-        state[name] = value.detach().cpu().clone()
-    for name, param in engine.module.named_parameters():
+    state = engine.module_state_dict(exclude_frozen_parameters=exclude_frozen)
+    names_of: dict = {}
+    for name, param in engine.module.named_parameters(remove_duplicate=False):
         if name in state and not getattr(param, "ds_persist", True):
-            with GatheredParameters([param]):
-                state[name] = param.detach().cpu().clone()
-    return state
+            names_of.setdefault(id(param), (param, []))[1].append(name)
+    gathered = {}
+    for param, names in names_of.values():
+        with GatheredParameters([param]):
+            if on_this_rank:
+                gathered[names[0]] = param.detach().cpu().clone()
+        for name in names[1:]:
+            gathered[name] = gathered.get(names[0])
+    if not on_this_rank:
+        return None
+    result, copies = OrderedDict(), {}
+    for name, value in state.items():
+        if name in gathered:
+            result[name] = gathered[name]
+        else:
+            # One copy per tensor, so tied keys stay one tensor.
+            result[name] = copies.setdefault(id(value), value.detach().cpu().clone())
+    return result
+
+
+def consolidated_16bit_state_dict(engine, exclude_frozen_parameters: bool) -> Optional[dict]:
+    """See DeepSpeedEngine._zero3_consolidated_16bit_state_dict."""
+    if engine.zero_optimization_stage() != 3:
+        raise ValueError("this function requires ZeRO-3 mode (zero_optimization.stage 3); at stages 0-2 every rank "
+                         "holds the whole model: use engine.module.state_dict()")
+    return _gathered_module_state(engine, exclude_frozen_parameters, on_this_rank=_rank() == 0)
 
 
 def save_16bit_model(engine, save_dir, save_filename: str, exclude_frozen_parameters: bool) -> bool:
@@ -330,7 +359,7 @@ def save_16bit_model(engine, save_dir, save_filename: str, exclude_frozen_parame
         logger.warning(f"Did not save the model {os.path.join(str(save_dir), save_filename)} because "
                        "`stage3_gather_16bit_weights_on_model_save` is False")
         return False
-    state = _gathered_module_state(engine, exclude_frozen_parameters)
+    state = _gathered_module_state(engine, exclude_frozen_parameters, on_this_rank=_rank() == 0)
     if _rank() == 0:
         os.makedirs(str(save_dir), exist_ok=True)
         write_file(state, os.path.join(str(save_dir), save_filename))

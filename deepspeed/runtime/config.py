@@ -6,6 +6,7 @@ import copy
 import difflib
 import importlib
 import json
+import math
 import os
 from typing import Any, ClassVar
 
@@ -181,7 +182,8 @@ class DeepSpeedTopLevelConfig(DeepSpeedConfigModel):
     train_batch_size: int | None = Field(None, description="Samples per optimizer step over all ranks.")
     train_micro_batch_size_per_gpu: int | None = Field(None, description="Samples per forward/backward per rank.")
     gradient_accumulation_steps: int | None = Field(None, description="Micro-batches per optimizer step.")
-    steps_per_print: int | None = Field(None, gt=0, description="Log progress every N steps; null disables.")
+    steps_per_print: int | None = Field(None, gt=0, description="Log progress every N steps; null or Infinity (the "
+                                        "Hugging Face Trainer's value) disables.")
     gradient_clipping: float = Field(1.0, ge=0.0, description="Clip the global gradient norm to this; 0 disables.")
     prescale_gradients: bool = Field(False, description="Divide gradients before the all-reduce, not after.")
     gradient_predivide_factor: float = Field(1.0, gt=0.0, description="Divide by this before the all-reduce.")
@@ -223,6 +225,9 @@ class DeepSpeedTopLevelConfig(DeepSpeedConfigModel):
                 data["zero_optimization"] = {"stage": 1, "allgather_bucket_size": allgather_size}
             else:
                 data["zero_optimization"] = {"stage": 0}
+        if data.get("steps_per_print") == math.inf:
+            # Upstream takes the float +inf as "never" (N % inf is never 0); the Trainer writes it.
+            data["steps_per_print"] = None
         return data
 
     @classmethod

@@ -307,6 +307,23 @@ class DeepSpeedEngine(torch.nn.Module):
         from deepspeed.runtime.checkpoint_io import save_16bit_model
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """Whether stage 3 may gather the whole 16-bit model to save it
+        (zero_optimization.stage3_gather_16bit_weights_on_model_save)."""
+        return bool(self._config.zero_config.gather_16bit_weights_on_model_save)
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
+        """The whole model's state dict in the model dtype, on the CPU of rank 0 (None on other ranks).
+
+        Stage 3 only, and a collective: every rank must call it (each parameter is gathered in turn). Every key of
+        ``module.state_dict()`` is there with its full shape, tied weights included (they share one tensor).
+
+        Raises:
+            ValueError: not at ZeRO stage 3 (upstream's rule; at stages 0-2 ``engine.module.state_dict()`` is whole).
+        """
+        from deepspeed.runtime.checkpoint_io import consolidated_16bit_state_dict
+        return consolidated_16bit_state_dict(self, exclude_frozen_parameters)
+
     def destroy(self) -> None:
         if self.optimizer is not None:
             self.optimizer.destroy()

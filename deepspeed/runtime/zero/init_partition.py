@@ -9,11 +9,10 @@ child's parameters are partitioned before its parent's constructor continues), a
 no rank ever holds the whole model.
 
 Values: each rank initialises every whole parameter itself, exactly as torch would outside the context (same
-constructors, same RNG stream), and keeps its shard; nothing is broadcast, so building costs no communication and
-every allocation is this rank's own. This needs the same seed on every rank (a model built normally gets rank 0's
-weights from `deepspeed.initialize`'s broadcast instead): on leaving the context the ranks compare a checksum (sum and
-max) of every parameter in one all-reduce and raise if any differs. A model built under Init from the same seed as
-a normally built one trains bit for bit like it.
+constructors, same RNG stream), then takes rank 0's value (one broadcast per parameter, as upstream) and keeps its
+shard. So ranks seeded differently (the Hugging Face stack seeds per rank) build the model rank 0 would have built,
+as a model built normally gets rank 0's weights from `deepspeed.initialize`'s broadcast. A model built under Init
+trains bit for bit like the same model built normally on rank 0.
 
 A constructor that changes an already-built submodule's parameters (e.g. `self.apply(init_fn)` at the end of a
 model's `__init__`) must do so inside `deepspeed.zero.GatheredParameters(params, modifier_rank=0)`, as upstream
@@ -165,10 +164,11 @@ class Init(contextlib.ContextDecorator):
         self._depth: Dict[int, int] = {}
         self._originals: Dict[type, Callable] = {}
         self._next_id = 0
-        self._checksums: List[tuple] = []
+        # dtype -> a flat buffer rank 0's values are broadcast in (see _rank0_value).
+        self._staging: Dict[torch.dtype, torch.Tensor] = {}
         if module is not None:
             self.partition_module(module)
-            self._check_same_values()
+            self._staging = {}
 
     # ------------------------------------------------------------------ the context
     def __enter__(self) -> "Init":
@@ -193,10 +193,7 @@ class Init(contextlib.ContextDecorator):
     def __exit__(self, *exc_info: Any) -> None:
         if not getattr(self, "_entered", False):
             return None
-        try:
-            self._check_same_values()
-        finally:
-            self._restore()
+        self._restore()
         return None
 
     def _restore(self) -> None:
@@ -209,18 +206,7 @@ class Init(contextlib.ContextDecorator):
             torch.nn.Module.__init_subclass__ = self._prior_init_subclass
         Init._active -= 1
         self._entered = False
-
-    def _check_same_values(self) -> None:
-        """One all-reduce: every rank must have initialised the same values (same seed, same construction)."""
-        checksums, self._checksums = self._checksums, []
-        if self.world_size == 1 or not checksums:
-            return
-        local = torch.tensor(checksums, dtype=torch.float64).nan_to_num(0.0).reshape(-1)
-        extremes = torch.cat([local, -local]).to(self.device)
-        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)
-        if not torch.equal(extremes[:local.numel()], -extremes[local.numel():]):
-            raise RuntimeError("deepspeed.zero.Init: the ranks initialised different parameter values; seed every "
-                               "rank the same (e.g. torch.manual_seed) before building the model under Init")
+        self._staging = {}
 
     def _wrap(self, cls: type) -> None:
         original = cls.__dict__.get("__init__")
@@ -252,10 +238,27 @@ class Init(contextlib.ContextDecorator):
             if not hasattr(param, "ds_shape"):
                 self._partition(param)
 
+    def _rank0_value(self, value: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `value` (same shape and dtype), broadcast over the group.
+
+        The broadcast goes through one buffer per dtype that Init keeps, grown to the largest parameter: the
+        communication library may release what it sent on its own threads, so a buffer that outlives the broadcast
+        keeps every whole parameter's memory this rank's own to free, when its module is partitioned.
+        """
+        numel = value.numel()
+        staging = self._staging.get(value.dtype)
+        if staging is None or staging.numel() < numel:
+            staging = torch.empty(max(1, numel), dtype=value.dtype, device=value.device)
+            self._staging[value.dtype] = staging
+        flat = staging[:numel]
+        flat.copy_(value.reshape(-1))
+        dist.broadcast(flat, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return flat.view(value.shape)
+
     def _partition(self, param: torch.nn.Parameter) -> None:
         value = param.data.to(self.device).contiguous()
-        if value.numel() > 0:
-            self._checksums.append((value.sum().item(), value.max().item()))
+        if self.world_size > 1:
+            value = self._rank0_value(value)
         dtype = self.dtype if (self.dtype is not None and value.is_floating_point()) else value.dtype
         lo, hi = _shard_range(value.numel(), self.rank, self.world_size)
         shard = torch.zeros(shard_numel(value.numel(), self.world_size), dtype=dtype, device=self.device)

@@ -9,14 +9,53 @@ that are not partitioned (stages 0-2, persistent ones) are left alone, as upstre
 (with `modifier_rank`) rewrites.
 """
 
-from typing import Any
+import os
+from typing import Any, Callable
 
 import torch
 
 import deepspeed.comm as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.init_partition import Init, gather_init_shards, is_init_partitioned, write_init_shards
 
-__all__ = ["GatheredParameters", "Init"]
+__all__ = ["GatheredParameters", "Init", "zero_wrapper_for_fp_tensor_constructor"]
+
+# torch's own constructors, as upstream keeps them: clients compare against them (transformers'
+# prevent_arange_dtype_change tells torch.arange apart by `fn is _orig_torch_arange`).
+_orig_torch_tensor = torch.tensor
+_orig_torch_empty = torch.empty
+_orig_torch_zeros = torch.zeros
+_orig_torch_ones = torch.ones
+_orig_torch_full = torch.full
+_orig_torch_arange = torch.arange
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn: Callable, target_fp_dtype: torch.dtype,
+                                           target_device: Any = None) -> Callable:
+    """Wrap a tensor constructor so it builds on the accelerator and casts floating-point results to a dtype.
+
+    Upstream's zero.Init installs such wrappers over torch.empty/zeros/ones/full/arange for the duration of the
+    context, which also casts tensors a model builds for itself (RoPE's frequencies from `arange`). This fork's Init
+    does not: it casts parameters when it partitions them and leaves every other tensor as the model builds it. The
+    function is kept, with upstream's signature and behaviour, for clients that wrap or replace it.
+
+    Args:
+        fn: the constructor (e.g. `_orig_torch_empty`).
+        target_fp_dtype: the dtype floating-point results are cast to.
+        target_device: where tensors are built when the call names no device (default: this rank's accelerator
+            device, LOCAL_RANK).
+    """
+
+    def wrapped_fn(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("device") is None:
+            kwargs["device"] = target_device if target_device is not None else torch.device(
+                get_accelerator().device_name(int(os.environ.get("LOCAL_RANK", 0))))
+        tensor = fn(*args, **kwargs)
+        if tensor.is_floating_point():
+            tensor.data = tensor.data.to(target_fp_dtype)
+        return tensor
+
+    return wrapped_fn
 
 
 class GatheredParameters:
