@@ -35,6 +35,11 @@ DLTS_HOSTFILE = "/job/hostfile"
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 PID_FILE_BASEPATH = "/tmp"
 
+# Upstream's file of KEY=VALUE lines exported to every worker of a multi-node job (accelerate writes it in the launch
+# directory); looked up in the home directory, then the launch directory, or at the path DS_ENV_FILE names.
+DEEPSPEED_ENVIRONMENT_NAME = ".deepspeed_env"
+DEEPSPEED_ENVIRONMENT_PATHS = [os.path.expanduser("~"), "."]
+
 PDSH_LAUNCHER = "pdsh"
 OPENMPI_LAUNCHER = "openmpi"
 MPICH_LAUNCHER = "mpich"
@@ -438,13 +443,47 @@ def build_torchrun_command(plan: LaunchPlan, args: argparse.Namespace, rank_log_
     return cmd
 
 
+def deepspeed_env_files(env: dict[str, str], cwd: str) -> list[str]:
+    """The `.deepspeed_env` files that exist: DS_ENV_FILE if set, else ~/.deepspeed_env then <cwd>/.deepspeed_env."""
+    if env.get("DS_ENV_FILE"):
+        candidates = [env["DS_ENV_FILE"]]
+    else:
+        candidates = [os.path.join(path if path != "." else cwd, DEEPSPEED_ENVIRONMENT_NAME)
+                      for path in DEEPSPEED_ENVIRONMENT_PATHS]
+    return [path for path in candidates if os.path.isfile(path)]
+
+
+def read_deepspeed_env(path: str) -> dict[str, str]:
+    """KEY=VALUE lines of a `.deepspeed_env` file (blank lines skipped; the value is everything after the first '=').
+
+    Raises:
+        ValueError: a non-blank line without '=' (names the file and line).
+    """
+    exports = {}
+    with open(path) as handle:
+        for number, line in enumerate(handle, start=1):
+            line = line.strip()
+            if not line:
+                continue
+            key, sep, value = line.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"{path} line {number}: expected KEY=VALUE, got {line!r}")
+            exports[key.strip()] = value
+    return exports
+
+
 def build_env(plan: LaunchPlan, env: dict[str, str], cwd: str) -> dict[str, str]:
     """Environment for torchrun and its workers.
 
     Sets CUDA_VISIBLE_DEVICES to this node's slots, or DS_ACCELERATOR=cpu on a node without GPUs, and
-    puts the launch directory first on PYTHONPATH as upstream does (scripts import modules beside it).
+    puts the launch directory first on PYTHONPATH as upstream does (scripts import modules beside it). A multi-node
+    job also exports the variables of the `.deepspeed_env` files (upstream exports them to every node; here each node
+    reads its own, so keep the file where every node finds it).
     """
     worker_env = dict(env)
+    if plan.nnodes > 1:
+        for path in deepspeed_env_files(env, cwd):
+            worker_env.update(read_deepspeed_env(path))
     if plan.visible_devices is None:
         worker_env["DS_ACCELERATOR"] = "cpu"
     else:

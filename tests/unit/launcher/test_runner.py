@@ -261,6 +261,22 @@ class TestEnv:
         env = dsrun.build_env(p, {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, "/d")
         assert env["CUDA_VISIBLE_DEVICES"] == "1,3" and "DS_ACCELERATOR" not in env and env["PYTHONPATH"] == "/d"
 
+    def test_deepspeed_env_file_exported_to_multi_node_workers(self, tmp_path, monkeypatch):
+        """accelerate writes upstream's `.deepspeed_env` (DEEPSPEED_ENVIRONMENT_NAME) in the launch directory."""
+        monkeypatch.setattr(dsrun, "DEEPSPEED_ENVIRONMENT_PATHS", [str(tmp_path / "home"), "."])
+        (tmp_path / dsrun.DEEPSPEED_ENVIRONMENT_NAME).write_text("NCCL_DEBUG=INFO\n\nFLAGS=a=b c\n")
+        multi = dsrun.LaunchPlan(2, 0, 2, "head", 29500, None)
+        env = dsrun.build_env(multi, {"NCCL_DEBUG": "WARN"}, str(tmp_path))
+        assert env["NCCL_DEBUG"] == "INFO" and env["FLAGS"] == "a=b c"
+        # One node: upstream applies the file to multi-node jobs only.
+        single = dsrun.build_env(dsrun.LaunchPlan(1, 0, 2, "127.0.0.1", 29500, None), {}, str(tmp_path))
+        assert "FLAGS" not in single
+        # DS_ENV_FILE names another file; a line without '=' is refused with its file and line.
+        other = tmp_path / "other_env"
+        other.write_text("A=1\nBROKEN\n")
+        with pytest.raises(ValueError, match=rf"{other} line 2: expected KEY=VALUE, got 'BROKEN'"):
+            dsrun.build_env(multi, {"DS_ENV_FILE": str(other)}, str(tmp_path))
+
 
 class TestShim:
 
