@@ -168,7 +168,8 @@ class TestTrainerExport(DistributedTest):
         assert torch.equal(state["lm_head.weight"], trained["transformer.wte.weight"])
         # The weights moved (the comparison is not with the initial model).
         initial = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
-        assert not torch.equal(state["transformer.h.0.attn.c_attn.weight"], initial["transformer.h.0.attn.c_attn.weight"])
+        name = "transformer.h.0.attn.c_attn.weight"
+        assert not torch.equal(state[name], initial[name])
         # zero_to_fp32 on the Trainer's ZeRO-3 checkpoint gives the fp32 masters, the tied head included.
         from deepspeed.utils.zero_to_fp32 import load_state_dict_from_zero_checkpoint
         checkpoint = os.path.join(output, f"checkpoint-{STEPS}")
