@@ -1,4 +1,5 @@
-"""Install the DeepSpeed Muon/ZeRO fork: `pip install -e .` or `pip install -e ".[dev]"`.
+"""Install the DeepSpeed Muon/ZeRO fork: `pip install -e .` or `pip install -e ".[dev]"` (tests), `".[dev,hf]"` (with
+the Hugging Face integration tests' transformers and accelerate).
 
 Native ops are compiled just in time by default. To compile them at install instead, set `DS_BUILD_OPS=1` (every
 op) or `DS_BUILD_<OP>=1` (one op, e.g. DS_BUILD_CPU_ADAM; it overrides DS_BUILD_OPS) and install without build
@@ -115,7 +116,7 @@ setup(
                   # The op sources, for JIT builds of an installed tree (deepspeed/ops/csrc links to csrc/).
                   "deepspeed.ops": ["csrc/*/*.cpp", "csrc/*/*.h"]},
     install_requires=read_requirements("requirements.txt"),
-    extras_require={"dev": read_requirements("requirements-dev.txt")},
+    extras_require={"dev": read_requirements("requirements-dev.txt"), "hf": read_requirements("requirements-hf.txt")},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     entry_points={

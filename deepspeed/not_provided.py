@@ -98,6 +98,8 @@ PIN_MEMORY = "use get_accelerator().pin_memory(tensor)"
 EVOFORMER = "DeepSpeed4Science's Evoformer attention kernel is not implemented"
 RANDOM_LTD = "random layer token drop (data efficiency) is not implemented"
 NUMA = "NUMA core binding (the launcher's --bind_cores_to_rank) is not implemented"
+SEQUENCE_PARALLEL = ("sequence parallelism (Ulysses / ALST) is not implemented; this fork is data parallel only: train "
+                     "with sequence-parallel size 1 (accelerate: no parallelism_config sp_size > 1)")
 MODULE_UTILS = "use functools.reduce(getattr, name.split('.'), module) / setattr on the parent"
 
 _OP_BUILDERS = (
@@ -232,6 +234,9 @@ NOT_PROVIDED: dict[str, dict[str, Missing]] = {
         **_values(COMMS_LOGGER, *(name for name in _COMM_CONSTANTS if name.startswith("COMMS_LOGGER"))),
         **_values(LAUNCHER_ENV, "DEFAULT_AML_MASTER_PORT", "DEFAULT_AML_NCCL_SOCKET_IFNAME"),
     },
+    "deepspeed.runtime.sequence_parallel.ulysses_sp": _callables(
+        SEQUENCE_PARALLEL, "UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter", "SequenceTiledCompute", "TiledMLP",
+        "TiledFusedLogitsLoss"),
     "deepspeed.checkpoint": {
         **_callables(UNIVERSAL_CHECKPOINT, "reshape_meg_2d_parallel", "DeepSpeedCheckpoint",
                      "get_layer_ckpt_name_for_rank", "get_model_ckpt_name_for_rank", "get_zero_ckpt_name_for_rank",

@@ -324,6 +324,37 @@ class DeepSpeedEngine(torch.nn.Module):
         from deepspeed.runtime.checkpoint_io import consolidated_16bit_state_dict
         return consolidated_16bit_state_dict(self, exclude_frozen_parameters)
 
+    def compile(self, backend: Optional[str] = None, compile_kwargs: Optional[dict] = None, schedule=None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """torch.compile the wrapped module's forward (upstream's signature; accelerate calls it for its dynamo
+        plugin). The engine's step is not compiled.
+
+        Args:
+            backend: torch.compile's backend; default the accelerator's (`get_compile_backend()`).
+            compile_kwargs: further torch.compile keywords (mode, dynamic, fullgraph, options).
+            schedule, compiled_autograd_enabled: DeepCompile's; not implemented (refused when set).
+
+        Raises:
+            NotProvidedError: a DeepCompile argument, or ZeRO stage 3 (its parameter gathering runs in module hooks
+                that this fork has not made traceable).
+        """
+        from deepspeed.not_provided import NotProvidedError
+        if schedule is not None or compiled_autograd_enabled:
+            raise NotProvidedError("engine.compile(schedule=..., compiled_autograd_enabled=True) asks for DeepCompile, "
+                                   "which this fork does not implement; call engine.compile(backend, compile_kwargs)")
+        if self.zero_optimization_stage() == 3:
+            raise NotProvidedError("engine.compile at ZeRO stage 3 is not provided by this fork (stage 3 gathers "
+                                   "parameters in module hooks it has not made traceable); use stage 0-2 to compile, "
+                                   "or train stage 3 uncompiled")
+        backend = backend or get_accelerator().get_compile_backend()
+        self.module.compile(backend=backend, **(compile_kwargs or {}))
+        self._is_compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether `compile` was called."""
+        return self.__dict__.get("_is_compiled", False)
+
     def destroy(self) -> None:
         if self.optimizer is not None:
             self.optimizer.destroy()

@@ -17,6 +17,15 @@ def test_ci_runs_the_readme_test_command():
 def test_ci_installs_matplotlib_for_the_plot_tests():
     # The example's and the benchmark's plot tests skip without matplotlib; CI must install it so they run.
     ci = open(os.path.join(ROOT, ".ci", "run")).read()
-    assert re.search(r'pip install [^\n]*-e "\.\[dev\]"', ci), "CI no longer installs the dev extra"
+    assert re.search(r'pip install [^\n]*-e "\.\[dev[,\]]', ci), "CI no longer installs the dev extra"
     dev = open(os.path.join(ROOT, "requirements", "requirements-dev.txt")).read().splitlines()
     assert any(re.match(r"matplotlib\b", line) for line in dev), "the dev extra lost matplotlib"
+
+
+def test_ci_installs_the_hugging_face_libraries():
+    # tests/unit/huggingface skips without transformers and accelerate; CI must install them so those tests run.
+    ci = open(os.path.join(ROOT, ".ci", "run")).read()
+    assert re.search(r'pip install [^\n]*-e "\.\[[^"]*\bhf\b[^"]*\]"', ci), "CI no longer installs the hf extra"
+    pins = open(os.path.join(ROOT, "requirements", "requirements-hf.txt")).read().splitlines()
+    for package in ("transformers", "accelerate"):
+        assert any(re.match(rf"{package}==\d", line) for line in pins), f"the hf extra does not pin {package}"
