@@ -98,8 +98,8 @@ PIN_MEMORY = "use get_accelerator().pin_memory(tensor)"
 EVOFORMER = "DeepSpeed4Science's Evoformer attention kernel is not implemented"
 RANDOM_LTD = "random layer token drop (data efficiency) is not implemented"
 NUMA = "NUMA core binding (the launcher's --bind_cores_to_rank) is not implemented"
-SEQUENCE_PARALLEL = ("sequence parallelism (Ulysses / ALST) is not implemented; this fork is data parallel only: train "
-                     "with sequence-parallel size 1 (accelerate: no parallelism_config sp_size > 1)")
+SEQUENCE_PARALLEL = ("sequence parallelism (Ulysses / ALST) is not implemented; this fork is data parallel only: "
+                     "train with sequence-parallel size 1 (accelerate: no parallelism_config sp_size > 1)")
 MODULE_UTILS = "use functools.reduce(getattr, name.split('.'), module) / setattr on the parent"
 
 _OP_BUILDERS = (

@@ -340,8 +340,9 @@ class DeepSpeedEngine(torch.nn.Module):
         """
         from deepspeed.not_provided import NotProvidedError
         if schedule is not None or compiled_autograd_enabled:
-            raise NotProvidedError("engine.compile(schedule=..., compiled_autograd_enabled=True) asks for DeepCompile, "
-                                   "which this fork does not implement; call engine.compile(backend, compile_kwargs)")
+            raise NotProvidedError("engine.compile(schedule=..., compiled_autograd_enabled=True) asks for "
+                                   "DeepCompile, which this fork does not implement; call "
+                                   "engine.compile(backend, compile_kwargs)")
         if self.zero_optimization_stage() == 3:
             raise NotProvidedError("engine.compile at ZeRO stage 3 is not provided by this fork (stage 3 gathers "
                                    "parameters in module hooks it has not made traceable); use stage 0-2 to compile, "
