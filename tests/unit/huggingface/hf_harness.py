@@ -90,8 +90,12 @@ def use_deepspeed_state() -> None:
     accelerate.PartialState(backend=get_accelerator().communication_backend_name())
 
 
-def auto_config(stage: int, optimizer: str, offload: bool = False, precision: str = "fp32") -> dict:
-    """A DeepSpeed config as users hand it to the Trainer: "auto" wherever the Trainer fills a value."""
+def auto_config(stage: int, optimizer: Optional[str], offload: bool = False) -> dict:
+    """A DeepSpeed config as users hand it to the Trainer: "auto" wherever the Trainer fills a value.
+
+    `optimizer` None leaves out the optimizer and scheduler sections: the Trainer then builds its own torch AdamW
+    (and accelerate swaps it for DeepSpeedCPUAdam under optimizer offload) and its own linear schedule.
+    """
     params = {"lr": "auto", "weight_decay": "auto", "betas": "auto", "eps": "auto"}
     if optimizer == "Muon":
         # Keller Jordan's iteration in fp32, as the reference below; the Muon group at its own lr.
@@ -100,7 +104,7 @@ def auto_config(stage: int, optimizer: str, offload: bool = False, precision: st
             "stage3_param_persistence_threshold": "auto", "stage3_gather_16bit_weights_on_model_save": True}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
-    return {
+    config = {
         "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto",
         "optimizer": {"type": optimizer, "params": params},
@@ -109,6 +113,9 @@ def auto_config(stage: int, optimizer: str, offload: bool = False, precision: st
         "zero_optimization": zero,
         "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
     }
+    if optimizer is None:
+        del config["optimizer"], config["scheduler"]
+    return config
 
 
 def schedule_lrs(lr: float, steps: int, warmup_steps: int, count: Optional[int] = None) -> List[float]:
@@ -144,19 +151,39 @@ def newton_schulz(grad: torch.Tensor, steps: int = 5) -> torch.Tensor:
     return x.T if transposed else x
 
 
-def reference_training(model_dir: str, batches: Sequence[torch.Tensor], lrs: Sequence[float], optimizer: str,
+def trainer_schedule_lrs(lr: float, steps: int, warmup_steps: int) -> List[float]:
+    """The lr of each step under the Trainer's own schedule (linear warmup, then linear decay to 0)."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    scheduler = transformers.get_linear_schedule_with_warmup(optimizer, warmup_steps, steps)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+def decayed_names(model) -> set:
+    """What the Trainer's own AdamW decays: every parameter but biases and norm weights (its default grouping)."""
+    return set(transformers.Trainer.get_decay_parameter_names(None, model))
+
+
+def reference_training(model_dir: str, batches: Sequence[torch.Tensor], lrs: Sequence[float], optimizer: Optional[str],
                        weight_decay: float, betas: Tuple[float, float], clip: float, base_lr: float,
                        muon_lr: Optional[float] = None) -> Tuple[Dict[str, torch.Tensor], List[float]]:
     """Single-process fp32 training from the saved model: mean token loss of each step's batch, clipping to `clip`
     (torch's clip_grad_norm_), then AdamW (torch's) or Muon (momentum 0.95, Nesterov, Newton-Schulz, decoupled
     decay) with Adam for the rest. Muon's lr follows the schedule scaled by muon_lr / base_lr (the configured lr).
-    Returns the final
+    `optimizer` None is the Trainer's own AdamW: no decay on biases and norm weights. Returns the final
     parameters and each step's loss."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     named = dict(model.named_parameters())
     adam = {n: p for n, p in named.items() if optimizer != "Muon" or not is_muon_param(n, p)}
     muon = {n: p for n, p in named.items() if n not in adam}
-    adamw = torch.optim.AdamW(list(adam.values()), lr=lrs[0], betas=betas, eps=ADAM_EPS, weight_decay=weight_decay)
+    decayed = decayed_names(model) if optimizer is None else set(adam)
+    adamw = torch.optim.AdamW([{"params": [p for n, p in adam.items() if n in decayed], "weight_decay": weight_decay},
+                               {"params": [p for n, p in adam.items() if n not in decayed], "weight_decay": 0.0}],
+                              lr=lrs[0], betas=betas, eps=ADAM_EPS)
     momenta = {n: torch.zeros_like(p) for n, p in muon.items()}
     losses = []
     for tokens, lr in zip(batches, lrs):
@@ -165,7 +192,8 @@ def reference_training(model_dir: str, batches: Sequence[torch.Tensor], lrs: Seq
         loss.backward()
         losses.append(loss.item())
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else math.inf)
-        adamw.param_groups[0]["lr"] = lr
+        for group in adamw.param_groups:
+            group["lr"] = lr
         adamw.step()
         with torch.no_grad():
             for name, param in muon.items():

@@ -19,13 +19,13 @@ from unit.common import DistributedFixture, DistributedTest
 
 from hf_harness import (ADAM_EPS, MUON_LR, TokenDataset, assert_changes_match, auto_config, full_fp32_params,
                         gpt2_config, llama_config, reference_training, saved_model, schedule_lrs, step_batches,
-                        transformers, use_deepspeed_state)
+                        trainer_schedule_lrs, transformers, use_deepspeed_state)
 
 MICRO, GAS, STEPS, WARMUP = 2, 2, 6, 2
 LR, WEIGHT_DECAY, CLIP, BETAS = 3e-3, 0.01, 0.5, (0.9, 0.999)
 # Relative error of each parameter's change after STEPS steps (fp32; summation order across ranks and
 # micro-batches is the only difference from the reference; Newton-Schulz amplifies it a little).
-TOLERANCE = {"AdamW": 1e-4, "Muon": 1e-3}
+TOLERANCE = {"AdamW": 1e-4, "Muon": 1e-3, None: 1e-4}
 
 
 def training_args(output_dir: str, config: dict, **overrides) -> "transformers.TrainingArguments":
@@ -61,13 +61,15 @@ def train_with_trainer(model_dir: str, output_dir: str, config: dict, **override
 class TestTrainerEqualsReference(DistributedTest):
     world_size = 2
 
+    # optimizer None: the Trainer's own AdamW and schedule (under offload accelerate swaps in DeepSpeedCPUAdam).
     @pytest.mark.parametrize("stage, optimizer, offload", [(2, "AdamW", False), (3, "AdamW", False),
                                                             (2, "Muon", False), (3, "Muon", False),
-                                                            (2, "AdamW", True), (3, "Muon", True)])
+                                                            (2, "AdamW", True), (3, "Muon", True),
+                                                            (3, None, False), (2, None, True)])
     def test_auto_config_training_equals_reference(self, stage, optimizer, offload, class_tmpdir, tmpdir):
         model_dir = saved_model(str(class_tmpdir), llama_config())
         batches = step_batches(TokenDataset(), STEPS, MICRO * GAS * dist.get_world_size())
-        lrs = schedule_lrs(LR, STEPS, WARMUP)
+        lrs = schedule_lrs(LR, STEPS, WARMUP) if optimizer else trainer_schedule_lrs(LR, STEPS, WARMUP)
         expected, expected_losses = reference_training(model_dir, batches, lrs, optimizer, WEIGHT_DECAY, BETAS, CLIP,
                                                        base_lr=LR, muon_lr=MUON_LR)
         start = initial_weights(model_dir)
