@@ -261,12 +261,14 @@ def reference_muon_update(grad: torch.Tensor, momentum: torch.Tensor, beta: floa
 def reference_training(model: torch.nn.Module, batches: Sequence[Batch], lr: float, adam_lr: float,
                        betas=(0.9, 0.95), eps: float = 1e-10, clip: Optional[float] = None,
                        grad_norms: Optional[list] = None,
-                       step_lrs: Optional[Sequence[Tuple[float, float]]] = None) -> Dict[str, torch.Tensor]:
+                       step_lrs: Optional[Sequence[Tuple[float, float]]] = None,
+                       weight_decay: float = 0.0) -> Dict[str, torch.Tensor]:
     """Single-process fp32 Muon (matrices) + Adam (vectors) on the full global batches; final parameters.
 
     `clip`: the gradients are first clipped to this global L2 norm (torch's clip_grad_norm_), as
     `gradient_clipping` does. `grad_norms`: receives each step's global gradient norm before clipping.
     `step_lrs`: the (Muon, Adam) learning rates of each step, instead of `lr` and `adam_lr` at every step.
+    `weight_decay`: decoupled, on both groups, before the update (p *= 1 - lr * weight_decay).
     """
     model = copy.deepcopy(model).float().cpu()
     state: Dict[str, Dict[str, torch.Tensor]] = {}
@@ -281,6 +283,7 @@ def reference_training(model: torch.nn.Module, batches: Sequence[Batch], lr: flo
         with torch.no_grad():
             for name, p in model.named_parameters():
                 s = state.setdefault(name, {})
+                p.mul_(1 - (lr if p.ndim >= 2 else adam_lr) * weight_decay)
                 if p.ndim >= 2:
                     s.setdefault("momentum", torch.zeros_like(p))
                     p.add_(reference_muon_update(p.grad, s["momentum"]), alpha=-lr)
