@@ -74,6 +74,7 @@ MUON_MATH = "deepspeed/runtime/zero/muon/original_muon.py"
 PARTITION_STATE = "deepspeed/runtime/zero/partition_state.py"
 STEP = "deepspeed/runtime/optimizer_step.py"
 LR_SCHEDULES = "deepspeed/runtime/lr_schedules.py"
+LOSS_SCALER = "deepspeed/runtime/fp16/loss_scaler.py"
 
 MUTATIONS: Tuple[Mutation, ...] = (
     Mutation(
@@ -255,6 +256,71 @@ MUTATIONS: Tuple[Mutation, ...] = (
             Patch(LR_SCHEDULES,
                   "    if len(set(base_lrs)) <= 1 or value == 0:\n",
                   "    if True:\n"),
+        ),
+    ),
+    Mutation(
+        key="h",
+        title="Weight decay applied on a skipped step",
+        upstream=("a step skipped for overflow still shrinks the weights by (1 - lr x weight_decay): the decay is not "
+                  "part of the skipped transaction"),
+        patches=(
+            Patch(STAGE,
+                  "        self.overflow = not outcome.applied\n",
+                  "        self.overflow = not outcome.applied\n"
+                  "        if self.overflow:\n"
+                  "            with torch.no_grad():\n"
+                  "                for group in self.optimizer.param_groups:\n"
+                  "                    for hp in group['params']:\n"
+                  "                        hp.mul_(1 - group['lr'] * group.get('weight_decay', 0.0))\n"),
+        ),
+    ),
+    Mutation(
+        key="i",
+        title="Newton-Schulz on each micro-batch's gradient under accumulation",
+        upstream=("with gradient accumulation the matrices' micro-batch gradients are orthogonalised one by one, not "
+                  "their mean (#8443, stage 3)"),
+        patches=(
+            Patch(STAGE,
+                  "    def _accumulate_grad(self, group: int, index: int, param: torch.Tensor) -> None:\n"
+                  "        self.reducer.accumulate(group, index, param.grad)\n",
+                  "    def _accumulate_grad(self, group: int, index: int, param: torch.Tensor) -> None:\n"
+                  "        grad = param.grad\n"
+                  "        if grad.dim() >= 2 and not self.reducer._is_boundary_backward:\n"
+                  "            from deepspeed.runtime.zero.muon.original_muon import (\n"
+                  "                zeropower_via_newtonschulz5 as ns)\n"
+                  "            grad = ns(grad.float(), 5, dtype=torch.float32).to(grad.dtype)\n"
+                  "        self.reducer.accumulate(group, index, grad)\n"),
+        ),
+    ),
+    Mutation(
+        key="j",
+        title="Offloaded Muon steps before the overflow verdict",
+        upstream=("under optimizer offload the host step runs as soon as the gradients arrive, before the global "
+                  "overflow decision, so a skipped step has already changed the masters and the momentum"),
+        patches=(
+            Patch(STAGE,
+                  "                self._host_grad_factor = factor\n"
+                  "                return\n",
+                  "                self._host_grad_factor = factor\n"
+                  "                self._early_written = self._host_step_with_grad_factor()\n"
+                  "                return\n"),
+            Patch(STAGE,
+                  "                is_written = self._host_step_with_grad_factor()\n",
+                  "                is_written = self._early_written\n"),
+        ),
+    ),
+    Mutation(
+        key="k",
+        title="Loss scaler's hysteresis and counters dropped on load",
+        upstream=("a resumed dynamic loss scaler keeps only its scale: the hysteresis left and the iteration "
+                  "counters restart, so the next overflow is handled unlike the uninterrupted run's"),
+        patches=(
+            Patch(LOSS_SCALER,
+                  "        self._check_state_dict(state_dict, DYNAMIC, self._FIELDS)\n"
+                  "        for key in self._FIELDS:\n"
+                  "            setattr(self, key, state_dict[key])\n",
+                  "        self._check_state_dict(state_dict, DYNAMIC, self._FIELDS)\n"
+                  "        self.cur_scale = state_dict['cur_scale']\n"),
         ),
     ),
 )

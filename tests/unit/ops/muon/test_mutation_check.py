@@ -30,7 +30,7 @@ def load_tool():
 
 def test_every_mutation_still_applies():
     tool = load_tool()
-    assert {m.key for m in tool.MUTATIONS} == set("abcdefg")
+    assert {m.key for m in tool.MUTATIONS} == set("abcdefghijk")
     tool.check_patches_apply(REPO_ROOT)
 
 
@@ -43,5 +43,5 @@ def test_every_mutation_is_caught(tmp_path):
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     results = json.loads(report.read_text())
     assert results["baseline"]["returncode"] == 0
-    for key in "abcdefg":
+    for key in "abcdefghijk":
         assert results[key]["caught"] and results[key]["failed"], f"mutation ({key}) not caught: {results[key]}"
