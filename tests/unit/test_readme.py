@@ -29,3 +29,9 @@ def test_ci_installs_the_hugging_face_libraries():
     pins = open(os.path.join(ROOT, "requirements", "requirements-hf.txt")).read().splitlines()
     for package in ("transformers", "accelerate"):
         assert any(re.match(rf"{package}==\d", line) for line in pins), f"the hf extra does not pin {package}"
+
+
+def test_ci_runs_the_mutation_check():
+    # The Muon suite must be shown able to fail on every CI run (docs/muon-regression-suite.md).
+    ci = open(os.path.join(ROOT, ".ci", "run")).read()
+    assert re.search(r"^python tools/mutation_check\.py --only [a-z,]+$", ci, flags=re.MULTILINE), ci
