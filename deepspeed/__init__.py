@@ -33,6 +33,7 @@ from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigAssertionEr
 from deepspeed.runtime.constants import MUON_OPTIMIZER  # noqa: E402
 from deepspeed.runtime.engine import (DeepSpeedEngine, DeepSpeedOptimizerCallable,  # noqa: E402
                                       DeepSpeedSchedulerCallable)
+from deepspeed.runtime.zero.muon.param_split import DEFAULT_PARAM_SPLIT, tag_muon_params  # noqa: E402
 
 from deepspeed.utils.logging import log_dist, logger  # noqa: E402
 import torch  # noqa: E402
@@ -111,9 +112,12 @@ def _resolve_config(args, config):
 
 
 def set_optimizer_flags(config_class: DeepSpeedConfig, model: torch.nn.Module) -> None:
-    """Tag `model`'s parameters for the config's optimizer: `use_muon` when it is Muon (see tag_muon_params)."""
+    """Tag `model`'s parameters for the config's optimizer: `use_muon` when it is Muon (see tag_muon_params), by the
+    rule `optimizer.params.param_split` names; logs the split once, on rank 0."""
     if config_class.optimizer_name == MUON_OPTIMIZER:
-        tag_muon_params(model)
+        param_split = (config_class.optimizer_params or {}).get("param_split", DEFAULT_PARAM_SPLIT)
+        split = tag_muon_params(model, param_split)
+        log_dist(split.summary(param_split), ranks=[0], level=logging.INFO)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -131,20 +135,6 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        help="Deprecated spelling of --deepspeed_config")
     return parser
 
-
-def tag_muon_params(model: torch.nn.Module) -> None:
-    """Set `use_muon` on every parameter the user has not already tagged.
-
-    Upstream's rule: a parameter uses Muon iff it has >= 2 dims and its name contains neither "embed" nor
-    "lm_head". Unlike upstream, an explicit user setting (`param.use_muon = False`) is kept.
-    """
-    for name, param in model.named_parameters():
-        if hasattr(param, "use_muon"):
-            continue
-        lowered = name.lower()
-        # A zero.Init parameter's data is a 1-D placeholder: its shape is `ds_shape`.
-        ndim = len(getattr(param, "ds_shape", param.shape))
-        param.use_muon = ndim >= 2 and "embed" not in lowered and "lm_head" not in lowered
 
 
 __all__ = ["initialize", "init_distributed", "add_config_arguments", "comm", "ops", "zero", "get_accelerator",

@@ -21,6 +21,8 @@ MAX_GRAD_NORM = "max_grad_norm"
 MUON_NS_METHODS = ("standard", "gram", "gram_sym", "auto")
 MUON_NS_DTYPES = ("fp32", "bf16", "fp16")
 MUON_ADJUST_LR_FNS = ("original", "match_rms_adamw")
+# Which parameters Muon takes (optimizer.params.param_split; deepspeed/runtime/zero/muon/param_split.py).
+MUON_PARAM_SPLITS = ("hidden", "upstream")
 
 # scheduler.type: deepspeed.runtime.lr_schedules classes (exact spelling); else torch.optim.lr_scheduler.
 DEEPSPEED_SCHEDULERS = ("LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")

@@ -20,6 +20,7 @@ from deepspeed.runtime.constants import (
     MUON_NS_DTYPES,
     MUON_NS_METHODS,
     MUON_OPTIMIZER,
+    MUON_PARAM_SPLITS,
 )
 
 MUON_GROUP = "muon"
@@ -139,6 +140,10 @@ class MuonParams(_ParamRules):
                                      description="How the orthogonalised update is scaled by the matrix shape: "
                                      "original (sqrt(max(1, rows/cols))) or match_rms_adamw (0.2 * sqrt(max(rows, "
                                      "cols)), so an AdamW learning rate carries over); null is original.")
+    param_split: str = Field(None, json_schema_extra=_rule(choices=MUON_PARAM_SPLITS),
+                             description="Which parameters Muon takes: hidden (the hidden matrices; embeddings, the "
+                             "output head, norms and biases go to Adam) or upstream (every matrix whose name "
+                             "contains neither embed nor lm_head) (hidden); a parameter's own use_muon wins.")
     per_head_muon: bool = Field(None, json_schema_extra=_rule(),
                                 description="Orthogonalise each head's rows of the attention q/k/v projections on "
                                 "their own (false); the engine tags the model with it (docs/muon.md).")

@@ -146,7 +146,12 @@ def test_set_optimizer_flags_tags_for_muon_only():
     assert not any(hasattr(p, "use_muon") for p in model.parameters())
     deepspeed.set_optimizer_flags(deepspeed.DeepSpeedConfig({"train_batch_size": 1, "optimizer": {"type": "Muon"}}),
                                   model)
-    assert [p.use_muon for p in model.parameters()] == [True, True, False]
+    # The default split gives the embedding to Adam; upstream's name rule ("0.weight" holds no "embed") to Muon.
+    assert [p.use_muon for p in model.parameters()] == [False, True, False]
+    upstream = torch.nn.Sequential(torch.nn.Embedding(4, 3), torch.nn.Linear(3, 3))
+    deepspeed.set_optimizer_flags(deepspeed.DeepSpeedConfig(
+        {"train_batch_size": 1, "optimizer": {"type": "Muon", "params": {"param_split": "upstream"}}}), upstream)
+    assert [p.use_muon for p in upstream.parameters()] == [True, True, False]
 
 
 def test_logging_helpers():

@@ -1,0 +1,122 @@
+"""Which parameters Muon takes: the `use_muon` tag `deepspeed.initialize` sets on each trainable parameter.
+
+Two rules, chosen by `optimizer.params.param_split`:
+
+- "hidden" (the default): Muon takes the hidden matrices, the convention of the Muon reference and its peers;
+  the Adam group takes embeddings (weights of `torch.nn.Embedding` / `EmbeddingBag` modules), the output head
+  (`model.get_output_embeddings()` where the model has it, as Hugging Face models do, and any module named
+  `lm_head`), a head tied to an embedding (it is the embedding's weight), and every parameter with fewer than 2
+  dims (norms, biases, scalars). A head of another name in a model without `get_output_embeddings` is a matrix
+  like any other: tag it `use_muon = False`.
+- "upstream": upstream DeepSpeed's rule: Muon for every parameter with 2 or more dims whose name contains neither
+  "embed" nor "lm_head".
+
+A parameter that already has a `use_muon` attribute keeps it: the user's choice wins under both rules.
+"""
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from deepspeed.runtime.constants import MUON_PARAM_SPLITS as PARAM_SPLITS
+
+DEFAULT_PARAM_SPLIT = "hidden"
+_EMBEDDINGS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+
+
+def _shape(param: torch.Tensor) -> torch.Size:
+    # A zero.Init parameter's data is an empty placeholder: its shape is `ds_shape`.
+    return getattr(param, "ds_shape", param.shape)
+
+
+@dataclass
+class ParamSplit:
+    """What the tagging decided, for the log line: tensors and elements per group, and why Adam took what it took."""
+
+    muon: list = field(default_factory=list)  # (name, numel)
+    adam: list = field(default_factory=list)  # (name, numel, reason)
+
+    def summary(self, rule: str) -> str:
+        muon_numel = sum(numel for _, numel in self.muon)
+        adam_numel = sum(numel for _, numel, _ in self.adam)
+        reasons: dict = {}
+        for _, numel, reason in self.adam:
+            count, total = reasons.get(reason, (0, 0))
+            reasons[reason] = (count + 1, total + numel)
+        detail = ", ".join(f"{reason} {count} ({total:,})" for reason, (count, total) in sorted(reasons.items()))
+        return (f"Muon param split ({rule}): Muon {len(self.muon)} tensors ({muon_numel:,} params), "
+                f"Adam {len(self.adam)} tensors ({adam_numel:,} params){': ' + detail if detail else ''}")
+
+
+def _head_modules(model: torch.nn.Module) -> set:
+    """ids of the modules that are the model's output head."""
+    heads = set()
+    get_output = getattr(model, "get_output_embeddings", None)
+    if callable(get_output):
+        try:
+            output = get_output()
+        except (NotImplementedError, AttributeError):
+            output = None
+        if isinstance(output, torch.nn.Module):
+            heads.add(id(output))
+    for name, module in model.named_modules():
+        if name.split(".")[-1] == "lm_head":
+            heads.add(id(module))
+    return heads
+
+
+def _hidden_rule(model: torch.nn.Module) -> dict:
+    """id(param) -> None (Muon) or the reason it goes to Adam, for every parameter of `model`."""
+    heads = _head_modules(model)
+    reasons = {}
+    for module in model.modules():
+        reason = "embedding" if isinstance(module, _EMBEDDINGS) else "head" if id(module) in heads else None
+        for param in module.parameters(recurse=False):
+            if len(_shape(param)) < 2:
+                reasons.setdefault(id(param), "vector")
+            elif reason is not None:
+                # An embedding's verdict wins over a head's for a tied weight (both say Adam).
+                reasons[id(param)] = reasons.get(id(param)) or reason
+            else:
+                reasons.setdefault(id(param), None)
+    return reasons
+
+
+def _upstream_reason(name: str, param: torch.Tensor):
+    lowered = name.lower()
+    if len(_shape(param)) < 2:
+        return "vector"
+    if "embed" in lowered or "lm_head" in lowered:
+        return "named embed or lm_head"
+    return None
+
+
+def tag_muon_params(model: torch.nn.Module, param_split: str = DEFAULT_PARAM_SPLIT) -> ParamSplit:
+    """Set `use_muon` on every parameter of `model` that has no such attribute yet, by `param_split`'s rule.
+
+    Returns:
+        The split of the trainable parameters (explicit tags included), for the log line.
+
+    Raises:
+        ValueError: an unknown `param_split`.
+    """
+    if param_split not in PARAM_SPLITS:
+        raise ValueError(f"param_split must be one of {list(PARAM_SPLITS)}, got {param_split!r}")
+    reasons = _hidden_rule(model) if param_split == "hidden" else None
+    split = ParamSplit()
+    named: Iterable = model.named_parameters()
+    for name, param in named:
+        if not hasattr(param, "use_muon"):
+            reason = reasons.get(id(param)) if reasons is not None else _upstream_reason(name, param)
+            param.use_muon = reason is None
+        else:
+            reason = None if param.use_muon else "tagged use_muon=False"
+        if not param.requires_grad:
+            continue
+        numel = _shape(param).numel()
+        if param.use_muon:
+            split.muon.append((name, numel))
+        else:
+            split.adam.append((name, numel, reason or "tagged use_muon=False"))
+    return split

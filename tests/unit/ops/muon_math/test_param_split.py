@@ -1,0 +1,106 @@
+"""Which parameters Muon takes: the default "hidden" rule, upstream's name rule, the user's own tags, the log line."""
+
+import logging
+
+import pytest
+import torch
+
+import deepspeed
+from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+
+
+class GPT2Like(torch.nn.Module):
+    """GPT-2's names (wte, wpe: no "embed" in them), a tied head, a LayerNorm and two hidden matrices."""
+
+    def __init__(self, vocab=50, dim=8):
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab, dim)
+        self.wpe = torch.nn.Embedding(16, dim)
+        self.attn = torch.nn.Linear(dim, 3 * dim)
+        self.mlp = torch.nn.Linear(dim, dim, bias=False)
+        self.ln_f = torch.nn.LayerNorm(dim)
+        self.lm_head = torch.nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+
+class WithOutputEmbeddings(torch.nn.Module):
+    """An untied head of another name that the model reports, as Hugging Face models do."""
+
+    def __init__(self, vocab=50, dim=8):
+        super().__init__()
+        self.tokens = torch.nn.Embedding(vocab, dim)
+        self.block = torch.nn.Linear(dim, dim)
+        self.output = torch.nn.Linear(dim, vocab, bias=False)
+        self.classifier = torch.nn.Linear(dim, 3)
+
+    def get_output_embeddings(self):
+        return self.output
+
+
+def muon_names(model):
+    return sorted(name for name, p in model.named_parameters() if p.use_muon)
+
+
+def test_hidden_rule_gives_embeddings_head_and_vectors_to_adam():
+    model = GPT2Like()
+    split = deepspeed.tag_muon_params(model)
+    assert muon_names(model) == ["attn.weight", "mlp.weight"]
+    reasons = {name: reason for name, _, reason in split.adam}
+    assert reasons == {"wte.weight": "embedding", "wpe.weight": "embedding", "attn.bias": "vector",
+                       "ln_f.weight": "vector", "ln_f.bias": "vector"}
+    assert split.summary("hidden") == ("Muon param split (hidden): Muon 2 tensors (256 params), Adam 5 tensors "
+                                       "(568 params): embedding 2 (528), vector 3 (40)")
+
+
+def test_the_models_own_output_embeddings_are_the_head():
+    model = WithOutputEmbeddings()
+    deepspeed.tag_muon_params(model)
+    # The reported head goes to Adam; a classifier of another name is a matrix like any other.
+    assert muon_names(model) == ["block.weight", "classifier.weight"]
+
+
+def test_upstream_rule_goes_by_name():
+    model = GPT2Like()
+    deepspeed.tag_muon_params(model, "upstream")
+    # wte/wpe hold no "embed": upstream gives them (and the tied head with wte) to Muon.
+    assert muon_names(model) == ["attn.weight", "mlp.weight", "wpe.weight", "wte.weight"]
+
+
+@pytest.mark.parametrize("rule", ["hidden", "upstream"])
+def test_the_users_tags_win(rule):
+    model = GPT2Like()
+    model.attn.weight.use_muon = False
+    model.wpe.weight.use_muon = True
+    split = deepspeed.tag_muon_params(model, rule)
+    assert not model.attn.weight.use_muon and model.wpe.weight.use_muon
+    assert ("attn.weight", 24 * 8, "tagged use_muon=False") in split.adam
+
+
+def test_frozen_parameters_are_tagged_but_not_counted():
+    model = GPT2Like()
+    model.mlp.weight.requires_grad_(False)
+    split = deepspeed.tag_muon_params(model)
+    assert model.mlp.weight.use_muon and [name for name, _ in split.muon] == ["attn.weight"]
+
+
+def test_unknown_rule_is_refused_by_name():
+    config = {"train_batch_size": 1, "optimizer": {"type": "Muon", "params": {"param_split": "all"}}}
+    message = r"param_split must be one of \['hidden', 'upstream'\], got 'all'"
+    with pytest.raises(DeepSpeedConfigError, match=r"optimizer.params." + message):
+        DeepSpeedConfig(config)
+    with pytest.raises(ValueError, match=message):
+        deepspeed.tag_muon_params(GPT2Like(), "all")
+
+
+def test_initialize_logs_the_split_once(caplog):
+    config = {"train_batch_size": 1, "optimizer": {"type": "Muon", "params": {"param_split": "upstream"}}}
+    logger = logging.getLogger("DeepSpeed")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="DeepSpeed"):
+            deepspeed.set_optimizer_flags(DeepSpeedConfig(config), GPT2Like())
+    finally:
+        logger.removeHandler(caplog.handler)
+    lines = [r.getMessage() for r in caplog.records if "Muon param split" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].endswith(
+        "Muon param split (upstream): Muon 4 tensors (784 params), Adam 3 tensors (40 params): vector 3 (40)")
