@@ -10,6 +10,8 @@ from typing import Iterable, List
 
 import torch
 
+# The model file's `format`: the layout of this fork's checkpoints (save_checkpoint writes it, the load checks it).
+CHECKPOINT_FORMAT = 1
 LATEST_FILE = "latest"
 LATEST_UNIVERSAL_FILE = "latest_universal"
 MODEL_FILE = "mp_rank_00_model_states.pt"

@@ -27,8 +27,10 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.checkpoint.full_state import ZERO_DIR, is_universal, read_rank_files, read_universal
+from deepspeed.checkpoint.upstream_form import is_upstream_model_state
 from deepspeed.git_version_info import version
-from deepspeed.runtime.checkpoint_files import (LATEST_FILE, LATEST_UNIVERSAL_FILE, UNIVERSAL_CHECKPOINT_INFO,
+from deepspeed.runtime.checkpoint_files import (CHECKPOINT_FORMAT, LATEST_FILE, LATEST_UNIVERSAL_FILE,
+                                                UNIVERSAL_CHECKPOINT_INFO,
                                                 CheckpointError, atomic_write_text, check_plain, discard,
                                                 find_model_file, load_file, missing_files, model_file_name,
                                                 optim_file_name, temporary_name, write_file)
@@ -37,7 +39,6 @@ from deepspeed.runtime.zero.stage_1_and_2 import full_shape
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 from deepspeed.utils.logging import logger
 
-CHECKPOINT_FORMAT = 1
 # Stages whose optimizer state regroups to another world size or into each other.
 REGROUPABLE_STAGES = (0, 1, 2, 3)
 # Keys of the model file that belong to DeepSpeed; client_state may not use them.
@@ -377,6 +378,12 @@ def _check_model_file(engine, state: dict, path: str, load_optimizer: bool) -> N
     required = ("format", "module", "dp_world_size", "zero_stage", "precision", "param_shapes", "optimizer_files",
                 "global_steps", "skipped_steps")
     missing = [key for key in required if key not in state]
+    if missing and is_upstream_model_state(state):
+        tag_dir = os.path.dirname(path)
+        raise CheckpointError(f"checkpoint file {path} was written by upstream DeepSpeed {state.get('ds_version')}; "
+                              "convert it first: python -m deepspeed.checkpoint.from_upstream --input_folder "
+                              f"{tag_dir} --output_folder {tag_dir}_universal, then load with "
+                              '"checkpoint": {"load_universal": true} (docs/checkpoints.md)')
     if missing:
         raise CheckpointError(f"checkpoint file {path}: missing keys {missing}; not a checkpoint of this DeepSpeed")
     if state["format"] != CHECKPOINT_FORMAT:

@@ -1,0 +1,122 @@
+"""A checkpoint written by upstream DeepSpeed 0.19.8 loads here and training continues as upstream's does.
+
+The files under upstream_0.19.8/ were written by the release (see its README): 3 steps of TinyMLP on 2 ranks at
+ZeRO-1 and ZeRO-2, Muon and AdamW, bf16, then the checkpoint, then 3 more steps whose losses the release recorded.
+Here the checkpoint goes through `python -m deepspeed.checkpoint.from_upstream` (no pickled code of upstream's is
+run: its objects load as data with `weights_only=True`), loads into this fork's engine with the same config, and
+the next 3 steps' losses are compared with upstream's own continuation (bf16: within one bf16 rounding of the
+loss, 1/128 relative; measured equal).
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import deepspeed
+import deepspeed.comm as dist
+from deepspeed.checkpoint.upstream_form import load_upstream_file, read_upstream_checkpoint
+from deepspeed.runtime.checkpoint_files import CheckpointError
+from unit.common import DistributedTest
+from unit.ops.muon.muon_suite import TinyMLP
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "upstream_0.19.8")
+REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 3))
+K, N, GLOBAL_BATCH = 3, 3, 16
+CELLS = ["zero1-muon-bf16", "zero2-muon-bf16", "zero1-adamw-bf16", "zero2-adamw-bf16"]
+
+
+def upstream_config(stage, optimizer):
+    """tools/upstream_checkpoints.py's config (no clipping, Keller Jordan's iteration), loading the universal form."""
+    params = {"lr": 0.05, "adam_lr": 0.01, "ns_method": "standard", "ns_dtype": "fp32"} if optimizer == "muon" \
+        else {"lr": 0.01}
+    return {"train_micro_batch_size_per_gpu": GLOBAL_BATCH // 2, "gradient_clipping": 0.0, "steps_per_print": 10**6,
+            "optimizer": {"type": "muon" if optimizer == "muon" else "AdamW", "params": params},
+            "zero_optimization": {"stage": stage}, "bf16": {"enabled": True},
+            "checkpoint": {"load_universal": True}}
+
+
+def batches():
+    """tools/upstream_checkpoints.py's batches: the ones after the checkpoint."""
+    generator = torch.Generator().manual_seed(1234)
+    data = [(torch.randn(GLOBAL_BATCH, 16, generator=generator),
+             torch.randint(0, 8, (GLOBAL_BATCH, ), generator=generator)) for _ in range(K + N)]
+    return data[K:]
+
+
+def convert(directory):
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    tag = os.path.join(directory, f"global_step{K}")
+    return subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.from_upstream", "--input_folder", tag,
+                           "--output_folder", f"{tag}_universal"], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+class TestUpstreamCheckpointContinues(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("cell", CELLS)
+    def test_next_steps_equal_upstreams(self, cell, class_tmpdir):
+        directory = os.path.join(str(class_tmpdir), cell)
+        if dist.get_rank() == 0:
+            shutil.copytree(os.path.join(FIXTURES, cell), directory)
+            result = convert(directory)
+            assert result.returncode == 0, result.stderr
+        dist.barrier()
+        stage, optimizer = int(cell[4]), cell.split("-")[1]
+        torch.manual_seed(7)  # other initial weights: everything must come from the checkpoint
+        engine, _, _, _ = deepspeed.initialize(model=TinyMLP(), config=upstream_config(stage, optimizer))
+        load_path, _ = engine.load_checkpoint(directory)
+        assert load_path is not None and engine.global_steps == K and engine.skipped_steps == 0
+        rank, micro = dist.get_rank(), GLOBAL_BATCH // 2
+        losses = []
+        for x, y in batches():
+            loss = engine(x[rank * micro:(rank + 1) * micro].to(engine.device, torch.bfloat16),
+                          y[rank * micro:(rank + 1) * micro].to(engine.device))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.float().item())
+        with open(os.path.join(FIXTURES, cell, f"continued_rank{rank}.json")) as f:
+            upstream = json.load(f)["losses"]
+        assert losses == pytest.approx(upstream, rel=1 / 128), f"{cell}: ours {losses}, upstream 0.19.8 {upstream}"
+
+
+def test_the_mapping_of_upstream_fields():
+    model_state, full = read_upstream_checkpoint(os.path.join(FIXTURES, "zero2-muon-bf16", f"global_step{K}"))
+    assert model_state["global_steps"] == K and model_state["precision"] == "bf16"
+    assert model_state["zero_stage"] == 2 and model_state["dp_world_size"] == 2
+    muon, adam = full.groups
+    assert muon.names == ["fc1.weight", "fc2.weight", "fc3.weight"]  # the model file's param_shapes order
+    assert muon.hyperparameters["use_muon"] and muon.hyperparameters["ns_steps"] == 5  # this fork's default added
+    assert muon.hyperparameters["ns_method"] == "standard"  # what upstream saved
+    for index, shape in enumerate(muon.shapes):
+        momentum = muon.states[index].tensors["momentum_buffer"]
+        assert momentum.dtype == torch.float32 and momentum.numel() == shape.numel()
+        assert muon.masters[index].dtype == torch.float32 and not muon.masters[index].requires_grad
+    assert set(adam.states[0].tensors) == {"exp_avg", "exp_avg_sq"}
+    assert adam.states[0].scalars["step"] == torch.tensor(float(K))
+    assert full.loss_scaler == {"type": "static", "cur_scale": 1.0}
+
+
+def test_refusals_name_what_cannot_be_read(tmp_path):
+    # Loading without converting names the conversion.
+    with pytest.raises(CheckpointError, match="from_upstream"):
+        from deepspeed.runtime.checkpoint_io import _check_model_file
+        model_file = os.path.join(FIXTURES, "zero2-adamw-bf16", f"global_step{K}", "mp_rank_00_model_states.pt")
+        _check_model_file(None, load_upstream_file(model_file), model_file, True)
+    # Upstream's ZeRO-3 layout is not converted, and says so.
+    with pytest.raises(CheckpointError, match="upstream ZeRO-3 checkpoint"):
+        read_upstream_checkpoint(os.path.join(FIXTURES, "zero3-muon-bf16", f"global_step{K}"))
+    # A file holding any other class is refused, naming it, without running it.
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": {}, "hook": Unexpected()}, path)
+    with pytest.raises(CheckpointError, match=r"cannot be read without running its code.*Unexpected"):
+        load_upstream_file(str(path))
+
+
+class Unexpected:
+    """Stands for any class a checkpoint file could name."""
