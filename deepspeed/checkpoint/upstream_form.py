@@ -1,4 +1,4 @@
-"""Read a ZeRO-1/2 checkpoint written by upstream DeepSpeed (0.19.x) as this fork's FullZeroState and model file.
+"""Read a ZeRO-1/2/3 checkpoint written by upstream DeepSpeed (0.19.x) as this fork's FullZeroState and model file.
 
 Upstream's files hold pickled objects of its own classes, which a plain `torch.load` would import and run. Here they
 load with `weights_only=True`: the three classes upstream's ZeRO-1/2 optimizer file names (its loss scalers,
@@ -10,7 +10,8 @@ keeps on each rank the whole momentum of every Muon matrix its partition touches
 becomes each matrix's fp32 momentum; Muon groups take this fork's defaults for the keys upstream does not save.
 
 The model file (`module`, `param_shapes`, counters, `lr_scheduler`, `ds_config`) is plain data in upstream's
-format too. Upstream's ZeRO-3 checkpoints (`fp32_flat_groups` per sub-group) are refused with a message saying so.
+format too; at ZeRO-3 its partitioned weights are placeholders there, rebuilt from the masters. Upstream's
+ZeRO-3 groups split into sub-groups (`sub_group_size`) and its `BF16_Optimizer` files are refused by name.
 """
 
 import os
@@ -149,31 +150,34 @@ def _momenta(rank_states: List[dict], numels: List[int], partition: int, path: s
     return momenta
 
 
-def read_upstream_checkpoint(tag_dir: str) -> Tuple[dict, FullZeroState]:
-    """An upstream ZeRO-1/2 checkpoint's tag folder as this fork's model-file dict and FullZeroState.
-
-    Raises:
-        CheckpointError: naming the file and field: a missing or unreadable file, an upstream ZeRO-3 checkpoint,
-            or a field that cannot be mapped.
-    """
-    if os.path.isfile(os.path.join(tag_dir, UPSTREAM_STAGE3_MODEL_FILE)):
-        raise CheckpointError(f"{tag_dir} is an upstream ZeRO-3 checkpoint (fp32_flat_groups per sub-group and "
-                              "rank); only upstream ZeRO-1/2 checkpoints are converted. Convert it with upstream's "
-                              "ds_to_universal first, or resume it with upstream")
-    model_path = os.path.join(tag_dir, UPSTREAM_MODEL_FILE)
-    upstream_model = load_upstream_file(model_path)
-    if not is_upstream_model_state(upstream_model):
-        raise CheckpointError(f"{model_path} is not an upstream DeepSpeed model file (keys {sorted(upstream_model)})")
-    ds_config = upstream_model.get("ds_config") or {}
-    precision = _precision(ds_config)
-    world = int(upstream_model["dp_world_size"])
+def _optimizer_files(tag_dir: str, precision: str, world: int) -> Tuple[List[str], List[dict]]:
     prefix = "bf16_" if precision == "bf16" else ""
     paths = [os.path.join(tag_dir, f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt") for rank in range(world)]
-    ranks = [load_upstream_file(path)["optimizer_state_dict"] for path in paths]
+    return paths, [load_upstream_file(path)["optimizer_state_dict"] for path in paths]
+
+
+def _param_states(names: List[str], numels: List[int], keys, tensor_of, step_of, where: str) -> Dict[int, ParamState]:
+    """Per-parameter states from `tensor_of(key)` (a per-parameter list of whole tensors, or None for a key that
+    is not element-wise) and `step_of()`."""
+    states = {i: ParamState(tensors={}, scalars={}) for i in range(len(names))}
+    for key in keys:
+        if key == "step":
+            step = torch.tensor(float(step_of()), dtype=torch.float32)
+            for state in states.values():
+                state.scalars[key] = step.clone()
+            continue
+        pieces = tensor_of(key)
+        if pieces is None:
+            raise CheckpointError(f"{where}: optimizer state {key!r} is neither element-wise nor Adam's step; it has "
+                                  "no place in this fork's optimizer state")
+        for index, piece in pieces.items():
+            states[index].tensors[key] = piece.float() if key == "momentum_buffer" else piece
+    return states
+
+
+def _stage12_groups(upstream_model: dict, paths: List[str], ranks: List[dict]) -> List[FullGroup]:
+    """ZeRO-1/2: each group flat across ranks (one partition each, padding at the end)."""
     for path, state in zip(paths, ranks):
-        stage = int(state.get("zero_stage", -1))
-        if stage not in (1, 2):
-            raise CheckpointError(f"{path}: zero_stage {stage}; only upstream ZeRO-1/2 optimizer files are converted")
         if "single_partition_of_fp32_groups" not in state or "base_optimizer_state" not in state:
             raise CheckpointError(f"{path}: no single_partition_of_fp32_groups / base_optimizer_state")
     groups = []
@@ -185,33 +189,110 @@ def read_upstream_checkpoint(tag_dir: str) -> Tuple[dict, FullZeroState]:
         if flat.numel() < sum(numels):
             raise CheckpointError(f"{paths[0]}: group {g}'s fp32 partitions hold {flat.numel()} elements, its "
                                   f"parameters {sum(numels)}")
-        masters = dict(enumerate(_cut(flat, numels)))
         rank_states = [state["base_optimizer_state"]["state"].get(g, {}) for state in ranks]
-        param_states = {i: ParamState(tensors={}, scalars={}) for i in range(len(names))}
-        for key in rank_states[0]:
+        size = partitions[0].numel()
+
+        def tensor_of(key, rank_states=rank_states, numels=numels, size=size):
             if key == "momentum_buffer":
-                for index, value in _momenta(rank_states, numels, partitions[0].numel(), paths[0]).items():
-                    param_states[index].tensors[key] = value
-            elif torch.is_tensor(rank_states[0][key]) and rank_states[0][key].numel() == partitions[0].numel():
-                pieces = _cut(torch.cat([s[key].reshape(-1) for s in rank_states]), numels)
-                for index, piece in enumerate(pieces):
-                    param_states[index].tensors[key] = piece
-            elif key == "step":
-                step = rank_states[0][key]
-                for state in param_states.values():
-                    state.scalars[key] = torch.tensor(float(step), dtype=torch.float32)
-            else:
-                raise CheckpointError(f"{paths[0]}: base_optimizer_state.state[{g}][{key!r}] is neither element-wise "
-                                      "nor Adam's step; it has no place in this fork's optimizer state")
-        hyperparameters = _hyperparameters(ranks[0]["base_optimizer_state"]["param_groups"][g])
+                return _momenta(rank_states, numels, size, paths[0])
+            first = rank_states[0][key]
+            if not (torch.is_tensor(first) and first.numel() == size):
+                return None
+            return dict(enumerate(_cut(torch.cat([s[key].reshape(-1) for s in rank_states]), numels)))
+
+        states = _param_states(names, numels, list(rank_states[0]), tensor_of,
+                               lambda rank_states=rank_states: rank_states[0]["step"],
+                               f"{paths[0]}: base_optimizer_state.state[{g}]")
+        groups.append(FullGroup(names=names, shapes=sizes,
+                                hyperparameters=_hyperparameters(ranks[0]["base_optimizer_state"]["param_groups"][g]),
+                                masters=dict(enumerate(_cut(flat, numels))), states=states))
+    return groups
+
+
+def _stage3_groups(upstream_model: dict, paths: List[str], ranks: List[dict]) -> List[FullGroup]:
+    """ZeRO-3: every parameter split on its own, ceil(numel / N) elements per rank (the last padded); a rank's
+    `fp32_flat_groups[g]` and optimizer state concatenate its pieces in the model file's `param_shapes` order."""
+    world = len(ranks)
+    for path, state in zip(paths, ranks):
+        if "fp32_flat_groups" not in state or "optimizer_state_dict" not in state:
+            raise CheckpointError(f"{path}: no fp32_flat_groups / optimizer_state_dict")
+        if len(state["fp32_flat_groups"]) != len(upstream_model["param_shapes"]):
+            raise CheckpointError(f"{path}: {len(state['fp32_flat_groups'])} fp32_flat_groups for "
+                                  f"{len(upstream_model['param_shapes'])} parameter groups; groups split into "
+                                  "sub-groups (zero_optimization.sub_group_size) are not converted")
+    groups = []
+    for g, shapes in enumerate(upstream_model["param_shapes"]):
+        names, sizes = list(shapes), [torch.Size(shape) for shape in shapes.values()]
+        numels = [size.numel() for size in sizes]
+        pieces = [-(-numel // world) for numel in numels]
+
+        def whole(flats, numels=numels, pieces=pieces, g=g):
+            """Each parameter from its pieces on every rank."""
+            out, offset = {}, 0
+            for index, (numel, piece) in enumerate(zip(numels, pieces)):
+                parts = [flat.reshape(-1)[offset:offset + piece] for flat in flats]
+                out[index] = torch.cat(parts)[:numel].detach().clone()
+                offset += piece
+            if any(flat.numel() != offset for flat in flats):
+                raise CheckpointError(f"{paths[0]}: group {g}'s flat partitions do not hold ceil(numel / {world}) "
+                                      "elements of each parameter")
+            return out
+
+        masters = {i: t.float() for i, t in whole([state["fp32_flat_groups"][g] for state in ranks]).items()}
+        rank_states = [state["optimizer_state_dict"]["state"].get(g, {}) for state in ranks]
+
+        def tensor_of(key, rank_states=rank_states, whole=whole, pieces=pieces):
+            first = rank_states[0][key]
+            if not (torch.is_tensor(first) and first.numel() == sum(pieces)):
+                return None
+            return whole([s[key] for s in rank_states])
+
+        states = _param_states(names, numels, list(rank_states[0]), tensor_of,
+                               lambda rank_states=rank_states: rank_states[0]["step"],
+                               f"{paths[0]}: optimizer_state_dict.state[{g}]")
+        hyperparameters = _hyperparameters(ranks[0]["optimizer_state_dict"]["param_groups"][g])
         groups.append(FullGroup(names=names, shapes=sizes, hyperparameters=hyperparameters, masters=masters,
-                                states=param_states))
+                                states=states))
+    return groups
+
+
+def read_upstream_checkpoint(tag_dir: str) -> Tuple[dict, FullZeroState]:
+    """An upstream ZeRO-1/2/3 checkpoint's tag folder as this fork's model-file dict and FullZeroState.
+
+    Raises:
+        CheckpointError: naming the file and field: a missing or unreadable file, or a field that cannot be mapped.
+    """
+    stage3 = os.path.isfile(os.path.join(tag_dir, UPSTREAM_STAGE3_MODEL_FILE))
+    model_path = os.path.join(tag_dir, UPSTREAM_STAGE3_MODEL_FILE if stage3 else UPSTREAM_MODEL_FILE)
+    upstream_model = load_upstream_file(model_path)
+    if not is_upstream_model_state(upstream_model):
+        raise CheckpointError(f"{model_path} is not an upstream DeepSpeed model file (keys {sorted(upstream_model)})")
+    ds_config = upstream_model.get("ds_config") or {}
+    precision = _precision(ds_config)
+    world = int(upstream_model["dp_world_size"])
+    paths, ranks = _optimizer_files(tag_dir, precision, world)
+    for path, state in zip(paths, ranks):
+        stage = int(state.get("zero_stage", -1))
+        if stage != (3 if stage3 else stage) or stage not in (1, 2, 3):
+            raise CheckpointError(f"{path}: zero_stage {stage}; upstream ZeRO-1/2/3 optimizer files are converted")
+    groups = (_stage3_groups if stage3 else _stage12_groups)(upstream_model, paths, ranks)
     full = FullZeroState(groups=groups, loss_scaler=_loss_scaler_state(ranks[0]["loss_scaler"], paths[0]),
                          muon_heads={}, zero_stage=int(ranks[0]["zero_stage"]), dp_world_size=world)
+    module = dict(upstream_model["module"])
+    if stage3:
+        # Upstream's stage-3 model files hold empty placeholders for the partitioned parameters: the weights are
+        # the masters in the model dtype, as upstream's own training would have them.
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+        for group in groups:
+            for index, name in enumerate(group.names):
+                module[name] = group.masters[index].view(group.shapes[index]).to(dtype)
+        for alias, source in (upstream_model.get("shared_params") or {}).items():
+            if source in module:
+                module[alias] = module[source]
     gas = int(ds_config.get("gradient_accumulation_steps") or 1)
     model_state = {
         "format": None,  # set by the caller: this fork's checkpoint format
-        "module": dict(upstream_model["module"]),
+        "module": module,
         "buffer_names": list(upstream_model.get("buffer_names") or []),
         "optimizer": None,
         "param_shapes": [dict(zip(group.names, group.shapes)) for group in groups],

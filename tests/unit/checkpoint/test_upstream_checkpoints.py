@@ -1,7 +1,7 @@
 """A checkpoint written by upstream DeepSpeed 0.19.8 loads here and training continues as upstream's does.
 
 The files under upstream_0.19.8/ were written by the release (see its README): 3 steps of TinyMLP on 2 ranks at
-ZeRO-1 and ZeRO-2, Muon and AdamW, bf16, then the checkpoint, then 3 more steps whose losses the release recorded.
+ZeRO-1, 2 and 3, Muon and AdamW, bf16, then the checkpoint, then 3 more steps whose losses the release recorded.
 Here the checkpoint goes through `python -m deepspeed.checkpoint.from_upstream` (no pickled code of upstream's is
 run: its objects load as data with `weights_only=True`), loads into this fork's engine with the same config, and
 the next 3 steps' losses are compared with upstream's own continuation (bf16: within one bf16 rounding of the
@@ -27,7 +27,7 @@ from unit.ops.muon.muon_suite import TinyMLP
 FIXTURES = os.path.join(os.path.dirname(__file__), "upstream_0.19.8")
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 3))
 K, N, GLOBAL_BATCH = 3, 3, 16
-CELLS = ["zero1-muon-bf16", "zero2-muon-bf16", "zero1-adamw-bf16", "zero2-adamw-bf16"]
+CELLS = [f"zero{stage}-{optimizer}-bf16" for stage in (1, 2, 3) for optimizer in ("muon", "adamw")]
 
 
 def upstream_config(stage, optimizer):
@@ -100,6 +100,14 @@ def test_the_mapping_of_upstream_fields():
     assert set(adam.states[0].tensors) == {"exp_avg", "exp_avg_sq"}
     assert adam.states[0].scalars["step"] == torch.tensor(float(K))
     assert full.loss_scaler == {"type": "static", "cur_scale": 1.0}
+    # ZeRO-3: each parameter split on its own; the weights come from the masters (the model file holds placeholders).
+    stage3_state, stage3 = read_upstream_checkpoint(os.path.join(FIXTURES, "zero3-muon-bf16", f"global_step{K}"))
+    assert stage3.zero_stage == 3 and stage3.groups[0].names == muon.names
+    matrices = stage3.groups[0]
+    for index, name in enumerate(matrices.names):
+        assert stage3_state["module"][name].shape == matrices.shapes[index]
+        assert stage3_state["module"][name].dtype == torch.bfloat16
+        assert matrices.states[index].tensors["momentum_buffer"].numel() == matrices.shapes[index].numel()
 
 
 def test_refusals_name_what_cannot_be_read(tmp_path):
@@ -108,9 +116,12 @@ def test_refusals_name_what_cannot_be_read(tmp_path):
         from deepspeed.runtime.checkpoint_io import _check_model_file
         model_file = os.path.join(FIXTURES, "zero2-adamw-bf16", f"global_step{K}", "mp_rank_00_model_states.pt")
         _check_model_file(None, load_upstream_file(model_file), model_file, True)
-    # Upstream's ZeRO-3 layout is not converted, and says so.
-    with pytest.raises(CheckpointError, match="upstream ZeRO-3 checkpoint"):
-        read_upstream_checkpoint(os.path.join(FIXTURES, "zero3-muon-bf16", f"global_step{K}"))
+    # A missing rank file is named.
+    partial = tmp_path / "partial"
+    shutil.copytree(os.path.join(FIXTURES, "zero3-muon-bf16", f"global_step{K}"), partial)
+    os.remove(partial / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with pytest.raises(CheckpointError, match="bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt does not exist"):
+        read_upstream_checkpoint(str(partial))
     # A file holding any other class is refused, naming it, without running it.
     path = tmp_path / "mp_rank_00_model_states.pt"
     torch.save({"module": {}, "hook": Unexpected()}, path)
