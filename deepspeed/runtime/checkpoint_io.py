@@ -35,7 +35,7 @@ from deepspeed.runtime.checkpoint_files import (CHECKPOINT_FORMAT, LATEST_FILE, 
                                                 find_model_file, load_file, missing_files, model_file_name,
                                                 optim_file_name, temporary_name, write_file)
 from deepspeed.runtime.zero.partition_state import needed_params_by_group, rank_state_from_full, validate_zero_state
-from deepspeed.runtime.zero.stage_1_and_2 import full_shape
+from deepspeed.runtime.zero.flat_layout import full_shape
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 from deepspeed.utils.logging import logger
 

@@ -4,7 +4,7 @@ Upstream's other `deepspeed.utils` names fail on use saying what to use instead 
 """
 
 from deepspeed.not_provided import module_getattr
-from deepspeed.runtime.dataloader import RepeatingLoader
+from deepspeed.utils.repeating_loader import RepeatingLoader
 from deepspeed.utils.logging import log_dist, log_dist_once, logger, set_log_level_from_string
 from deepspeed.utils.tensor_fragment import (safe_get_full_fp32_param, safe_get_full_grad,
                                              safe_get_full_optimizer_state, safe_set_full_fp32_param,

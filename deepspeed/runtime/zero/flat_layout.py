@@ -15,9 +15,16 @@ Nothing here touches tensors or torch.distributed; the same inputs give the same
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+import torch
+
 # Partition starts stay aligned to this many elements (4-byte alignment for 16-bit dtypes, which NCCL
 # wants for its collectives).
 ALIGNMENT = 2
+
+
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """A parameter's shape, also while stage 3 holds only a placeholder in `param.data` (upstream's `ds_shape`)."""
+    return getattr(param, "ds_shape", param.shape)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from deepspeed.runtime.zero.flat_layout import GroupLayout
 from deepspeed.runtime.zero.muon.per_head import head_count
 from deepspeed.runtime.zero.regroup import (ParamState, basic_param_indices, full_group_state, full_params,
                                             group_state_for_rank, needed_params, partition_of)
-from deepspeed.runtime.zero.stage_1_and_2 import full_shape
+from deepspeed.runtime.zero.flat_layout import full_shape
 
 ZERO_STATE_FORMAT = 1
 _REQUIRED_KEYS = ("format", "zero_stage", "dp_world_size", "dp_rank", "layouts", "single_partition_of_fp32_groups",

@@ -23,7 +23,7 @@ from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
 from deepspeed.runtime.optimizer_step import StepOutcome, transactional_step
 from deepspeed.runtime.zero import chunked_torch_adam
 from deepspeed.runtime.zero.config import DeepSpeedZeroOffloadOptimizerConfig
-from deepspeed.runtime.zero.flat_layout import GroupLayout, even_layout, newton_schulz_cost, owner_layout
+from deepspeed.runtime.zero.flat_layout import GroupLayout, even_layout, full_shape, newton_schulz_cost, owner_layout
 from deepspeed.runtime.zero.grad_reducer import GradReducer, ReducerOptions
 from deepspeed.runtime.zero.muon.per_head import NUM_HEADS_ATTRIBUTE, head_count
 from deepspeed.runtime.zero.offload import HostOffload
@@ -76,11 +76,6 @@ class _HpSlot:
     start: int
     numel: int
     shape: torch.Size
-
-
-def full_shape(param: torch.Tensor) -> torch.Size:
-    """A parameter's shape, also while stage 3 holds only a placeholder in `param.data` (upstream's `ds_shape`)."""
-    return getattr(param, "ds_shape", param.shape)
 
 
 def is_muon_group(group: dict) -> bool:

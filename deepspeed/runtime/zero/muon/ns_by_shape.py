@@ -9,17 +9,13 @@ twice the launches. Both methods are at least as accurate as the standard iterat
 factor (``gram_sym`` 2-3x closer to the float64 iteration), so the choice is speed only.
 
 The choice is a fixed rule of the shape, not a timing taken while training: every rank, every run and every
-resumed run choose alike, so results stay reproducible and a resumed run continues bit for bit.
+resumed run choose alike, so results stay reproducible and a resumed run continues bit for bit. The rule is here;
+``original_muon.zeropower_by_shape`` applies it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import torch
-from torch import Tensor
-
-from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
 
 # Matrices whose smaller side is at least this take "gram_sym"; smaller ones take "gram".
 SYMMETRIC_FROM_SIDE = 1024
@@ -28,25 +24,3 @@ SYMMETRIC_FROM_SIDE = 1024
 def method_for_shape(shape: Sequence[int]) -> str:
     """The method "auto" runs on a matrix (or batch of matrices) of ``shape``: "gram_sym" or "gram"."""
     return "gram_sym" if min(shape[-2:]) >= SYMMETRIC_FROM_SIDE else "gram"
-
-
-def zeropower_by_shape(G: Tensor | Sequence[Tensor], steps: int = 5, dtype: torch.dtype | None = None,
-                       workspace: NSWorkspace | None = None) -> Tensor | list[Tensor]:
-    """Approximately orthogonalise ``G`` as :func:`~.original_muon.zeropower_via_newtonschulz5` does, each tensor
-    with :func:`method_for_shape`'s method (arguments, results and errors as there; a list is split by method and
-    each part runs as one call, in order, so a workspace carves deterministically)."""
-    from deepspeed.runtime.zero.muon.original_muon import zeropower_via_gram_newtonschulz
-    from deepspeed.runtime.zero.muon.symmetric_gram import zeropower_via_symmetric_gram
-
-    if isinstance(G, Tensor):
-        return zeropower_by_shape([G], steps, dtype, workspace)[0]
-    for one in G:
-        if one.ndim < 2:
-            raise ValueError(f"Newton-Schulz needs a matrix (or a batch of matrices), got shape {tuple(one.shape)}")
-    results: list[Tensor | None] = [None] * len(G)
-    for method, function in (("gram", zeropower_via_gram_newtonschulz), ("gram_sym", zeropower_via_symmetric_gram)):
-        indices = [index for index, one in enumerate(G) if method_for_shape(one.shape) == method]
-        if indices:
-            for index, result in zip(indices, function([G[i] for i in indices], steps, dtype, workspace)):
-                results[index] = result
-    return results

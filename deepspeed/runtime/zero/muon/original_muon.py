@@ -32,7 +32,7 @@ from deepspeed.runtime.zero.muon.ns_common import (  # noqa: F401  (NS_NORM_EPS:
     _tall,
     resolve_ns_dtype,
 )
-from deepspeed.runtime.zero.muon.ns_by_shape import zeropower_by_shape
+from deepspeed.runtime.zero.muon.ns_by_shape import method_for_shape
 from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
 from deepspeed.runtime.zero.muon.symmetric_gram import zeropower_via_symmetric_gram
 
@@ -255,6 +255,25 @@ def _gram_iterations(Xs: list[Tensor], steps: int, workspace: NSWorkspace | None
     if Q is None:
         return [X.mT if is_tall else X for X, is_tall in zip(Xs, tall)]
     return left_multiplied(Q, Xs, last=True)
+
+
+def zeropower_by_shape(G: Tensor | Sequence[Tensor], steps: int = 5, dtype: torch.dtype | None = None,
+                       workspace: NSWorkspace | None = None) -> Tensor | list[Tensor]:
+    """Approximately orthogonalise ``G`` as :func:`zeropower_via_newtonschulz5` does, each tensor with
+    :func:`~.ns_by_shape.method_for_shape`'s method (arguments, results and errors as there; a list is split by method
+    and each part runs as one call, in order, so a workspace carves deterministically)."""
+    if isinstance(G, Tensor):
+        return zeropower_by_shape([G], steps, dtype, workspace)[0]
+    for one in G:
+        if one.ndim < 2:
+            raise ValueError(f"Newton-Schulz needs a matrix (or a batch of matrices), got shape {tuple(one.shape)}")
+    results: list[Tensor | None] = [None] * len(G)
+    for method, function in (("gram", zeropower_via_gram_newtonschulz), ("gram_sym", zeropower_via_symmetric_gram)):
+        indices = [index for index, one in enumerate(G) if method_for_shape(one.shape) == method]
+        if indices:
+            for index, result in zip(indices, function([G[i] for i in indices], steps, dtype, workspace)):
+                results[index] = result
+    return results
 
 
 NSFunction = Callable[..., Tensor]

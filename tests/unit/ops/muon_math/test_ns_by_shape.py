@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from deepspeed.runtime.zero.muon import ns_by_shape
-from deepspeed.runtime.zero.muon.ns_by_shape import SYMMETRIC_FROM_SIDE, method_for_shape, zeropower_by_shape
+from deepspeed.runtime.zero.muon.ns_by_shape import SYMMETRIC_FROM_SIDE, method_for_shape
 from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
-from deepspeed.runtime.zero.muon.original_muon import NS_FUNCTIONS, zeropower_via_gram_newtonschulz
+from deepspeed.runtime.zero.muon.original_muon import NS_FUNCTIONS, zeropower_by_shape, zeropower_via_gram_newtonschulz
 from deepspeed.runtime.zero.muon.symmetric_gram import zeropower_via_symmetric_gram
 
 
