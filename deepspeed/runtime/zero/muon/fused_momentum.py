@@ -6,8 +6,8 @@ on a GPU is bound by memory bandwidth: 22 bytes moved per element. One Triton ke
 the momentum once and writes the new momentum and the direction: 14 bytes per element
 (``benchmarks/probes/muon_elementwise_probe.py`` measures both). Gradients the reducer holds in bf16/fp16 and
 loss-scaled are read as they are, converted and multiplied by the step's unscale-and-clip factor in registers:
-the torch path first writes them unscaled into fp32 chunks (a copy and a ``mul_``, 14 more bytes per element,
-6.8 ms a step at the 1.11B point on an H200). The kernel evaluates torch's own formulas in fp32 (the factor's
+the torch path first writes them unscaled into fp32 chunks (a copy and a ``mul_``, 14 more bytes per element).
+The kernel evaluates torch's own formulas in fp32 (the factor's
 product rounded on its own, then ``lerp``), so the results are the same bits as the torch passes (checked on the
 GPU by the tests).
 

@@ -1,10 +1,10 @@
 """Muon's update applied to the fp32 masters in one pass: weight decay, then the orthogonalised update.
 
 Why: the torch passes are ``torch._foreach_mul_(params, decay)`` and ``params.add_(update, alpha=...)`` with a
-bf16/fp16 update, whose mixed-dtype kernel ran at about half the memory bandwidth on an H200 (0.97 ms per 250M
-elements at the 1.11B point, 3.9 ms a step). One Triton kernel reads the master and the update once and writes the
-master: 10 bytes per element. It evaluates what the torch passes do on CUDA (the decay product rounded, then a fused
-multiply-add in fp32), so the results are the same bits (checked on the GPU by the tests).
+bf16/fp16 update, whose mixed-dtype kernel runs at about half the memory bandwidth on an H200. One Triton kernel
+reads the master and the update once and writes the master: 10 bytes per element. It evaluates what the torch passes
+do on CUDA (the decay product rounded, then a fused multiply-add in fp32), so the results are the same bits (checked
+on the GPU by the tests).
 
 Everywhere else (CPU, no Triton, a non-contiguous master or update, non-fp32 masters) the torch passes run.
 """

@@ -2,8 +2,8 @@
 
 Why: the iterations start by scaling each matrix to unit (or fixed) Frobenius norm and the symmetric Gram method
 ends by undoing its fp16 scale; torch runs these as broadcast element-wise ops, which on a GPU take its generic
-strided kernel (measured on an H200 at the 1.11B point: 0.8-1.2 TB/s, 3.2 ms for the normalisation and 6.6 ms for
-the symmetric method's two passes per call). Each matrix of such a batch is one dense block of memory (the
+strided kernel, well below the memory bandwidth at the 1.11B point, for the normalisation and for the symmetric
+method's two passes per call. Each matrix of such a batch is one dense block of memory (the
 batch is contiguous, or the transpose of a contiguous one), so a flat kernel that looks the factor up per block
 streams at full bandwidth. It computes what torch computes (fp32 arithmetic, IEEE division, torch's roundings),
 so the bits are the same (checked on the GPU by tests/unit/ops/muon_math/test_matrix_scale.py).

@@ -1,12 +1,11 @@
 """``ns_method: "auto"`` (the default): every matrix gets the Newton-Schulz method that is fastest for its shape.
 
-Measured on an H200 in bf16, each model's Muon matrices in one call as the optimizer makes it
-(``benchmarks/probes/ns_methods_gpu.py``; GPT shapes 3d x d, d x d, 4d x d, d x 4d): the symmetric Gram iteration
-(``gram_sym``) takes 9.6 ms against the Gram iteration's 10.7 at d = 1024 (24 layers), 26.7 against 29.5 at
-d = 1280 (36 layers), 29.1 against 31.8 at d = 1536 and 48.3 against 59.1 at d = 2048 (the 1.11B GPT); at d = 768
-(GPT-2 small) it is slower, 3.6 against 2.7 ms, its half-size block products being too small to fill the GPU for
-twice the launches. Both methods are at least as accurate as the standard iteration against a float64 polar
-factor (``gram_sym`` 2-3x closer to the float64 iteration), so the choice is speed only.
+Measured on an H200 in bf16, each model's Muon matrices in one call as the optimizer makes it (GPT shapes
+3d x d, d x d, 4d x d, d x 4d; the figures are in docs/muon.md): the symmetric Gram iteration (``gram_sym``) is the
+faster from d = 1024 up to the 1.11B GPT's d = 2048; at d = 768 (GPT-2 small) it is slower, its half-size block
+products being too small to fill the GPU for twice the launches. Both methods are at least as accurate as the
+standard iteration against a float64 polar factor (``gram_sym`` 2-3x closer to the float64 iteration), so the
+choice is speed only.
 
 The choice is a fixed rule of the shape, not a timing taken while training: every rank, every run and every
 resumed run choose alike, so results stay reproducible and a resumed run continues bit for bit. The rule is here;

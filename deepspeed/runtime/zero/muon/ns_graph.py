@@ -1,8 +1,8 @@
 """Newton-Schulz calls captured once in a CUDA graph and replayed every step after (``ns_cuda_graph: true``).
 
 Why: on a GPU a small model's Muon step is bound by the host, not the device (docs/performance.md): one rank's
-Newton-Schulz call for GPT-2 small is about 55 launches, 41 of them cuBLAS batched products at 15-50 us of host
-time each, for about 1.5 ms of device work. Replaying a graph issues all of it with one launch. The price is
+Newton-Schulz call for GPT-2 small is about 55 launches, 41 of them cuBLAS batched products, each costing the host
+about as long as the device work it queues. Replaying a graph issues all of it with one launch. The price is
 memory: the graph is recorded on a stream of its own, and cuBLAS keeps a workspace per stream (32 MiB on an H200),
 which is why the option is off by default (docs/muon.md).
 
