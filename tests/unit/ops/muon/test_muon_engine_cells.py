@@ -27,17 +27,23 @@ from muon_suite import (DTYPES, all_finite, fp32_masters, global_batches, initia
 
 GAS, GLOBAL_BATCH, STEPS = 4, 64, 6
 LR, ADAM_LR, WEIGHT_DECAY = 0.05, 0.01, 0.1
+CLIP = 0.2  # below the gradients' norm in these runs (about 0.4), so clipping acts
 TOLERANCE = 1e-3  # relative error of each parameter's change, as test_muon_reference_parity
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 4))
 
 
-def cell_config(stage, dtype, gas=GAS, offload=False, weight_decay=0.0, **fp16):
-    """Muon with Keller Jordan's iteration in fp32, no clipping, `gas` micro-batches of GLOBAL_BATCH / (2 * gas)."""
-    config = muon_config(stage, dtype, micro=GLOBAL_BATCH // (2 * gas), lr=LR, adam_lr=ADAM_LR, clip=0.0,
+def cell_config(stage, dtype, gas=GAS, offload=False, weight_decay=0.0, clip=0.0, schedule=False, **fp16):
+    """Muon with Keller Jordan's iteration in fp32, `gas` micro-batches of GLOBAL_BATCH / (2 * gas); `schedule` adds a
+    WarmupDecayLR whose single peak is the Muon group's lr (the Adam group follows at its own scale)."""
+    config = muon_config(stage, dtype, micro=GLOBAL_BATCH // (2 * gas), lr=LR, adam_lr=ADAM_LR, clip=clip,
                          fp16={"initial_scale_power": 8, **fp16}, ns_method="standard", weight_decay=weight_decay)
     config["gradient_accumulation_steps"] = gas
     if offload:
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if schedule:
+        config["scheduler"] = {"type": "WarmupDecayLR", "params": {
+            "warmup_min_lr": LR / 5, "warmup_max_lr": LR, "warmup_num_steps": 2, "total_num_steps": 20,
+            "warmup_type": "linear"}}
     return config
 
 
@@ -124,12 +130,15 @@ class TestMuonOverflowAtEachCell(DistributedTest):
     @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
     @pytest.mark.parametrize("stage, offload", ORACLE_CELLS)
     def test_skipped_step_equals_never_taking_it(self, stage, offload, dtype):
-        """Accumulation 4 and weight decay: the skipped step applies no decay and folds nothing into the momentum."""
+        """Accumulation 4, weight decay, clipping and an LR schedule: the skipped step applies no decay, folds nothing
+        into the momentum and does not advance the schedule."""
         k = 2
         batches = global_batches(k + 3, GLOBAL_BATCH)
-        config = cell_config(stage, dtype, offload=offload, weight_decay=WEIGHT_DECAY, hysteresis=1)
+        config = cell_config(stage, dtype, offload=offload, weight_decay=WEIGHT_DECAY, clip=CLIP, schedule=True,
+                             hysteresis=1)
         poisoned = initialize(make_model(), config)
         train_accumulated(poisoned, batches[:k], dtype)
+        assert poisoned.get_global_grad_norm() > CLIP  # clipping acts in this cell
         scale = poisoned.optimizer.cur_scale
         train_accumulated(poisoned, batches[k:k + 1], dtype, poison_steps={0})
         assert not poisoned.was_step_applied() and poisoned.skipped_steps == 1
@@ -158,8 +167,8 @@ def resume_dir(class_tmpdir, stage, offload):
 
 def resume_config(stage, offload):
     # fp16 at the default hysteresis (2): the overflow before the save is absorbed; the one after the resume halves
-    # the scale only if the loaded scaler remembers it.
-    return cell_config(stage, "fp16", offload=offload, weight_decay=WEIGHT_DECAY)
+    # the scale only if the loaded scaler remembers it. Clipping and an LR schedule run through the save too.
+    return cell_config(stage, "fp16", offload=offload, weight_decay=WEIGHT_DECAY, clip=CLIP, schedule=True)
 
 
 class UninterruptedCells(DistributedFixture):
