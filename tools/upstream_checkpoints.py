@@ -4,13 +4,19 @@
 Run it with the Python of an environment where the release is installed (never this checkout's deepspeed), on 2
 ranks, from the repository root:
 
-    DS_ACCELERATOR=cpu <python> -m torch.distributed.run --nproc_per_node 2 tools/upstream_checkpoints.py OUT
+    DS_ACCELERATOR=cpu <python> -m torch.distributed.run --nproc_per_node 2 tools/upstream_checkpoints.py OUT \
+        [--cpu-fp16] [--only-bf16 | --only-fp16]
 
 For each cell (ZeRO stage x optimizer x precision) it trains the suite's TinyMLP for K steps on fixed batches,
 saves a checkpoint under OUT/<cell>/, trains N more steps and records those steps' losses (each rank's) in
 OUT/<cell>/continued.json. tests/unit/checkpoint/test_upstream_checkpoints.py loads the checkpoints into this fork
 and compares its next N losses with the release's. Only upstream's public API is used (deepspeed.initialize, the
 engine's forward/backward/step and save_checkpoint).
+
+On the CPU the release accepts fp16 only where oneDNN has fp16 kernels (its CPU accelerator asks
+`torch.ops.mkldnn._is_mkldnn_fp16_supported()`, true on CPUs with AVX512-FP16 or AMX-FP16). `--cpu-fp16` answers
+that question with yes on other CPUs, so the fp16 cells run there: torch computes fp16 on any CPU, and what the
+release saves is what it saves on a CPU with those instructions. Without the flag the fp16 cells record the refusal.
 """
 
 import json
@@ -77,10 +83,15 @@ def train(engine, data, dtype):
     return losses
 
 
-def main(out):
+def answer_cpu_fp16_yes():
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+    CPU_Accelerator.is_fp16_supported = lambda self: True
+
+
+def main(out, cells):
     deepspeed.init_distributed(dist_backend="gloo")
     data = batches(K + N)
-    for stage, optimizer, dtype in CELLS:
+    for stage, optimizer, dtype in cells:
         cell = f"zero{stage}-{optimizer}-{dtype}"
         directory = os.path.join(out, cell)
         torch.manual_seed(0)
@@ -99,4 +110,10 @@ def main(out):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    arguments = sys.argv[1:]
+    if "--cpu-fp16" in arguments:
+        arguments.remove("--cpu-fp16")
+        answer_cpu_fp16_yes()
+    dtypes = [dtype for dtype in ("bf16", "fp16") if f"--only-{dtype}" in arguments]
+    arguments = [argument for argument in arguments if not argument.startswith("--only-")]
+    main(arguments[0], [cell for cell in CELLS if not dtypes or cell[2] in dtypes])

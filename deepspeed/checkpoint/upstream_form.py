@@ -256,6 +256,18 @@ def _stage3_groups(upstream_model: dict, paths: List[str], ranks: List[dict]) ->
     return groups
 
 
+def _unscale_muon_momenta(groups: List[FullGroup], loss_scale: float) -> None:
+    """Upstream at fp16 folds the loss-scaled gradient into Muon's momentum (its fp16 checkpoints hold momenta
+    `cur_scale` times those of the same run in bf16); this fork's momentum is of unscaled gradients. Divided by the
+    scale at save, it is the momentum upstream's own continuation works with, up to the factor Newton-Schulz
+    ignores. (Where upstream's scale changed during the run its momentum mixes gradients of different scales, and
+    no conversion undoes that.)"""
+    for group in groups:
+        for state in group.states.values():
+            if "momentum_buffer" in state.tensors:
+                state.tensors["momentum_buffer"] = state.tensors["momentum_buffer"] / loss_scale
+
+
 def read_upstream_checkpoint(tag_dir: str) -> Tuple[dict, FullZeroState]:
     """An upstream ZeRO-1/2/3 checkpoint's tag folder as this fork's model-file dict and FullZeroState.
 
@@ -278,6 +290,8 @@ def read_upstream_checkpoint(tag_dir: str) -> Tuple[dict, FullZeroState]:
     groups = (_stage3_groups if stage3 else _stage12_groups)(upstream_model, paths, ranks)
     full = FullZeroState(groups=groups, loss_scaler=_loss_scaler_state(ranks[0]["loss_scaler"], paths[0]),
                          muon_heads={}, zero_stage=int(ranks[0]["zero_stage"]), dp_world_size=world)
+    if precision == "fp16":
+        _unscale_muon_momenta(groups, full.loss_scaler["cur_scale"])
     module = dict(upstream_model["module"])
     if stage3:
         # Upstream's stage-3 model files hold empty placeholders for the partitioned parameters: the weights are
