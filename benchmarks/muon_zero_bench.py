@@ -630,7 +630,7 @@ def profile_runner(runner, accelerator, steps: int, name: str = "mode") -> dict:
                 runner.optimizer_step()
         accelerator.synchronize()
     trace_dir = os.environ.get("BENCH_TRACE_DIR")
-    if trace_dir:  # a chrome trace of the whole steps per rank, for benchmarks/probes/trace_gaps.py
+    if trace_dir:  # a chrome trace of the whole steps per rank
         os.makedirs(trace_dir, exist_ok=True)
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         whole.export_chrome_trace(os.path.join(trace_dir, f"{name}-rank{rank}.json"))

@@ -67,12 +67,12 @@ def test_smoke_run_writes_every_mode_and_target(tmp_path):
 def test_report_renders_results_written_before_the_back_to_back_phase(tmp_path):
     # This results file holds only steps synchronised at their ends, under "step_s": re-rendered, its verdicts
     # must come out as they were published (Muon / AdamW 1.041 x), with no back-to-back column invented.
-    saved = os.path.join(REPO_ROOT, "benchmarks", "results", "earlier", "run-1855-c9aa1d4.json")
+    saved = os.path.join(os.path.dirname(__file__), "fixtures", "results_before_back_to_back_phase.json")
     cmd = [sys.executable, REPORT, saved, "--out-dir", str(tmp_path)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "our AdamW step (whole step): 1.041 x" in result.stdout, result.stdout
-    table = (tmp_path / "run-1855-c9aa1d4.md").read_text()
+    table = (tmp_path / "results_before_back_to_back_phase.md").read_text()
     assert "| ds-z2-bf16-muon | 27.63 [26.31, 29.71] | n/a |" in table
 
 

@@ -3,13 +3,11 @@
 Why: under ZeRO the Muon step's element-wise work before Newton-Schulz is two passes over the fp32 momenta of a
 rank's matrices (``momenta.lerp_(grads)``, then ``lerp(grads, momenta)`` into the Newton-Schulz input), which
 on a GPU is bound by memory bandwidth: 22 bytes moved per element. One Triton kernel reads the gradient and
-the momentum once and writes the new momentum and the direction: 14 bytes per element
-(``benchmarks/probes/muon_elementwise_probe.py`` measures both). Gradients the reducer holds in bf16/fp16 and
-loss-scaled are read as they are, converted and multiplied by the step's unscale-and-clip factor in registers:
-the torch path first writes them unscaled into fp32 chunks (a copy and a ``mul_``, 14 more bytes per element).
-The kernel evaluates torch's own formulas in fp32 (the factor's
-product rounded on its own, then ``lerp``), so the results are the same bits as the torch passes (checked on the
-GPU by the tests).
+the momentum once and writes the new momentum and the direction: 14 bytes per element. Gradients the reducer
+holds in bf16/fp16 and loss-scaled are read as they are, converted and multiplied by the step's unscale-and-clip
+factor in registers: the torch path first writes them unscaled into fp32 chunks (a copy and a ``mul_``, 14 more
+bytes per element). The kernel evaluates torch's own formulas in fp32 (the factor's product rounded on its own,
+then ``lerp``), so the results are the same bits as the torch passes (checked on the GPU by the tests).
 
 Everywhere else (CPU, no Triton, non-contiguous operands) the torch passes run.
 """
