@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from deepspeed.runtime.zero.muon.original_muon import NS_COEFFICIENTS, NS_FUNCTIONS  # noqa: E402
 
@@ -73,6 +74,8 @@ def main() -> None:
     parser.add_argument("--spectra", default="", help="comma-separated names (default: all)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    from provenance import print_provenance
+    print_provenance()
     torch.set_num_threads(args.threads)
     methods = list(NS_FUNCTIONS)
     print("per method: error vs float64 polar factor, vs float64 iteration, largest singular value")

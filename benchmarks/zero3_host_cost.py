@@ -142,6 +142,8 @@ def main() -> None:
     results = measure(args, [int(stage) for stage in args.stages.split(",")], batch)
     if rank != 0:
         return
+    from provenance import print_provenance
+    print_provenance()
     print(f"{world} rank(s), {args.layers} layers x d_model {args.d_model}, {args.dtype}, {args.optimizer}: "
           f"median CPU ms (process time) over {args.steps} steps; aten ops of one step (nested included)")
     for part in ("forward_backward", "step"):
