@@ -11,7 +11,7 @@ A doc section (the text under one heading) that states measured figures cites th
 
 What counts as a figure: in prose, a number with a unit of measurement (ms, s, GiB, MiB, TFLOP/s, tokens/s, MHz,
 %, "x" for a ratio, B/param), in a table cell too; in a table whose column heading or row label names a measure
-(a unit above, "loss", "error", "ratio", "bytes", "peak"), every number with a decimal point or a thousands
+(a unit above but "x", "loss", "error", "ratio", "bytes", "peak"), every number with a decimal point or a thousands
 separator in the cells after the first. Numbers after "target", "<=", ">=", "within" (what was asked, not
 measured) and inside code blocks are not figures. A figure is found when a number in a cited file rounds to it
 at the precision written (a percentage also as a fraction; bytes also as GiB/MiB).
@@ -28,15 +28,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = "benchmarks/results"
-SOURCES = ROOT / RESULTS / "SOURCES.md"
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 NUMBER = r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?"
 UNIT = r"(?:ms|s|GiB|MiB|GB|MB|TFLOP/s|TFLOP|tokens/s|MHz|%|x(?!\s?[\dA-Z])|B/param|bytes per parameter)"
 PROSE_FIGURE = re.compile(rf"(?<![\w.\-/])(?:(?P<low>{NUMBER})\s?-\s?)?(?P<value>{NUMBER})\s?{UNIT}(?![\w/])")
 TABLE_NUMBER = re.compile(rf"(?<![\w.])(?:{NUMBER})(?![\w])")
 MEASURE = re.compile(
-    r"\b(ms|s|GiB|MiB|GB|MB|TFLOP/s|TFLOP|tokens/s|MHz|x|loss|losses|error|ratio|bytes|peak)\b|%|B/param",
+    r"\b(ms|s|GiB|MiB|GB|MB|TFLOP/s|TFLOP|tokens/s|MHz|loss|losses|error|ratio|bytes|peak)\b|%|B/param",
     re.IGNORECASE)
 NOT_MEASURED = re.compile(r"(target|<=|>=|at least|at most|under|within)\s*$", re.IGNORECASE)
 CITATION = re.compile(rf"{RESULTS}/[\w.\-/]+")
@@ -122,12 +120,12 @@ def matches(figure: str, candidates: list[float], percent: bool) -> bool:
     return any(abs(c * s - value) <= half for c in candidates for s in scales)
 
 
-def provenance() -> dict[str, dict[str, str]]:
+def provenance(sources: Path) -> dict[str, dict[str, str]]:
     """SOURCES.md's rows: path -> {command, commit, machine, date}."""
     rows = {}
-    if not SOURCES.exists():
+    if not sources.exists():
         return rows
-    for line in SOURCES.read_text().splitlines():
+    for line in sources.read_text().splitlines():
         cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
         if len(cells) == 5 and cells[0].startswith(RESULTS):
             rows[cells[0].rstrip("/")] = dict(zip(("command", "commit", "machine", "date"), cells[1:]))
@@ -143,31 +141,36 @@ def source_of(cited: str, rows: dict) -> dict | None:
     return None
 
 
-def check() -> list[str]:
-    problems, rows, cache = [], provenance(), {}
+def check(root: Path = ROOT) -> list[str]:
+    """Every problem with the figures of root's README.md and docs/*.md, one line each."""
+    sources = root / RESULTS / "SOURCES.md"
+    index = sources.relative_to(root)
+    problems, rows, cache = [], provenance(sources), {}
     for path, row in rows.items():
-        if not (ROOT / path).exists():
-            problems.append(f"{SOURCES.relative_to(ROOT)}: {path} does not exist")
+        if not (root / path).exists():
+            problems.append(f"{index}: {path} does not exist")
         if not HEX.match(row["commit"].split()[0] if row["commit"] else ""):
-            problems.append(f"{SOURCES.relative_to(ROOT)}: {path}: commit {row['commit']!r} is not a hash")
+            problems.append(f"{index}: {path}: commit {row['commit']!r} is not a hash")
         if not all(row.values()):
-            problems.append(f"{SOURCES.relative_to(ROOT)}: {path}: command, commit, machine and date all needed")
-    for doc in DOCS:
-        name = doc.relative_to(ROOT)
+            problems.append(f"{index}: {path}: command, commit, machine and date all needed")
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        if not doc.exists():
+            continue
+        name = doc.relative_to(root)
         for heading, lines in sections(doc.read_text()):
             cited = sorted({c.rstrip(".,;:)/") for line in lines for c in CITATION.findall(line)})
             for path in cited:
-                if not (ROOT / path).exists():
+                if not (root / path).exists():
                     problems.append(f"{name} [{heading}]: {path} does not exist")
                 elif source_of(path, rows) is None:
-                    problems.append(f"{name} [{heading}]: {path} has no row in {SOURCES.relative_to(ROOT)}")
+                    problems.append(f"{name} [{heading}]: {path} has no row in {index}")
             candidates = None
             for figure, line in figures(lines):
                 if candidates is None:
                     candidates = []
                     for path in cited:
-                        if (ROOT / path).exists():
-                            candidates += cache.setdefault(path, numbers_in(ROOT / path))
+                        if (root / path).exists():
+                            candidates += cache.setdefault(path, numbers_in(root / path))
                 if not cited:
                     problems.append(f"{name} [{heading}]: {figure} cites no result file: {line.strip()[:100]}")
                 elif not matches(figure, candidates, percent="%" in line):

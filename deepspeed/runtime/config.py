@@ -32,9 +32,9 @@ from deepspeed.runtime.constants import (
     GRADIENT_ALLREDUCE_OPS,
     LOG_LEVELS,
     MAX_GRAD_NORM,
-    UPSTREAM_KEYS_NOT_IMPLEMENTED,
 )
-from deepspeed.runtime.config_effects import check_unused_settings
+from deepspeed.runtime.config_effects import (SECTIONS_REFUSED_WHEN_ON, SECTIONS_WITHOUT_EFFECT, check_unused_settings,
+                                              section_turned_on)
 from deepspeed.runtime.optimizer_params import validate_optimizer_params
 from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
 from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, ZeroStageEnum
@@ -236,10 +236,14 @@ class DeepSpeedTopLevelConfig(DeepSpeedConfigModel):
         for key in data:
             if key in known:
                 continue
-            if key in UPSTREAM_KEYS_NOT_IMPLEMENTED:
-                logger.warning(
-                    f"Config key '{key}' is an upstream DeepSpeed option this fork does not implement; it is ignored"
-                )
+            if key in SECTIONS_REFUSED_WHEN_ON:
+                if section_turned_on(data[key]):
+                    raise ValueError(f"Config key '{key}' = {data[key]!r} turns on an upstream DeepSpeed feature this "
+                                     f"fork does not implement ({SECTIONS_REFUSED_WHEN_ON[key]}); remove the key")
+                continue
+            if key in SECTIONS_WITHOUT_EFFECT:
+                logger.warning(f"Config key '{key}' is an upstream DeepSpeed option this fork does not implement; it "
+                               f"is ignored ({SECTIONS_WITHOUT_EFFECT[key]})")
                 continue
             guesses = difflib.get_close_matches(str(key), known, n=1)
             hint = f"; did you mean '{guesses[0]}'?" if guesses else f"; known keys: {known}"

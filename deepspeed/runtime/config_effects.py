@@ -4,6 +4,10 @@ Each is named when a config sets it to anything but its default. A key whose val
 computes (the dtype of the masters, gradients, optimizer states or module buffers, where the gradient division
 happens) is refused, naming the key, the value and what this fork does instead. A key that only tunes how upstream
 schedules its work, or turns on upstream's logging, is accepted with a warning saying so.
+
+The same holds for upstream's top-level sections of features this fork does not implement: one that turns on a
+feature changing what training computes (mixed precision by autocast, model parallelism, data or layer dropping,
+compression) is refused; one of logging, monitoring or tooling is accepted with a warning.
 """
 
 from __future__ import annotations
@@ -53,6 +57,60 @@ NO_EFFECT = {
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": ("the cpu_adam op runs on torch's intra-op threads, "
                                                                "set with torch.set_num_threads"),
 }
+
+
+# Upstream top-level sections of features not implemented here, refused when the config turns them on.
+SECTIONS_REFUSED_WHEN_ON = {
+    "amp": "NVIDIA apex AMP is not implemented; use fp16 or bf16",
+    "torch_autocast": "the forward runs in the model dtype, never under torch.autocast; use fp16 or bf16",
+    "sequence_parallel_size": "sequence parallelism is not implemented",
+    "tensor_parallel": "tensor parallelism (AutoTP) is not implemented",
+    "expert_parallel": "expert parallelism is not implemented",
+    "compile": "DeepCompile is not implemented; engine.compile() compiles the module with torch.compile",
+    "compression_training": "compression during training is not implemented",
+    "curriculum_learning": "curriculum learning is not implemented",
+    "data_efficiency": "data efficiency (data sampling, random layer-token drop) is not implemented",
+    "progressive_layer_drop": "progressive layer drop is not implemented",
+    "sparse_gradients": "gradients are reduced dense",
+    "sparse_attention": "sparse attention is not implemented",
+    "hybrid_engine": "the hybrid training/generation engine is not implemented",
+    "weight_quantization": "weight quantization is not implemented",
+    "elasticity": "elastic batch sizes are not implemented; the batch is what the batch keys say",
+}
+
+# Upstream top-level sections of logging, monitoring or tooling not implemented here: a warning names them.
+SECTIONS_WITHOUT_EFFECT = {
+    "activation_checkpointing": "deepspeed.checkpointing is not implemented; use torch.utils.checkpoint",
+    "aio": "there is no NVMe offload",
+    "autotuning": "the autotuner is not implemented",
+    "comet": "no monitor backends", "csv_monitor": "no monitor backends", "tensorboard": "no monitor backends",
+    "wandb": "no monitor backends",
+    "comms_logger": "communication is not logged",
+    "datastates": "asynchronous checkpoint engines are not implemented", "nebula": "no checkpoint engines",
+    "disable_allgather": "updated partitions are always all-gathered",
+    "dump_state": "the engine's state is not dumped",
+    "eigenvalue": "no eigenvalue computation",
+    "flops_profiler": "the flops profiler is not implemented",
+    "managed_gradient_accumulation": "gradient accumulation is gradient_accumulation_steps",
+    "pipeline": "there is no pipeline engine",
+    "seq_parallel_communication_data_type": "sequence parallelism is not implemented",
+    "vocabulary_size": "data efficiency is not implemented",
+}
+
+_ON_KEYS = ("enabled", "deepcompile", "autotp_size", "tp_size", "expert_parallel_size")
+
+
+def section_turned_on(value: Any) -> bool:
+    """Whether an upstream section's value turns its feature on: true, a size above 1, or (anywhere inside a
+    section) `enabled`/`deepcompile` true or a parallel size above 1."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)):
+        return value > 1
+    if isinstance(value, dict):
+        return any(section_turned_on(item) if key in _ON_KEYS or isinstance(item, dict) else False
+                   for key, item in value.items())
+    return False
 
 
 def set_keys(model: BaseModel, path: str = "") -> dict[str, tuple[Any, Any]]:

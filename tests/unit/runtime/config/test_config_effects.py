@@ -9,7 +9,7 @@ import pydantic
 import pytest
 
 from deepspeed.runtime.config import DeepSpeedTopLevelConfig
-from deepspeed.runtime.config_effects import NO_EFFECT, REFUSED
+from deepspeed.runtime.config_effects import NO_EFFECT, REFUSED, SECTIONS_REFUSED_WHEN_ON, SECTIONS_WITHOUT_EFFECT
 from deepspeed.runtime.config_utils import DeepSpeedConfigError
 
 DOCS = pathlib.Path(__file__).resolve().parents[4] / "docs" / "config-json.md"
@@ -94,3 +94,10 @@ def test_the_reference_row_says_so(key):
     rows = [line for line in DOCS.read_text().splitlines() if line.startswith("|") and pattern in line]
     marker = "**Refused here**" if key in REFUSED else "**No effect here**"
     assert len(rows) == 1 and marker in rows[0], f"docs/config-json.md row of {key}: {rows}"
+
+
+@pytest.mark.parametrize("key", [*SECTIONS_REFUSED_WHEN_ON, *SECTIONS_WITHOUT_EFFECT])
+def test_every_unimplemented_section_is_listed_with_what_happens(key):
+    section = DOCS.read_text().split("## Accepted but not implemented")[1].split("\n## ")[0]
+    reason = {**SECTIONS_REFUSED_WHEN_ON, **SECTIONS_WITHOUT_EFFECT}[key]
+    assert f"| `{key}` | {reason} |" in section

@@ -222,6 +222,23 @@ def test_upstream_only_top_level_key_warns_that_it_is_not_implemented(make_confi
     assert any("'tensorboard'" in r.getMessage() and "does not implement" in r.getMessage() for r in ds_log.records)
 
 
+@pytest.mark.parametrize("key,value", [("torch_autocast", {"enabled": True, "dtype": "bfloat16"}),
+                                       ("amp", {"enabled": True}), ("sequence_parallel_size", 2),
+                                       ("tensor_parallel", {"autotp_size": 2}), ("compile", {"deepcompile": True}),
+                                       ("compression_training", {"weight_quantization": {"shared_parameters": {
+                                           "enabled": True}}})])
+def test_upstream_feature_turned_on_is_refused_by_name(make_config, key, value):
+    with pytest.raises(DeepSpeedConfigError, match=rf"Config key '{key}' = .* turns on an upstream DeepSpeed feature"):
+        make_config({"train_batch_size": 8, key: value})
+
+
+@pytest.mark.parametrize("key,value", [("torch_autocast", {"enabled": False}), ("sequence_parallel_size", 1),
+                                       ("tensor_parallel", {"autotp_size": 1}), ("amp", {"enabled": False})])
+def test_upstream_feature_left_off_is_accepted(make_config, ds_log, key, value):
+    make_config({"train_batch_size": 8, key: value})
+    assert not [r for r in ds_log.records if r.levelno >= logging.WARNING]
+
+
 def test_known_keys_do_not_warn(make_config, ds_log):
     make_config(CONFIG)
     assert not [r for r in ds_log.records if r.levelno >= logging.WARNING]
