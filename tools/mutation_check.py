@@ -71,7 +71,7 @@ class PatchDrift(RuntimeError):
 STAGE = "deepspeed/runtime/zero/stage_1_and_2.py"
 MUON_OPTIMIZER = "deepspeed/runtime/zero/muon/muon_optimizer.py"
 MUON_MATH = "deepspeed/runtime/zero/muon/original_muon.py"
-PARTITION_STATE = "deepspeed/runtime/zero/partition_state.py"
+PARTITION_STATE = "deepspeed/checkpoint/zero_state.py"
 STEP = "deepspeed/runtime/optimizer_step.py"
 LR_SCHEDULES = "deepspeed/runtime/lr_schedules.py"
 LOSS_SCALER = "deepspeed/runtime/fp16/loss_scaler.py"
@@ -88,7 +88,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "        grads = [self.reducer.partition_grad(g) for g in range(len(self.layouts))]\n"
                   "        self._mutant_muon_before_decision(grads)\n"),
             Patch(STAGE,
-                  "    def _apply(self, factor: torch.Tensor) -> None:\n",
+                  "    def _apply(self, grad_factor: torch.Tensor) -> None:\n",
                   "    def _mutant_muon_before_decision(self, grads) -> None:\n"
                   "        from deepspeed.runtime.zero.muon.original_muon import muon_update\n"
                   "        scale = float(self.loss_scaler.cur_scale)\n"
@@ -106,7 +106,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "                    ns_steps=group['ns_steps'], nesterov=group['nesterov'],\n"
                   "                    ns_method=group['ns_method'], ns_dtype=group['ns_dtype'])\n"
                   "\n"
-                  "    def _apply(self, factor: torch.Tensor) -> None:\n"),
+                  "    def _apply(self, grad_factor: torch.Tensor) -> None:\n"),
             # The optimizer applies the update computed before the decision instead of computing its own.
             Patch(MUON_OPTIMIZER,
                   "                if group[\"use_muon\"]:\n                    self._muon_group_step(",
@@ -139,8 +139,8 @@ MUTATIONS: Tuple[Mutation, ...] = (
             # The form the ZeRO step runs (the update computed inside step() in the lent workspace): the gradients
             # are left holding the Nesterov direction.
             Patch(MUON_OPTIMIZER,
-                  "        fold_and_direction(grads, momenta, direction, beta, nesterov, factor=grad_factor)\n",
-                  "        fold_and_direction(grads, momenta, direction, beta, nesterov, factor=grad_factor)\n"
+                  "        fold_and_direction(grads, momenta, direction, beta, nesterov, grad_factor=grad_factor)\n",
+                  "        fold_and_direction(grads, momenta, direction, beta, nesterov, grad_factor=grad_factor)\n"
                   "        if nesterov:\n"
                   "            grads.copy_(direction)\n"),
         ),
@@ -299,9 +299,9 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "overflow decision, so a skipped step has already changed the masters and the momentum"),
         patches=(
             Patch(STAGE,
-                  "                self._host_grad_factor = factor\n"
+                  "                self._host_grad_factor = grad_factor\n"
                   "                return\n",
-                  "                self._host_grad_factor = factor\n"
+                  "                self._host_grad_factor = grad_factor\n"
                   "                self._early_written = self._host_step_with_grad_factor()\n"
                   "                return\n"),
             Patch(STAGE,

@@ -134,7 +134,7 @@ struct UpdateRange {
 void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg, const at::Tensor& exp_avg_sq,
                const std::optional<at::Tensor>& max_exp_avg_sq, const std::optional<at::Tensor>& copy, int64_t step,
                double lr, double beta1, double beta2, double eps, double weight_decay, bool bias_correction,
-               bool adamw_mode, double grad_scale, int64_t simd_width)
+               bool adamw_mode, double grad_factor, int64_t simd_width)
 {
     check(step >= 1, "cpu_adam: step must be >= 1 (the count including this update), got " + std::to_string(step));
     const int64_t numel = param.numel();
@@ -155,14 +155,14 @@ void adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor
                       float(eps),
                       float(weight_decay),
                       float(1.0 - lr * weight_decay),
-                      float(grad_scale),
+                      float(grad_factor),
                       adamw_mode,
                       weight_decay != 0.0};
     run<AdamRange>(numel, simd_width, args, arrays);
 }
 
 void muon_momentum(const at::Tensor& grad, const at::Tensor& momentum, const std::optional<at::Tensor>& direction,
-                   double beta, bool nesterov, bool fold, std::optional<double> grad_scale, int64_t simd_width)
+                   double beta, bool nesterov, bool fold, std::optional<double> grad_factor, int64_t simd_width)
 {
     const int64_t numel = momentum.numel();
     ds::MomentumArrays arrays{array_of(grad, "grad", numel), array_of(momentum, "momentum", numel),
@@ -170,7 +170,7 @@ void muon_momentum(const at::Tensor& grad, const at::Tensor& momentum, const std
     // The weights as torch receives them from Python: computed in double, then rounded to float.
     // The gradient scale as the fp32 factor it is (an unscaled gradient is grad.float() * factor, one rounding).
     ds::MomentumArgs args{ds::LerpWeight(float(1.0 - beta)), ds::LerpWeight(float(beta)), nesterov, fold,
-                          float(grad_scale.value_or(1.0)), grad_scale.has_value()};
+                          float(grad_factor.value_or(1.0)), grad_factor.has_value()};
     run<MomentumRange>(numel, simd_width, args, arrays);
 }
 
@@ -197,12 +197,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
           pybind11::arg("grad"), pybind11::arg("exp_avg"), pybind11::arg("exp_avg_sq"),
           pybind11::arg("max_exp_avg_sq"), pybind11::arg("copy"), pybind11::arg("step"), pybind11::arg("lr"),
           pybind11::arg("beta1"), pybind11::arg("beta2"), pybind11::arg("eps"), pybind11::arg("weight_decay"),
-          pybind11::arg("bias_correction"), pybind11::arg("adamw_mode"), pybind11::arg("grad_scale") = 1.0,
+          pybind11::arg("bias_correction"), pybind11::arg("adamw_mode"), pybind11::arg("grad_factor") = 1.0,
           pybind11::arg("simd_width") = 0);
     m.def("muon_momentum", &muon_momentum, pybind11::call_guard<pybind11::gil_scoped_release>(),
           "Muon's momentum lerp (in place with fold=True) and its Newton-Schulz direction", pybind11::arg("grad"),
           pybind11::arg("momentum"), pybind11::arg("direction"), pybind11::arg("beta"), pybind11::arg("nesterov"),
-          pybind11::arg("fold"), pybind11::arg("grad_scale") = pybind11::none(), pybind11::arg("simd_width") = 0);
+          pybind11::arg("fold"), pybind11::arg("grad_factor") = pybind11::none(), pybind11::arg("simd_width") = 0);
     m.def("apply_update", &apply_update, pybind11::call_guard<pybind11::gil_scoped_release>(),
           "Muon's update into its fp32 master in place: param * decay (with has_decay), plus alpha * update; the "
           "result also into copy in its dtype, when given",

@@ -39,7 +39,7 @@ struct AdamArgs {
     float eps;
     float weight_decay;        // Adam (L2) mode: added to the gradient as weight_decay * param
     float decay;               // AdamW mode: param *= 1 - lr * weight_decay
-    float grad_scale;          // multiplies every gradient first (unscale and clip in one factor)
+    float grad_factor;          // multiplies every gradient first (unscale and clip in one factor)
     bool adamw_mode;
     bool has_weight_decay;
 };
@@ -54,7 +54,7 @@ template <class V>
 inline void adam_lanes(const AdamArgs& a, const AdamArrays& t, int64_t i)
 {
     using R = typename V::reg;
-    R grad = V::mul(V::load_as_float(t.grad.dtype, t.grad.data, i), V::set1(a.grad_scale));
+    R grad = V::mul(V::load_as_float(t.grad.dtype, t.grad.data, i), V::set1(a.grad_factor));
     R param = V::load_as_float(t.param.dtype, t.param.data, i);
     if (a.has_weight_decay && !a.adamw_mode) grad = V::fma(V::set1(a.weight_decay), param, grad);
     const R exp_avg =
@@ -109,8 +109,8 @@ struct MomentumArgs {
     LerpWeight nesterov_weight;   // beta
     bool nesterov;
     bool fold;
-    float grad_scale;             // multiplies every gradient as it is read (the unscale and clip), when has_grad_scale
-    bool has_grad_scale;
+    float grad_factor;             // multiplies every gradient as it is read (the unscale and clip), when has_grad_factor
+    bool has_grad_factor;
 };
 
 struct MomentumArrays {
@@ -123,7 +123,7 @@ inline void momentum_lanes(const MomentumArgs& a, const MomentumArrays& t, int64
 {
     using R = typename V::reg;
     R grad = V::load_as_float(t.grad.dtype, t.grad.data, i);
-    if (a.has_grad_scale) grad = V::mul(grad, V::set1(a.grad_scale));
+    if (a.has_grad_factor) grad = V::mul(grad, V::set1(a.grad_factor));
     const R momentum = lerp<V>(V::load_as_float(t.momentum.dtype, t.momentum.data, i), grad, a.fold_weight);
     if (a.fold) V::store_from_float(t.momentum.dtype, t.momentum.data, i, momentum);
     if (t.direction) {

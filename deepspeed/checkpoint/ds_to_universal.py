@@ -4,7 +4,7 @@ for the fp32 master and for each optimizer-state tensor (Adam's moments and step
 
 Usage (upstream's command and arguments):
     python -m deepspeed.checkpoint.ds_to_universal --input_folder <dir>/<tag> --output_folder <dir>/<tag>_universal
-writes <dir>/<tag>_universal/ (layout: deepspeed/checkpoint/full_state.py) and <dir>/latest_universal, which an
+writes <dir>/<tag>_universal/ (layout: deepspeed/checkpoint/universal.py) and <dir>/latest_universal, which an
 engine with `"checkpoint": {"load_universal": true}` loads at any world size. It runs in one process, without
 torch.distributed; `--num_extract_workers`, `--num_merge_workers`, `--keep_temp_folder`, `--no_strict` and
 `--inject_missing_state` are accepted for compatibility and change nothing (the checks always run).
@@ -14,8 +14,8 @@ import argparse
 import os
 from typing import List, Optional
 
-from deepspeed.checkpoint.full_state import is_universal, read_rank_files, write_universal
-from deepspeed.runtime.checkpoint_files import (LATEST_UNIVERSAL_FILE, CheckpointError, atomic_write_text,
+from deepspeed.checkpoint.universal import is_universal, read_rank_files, write_universal
+from deepspeed.checkpoint.files import (LATEST_UNIVERSAL_FILE, CheckpointError, atomic_write_text,
                                                 find_model_file, load_file, missing_files)
 
 

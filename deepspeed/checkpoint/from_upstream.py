@@ -12,9 +12,9 @@ import argparse
 import os
 from typing import List, Optional
 
-from deepspeed.checkpoint.full_state import write_universal
+from deepspeed.checkpoint.universal import write_universal
 from deepspeed.checkpoint.upstream_form import read_upstream_checkpoint
-from deepspeed.runtime.checkpoint_files import (CHECKPOINT_FORMAT, LATEST_UNIVERSAL_FILE, CheckpointError,
+from deepspeed.checkpoint.files import (CHECKPOINT_FORMAT, LATEST_UNIVERSAL_FILE, CheckpointError,
                                                 atomic_write_text)
 
 

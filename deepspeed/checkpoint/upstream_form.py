@@ -20,9 +20,9 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from deepspeed.runtime.checkpoint_files import CheckpointError
-from deepspeed.runtime.zero.partition_state import FullGroup, FullZeroState
-from deepspeed.runtime.zero.regroup import ParamState
+from deepspeed.checkpoint.files import CheckpointError
+from deepspeed.checkpoint.zero_state import FullGroup, FullZeroState
+from deepspeed.checkpoint.regroup import ParamState
 
 UPSTREAM_MODEL_FILE = "mp_rank_00_model_states.pt"
 UPSTREAM_STAGE3_MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"

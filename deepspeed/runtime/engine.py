@@ -271,15 +271,15 @@ class DeepSpeedEngine(torch.nn.Module):
             moms.append(group["betas"] if "betas" in group else group.get("momentum", 0.0))
         return moms
 
-    # ------------------------------------------------------------------ checkpoints (runtime/checkpoint_io.py)
+    # ------------------------------------------------------------ checkpoints (deepspeed/checkpoint/engine_io.py)
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,
                         exclude_frozen_parameters=False) -> bool:
-        from deepspeed.runtime.checkpoint_io import save_checkpoint
+        from deepspeed.checkpoint.engine_io import save_checkpoint
         return save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
-        from deepspeed.runtime.checkpoint_io import load_checkpoint
+        from deepspeed.checkpoint.engine_io import load_checkpoint
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only, custom_load_fn)
 
@@ -304,7 +304,7 @@ class DeepSpeedEngine(torch.nn.Module):
             True when saved; False at stage 3 without zero_optimization.gather_16bit_weights_on_model_save
             (upstream's rule: gathering the whole model may not fit; use zero_to_fp32 instead).
         """
-        from deepspeed.runtime.checkpoint_io import save_16bit_model
+        from deepspeed.checkpoint.engine_io import save_16bit_model
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
@@ -321,7 +321,7 @@ class DeepSpeedEngine(torch.nn.Module):
         Raises:
             ValueError: not at ZeRO stage 3 (upstream's rule; at stages 0-2 ``engine.module.state_dict()`` is whole).
         """
-        from deepspeed.runtime.checkpoint_io import consolidated_16bit_state_dict
+        from deepspeed.checkpoint.engine_io import consolidated_16bit_state_dict
         return consolidated_16bit_state_dict(self, exclude_frozen_parameters)
 
     def compile(self, backend: Optional[str] = None, compile_kwargs: Optional[dict] = None, schedule=None,

@@ -88,7 +88,7 @@ def _norm_parts(grad: torch.Tensor):
     return (chunk for _, _, chunk in unscaled_chunks(grad, None))
 
 
-def norm_and_factor(stats: torch.Tensor, scale: float, clip: float) -> Tuple[torch.Tensor, torch.Tensor]:
+def norm_and_grad_factor(stats: torch.Tensor, scale: float, clip: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """The global gradient norm and the unscale-and-clip factor, computed on the stats' device.
 
     Clipping follows upstream: divide the unscaled gradient by ((norm + 1e-6) / clip), floored at 1; `clip`
@@ -149,7 +149,7 @@ def transactional_step(grads: Sequence[torch.Tensor], loss_scaler, clip: float, 
         replicated: see `reduced_statistics`.
         group: the data-parallel process group.
         apply: called with the single factor (a 0-d fp32 tensor on the gradients' device, see
-            `norm_and_factor`) that unscales and clips; it performs every mutation of the step.
+            `norm_and_grad_factor`) that unscales and clips; it performs every mutation of the step.
         prepare: called with the same factor after the statistics are reduced and before the host reads the
             verdict; it must not change any state the step protects (it computes into new tensors, which
             `apply` may use and which are dropped when the step is skipped). Work it queues on the device runs
@@ -160,15 +160,15 @@ def transactional_step(grads: Sequence[torch.Tensor], loss_scaler, clip: float, 
     """
     stats = reduced_statistics(grads, replicated, group)
     scale_used = float(loss_scaler.cur_scale)
-    grad_norm, factor = norm_and_factor(stats, scale_used, clip)
+    grad_norm, grad_factor = norm_and_grad_factor(stats, scale_used, clip)
     # The skip verdict must be known before anything is mutated, so checking costs the step's one wait for
     # the device. Without checking nothing is decided on the host and the step is queued behind the backward.
     verdict = _Verdict(stats[1]) if check_overflow else None
     if prepare is not None:
-        prepare(factor)
+        prepare(grad_factor)
     has_overflow = verdict is not None and verdict.overflow()
     loss_scaler.update_scale(has_overflow)
     if has_overflow:
         return StepOutcome(applied=False, grad_norm=NON_FINITE_NORM, loss_scale=scale_used)
-    apply(factor)
+    apply(grad_factor)
     return StepOutcome(applied=True, grad_norm=grad_norm, loss_scale=scale_used)

@@ -23,19 +23,19 @@ from torch import Tensor
 UNSCALE_CHUNK_NUMEL = 1 << 24
 
 
-def unscaled_chunks(grad: Tensor, factor: Optional[Tensor]) -> Iterator[Tuple[int, int, Tensor]]:
-    """Yield (start, end, fp32 chunk of `grad`'s elements start:end multiplied by `factor`) over the whole of `grad`.
+def unscaled_chunks(grad: Tensor, grad_factor: Optional[Tensor]) -> Iterator[Tuple[int, int, Tensor]]:
+    """Yield (start, end, fp32 chunk of `grad`'s elements start:end times `grad_factor`) over the whole of `grad`.
 
     Args:
         grad: the gradient, any float dtype and shape (read as its flat elements).
-        factor: a 0-d fp32 tensor (the step's unscale-and-clip factor), or None for a plain fp32 conversion.
+        grad_factor: a 0-d fp32 tensor (the step's unscale-and-clip factor), or None for a plain fp32 conversion.
 
     A chunk lives in a buffer reused by the next one: the consumer must be done with it before asking for the next.
     An fp32 `grad` with no factor is yielded in slices, without a copy.
     """
     flat = grad.reshape(-1)
     numel = flat.numel()
-    if factor is None and flat.dtype == torch.float32:
+    if grad_factor is None and flat.dtype == torch.float32:
         for start in range(0, numel, UNSCALE_CHUNK_NUMEL):
             end = min(start + UNSCALE_CHUNK_NUMEL, numel)
             yield start, end, flat[start:end]
@@ -45,14 +45,14 @@ def unscaled_chunks(grad: Tensor, factor: Optional[Tensor]) -> Iterator[Tuple[in
         end = min(start + UNSCALE_CHUNK_NUMEL, numel)
         chunk = buffer[:end - start]
         chunk.copy_(flat[start:end])
-        if factor is not None:
-            chunk.mul_(factor)
+        if grad_factor is not None:
+            chunk.mul_(grad_factor)
         yield start, end, chunk
 
 
-def unscaled(grad: Tensor, factor: Optional[Tensor]) -> Tensor:
+def unscaled(grad: Tensor, grad_factor: Optional[Tensor]) -> Tensor:
     """The whole unscaled fp32 gradient as a new tensor (same bits as the chunks), for paths that need it at once."""
     if grad.dtype == torch.float32:
-        return grad * factor if factor is not None else grad.clone()
+        return grad * grad_factor if grad_factor is not None else grad.clone()
     result = grad.to(torch.float32)
-    return result.mul_(factor) if factor is not None else result
+    return result.mul_(grad_factor) if grad_factor is not None else result

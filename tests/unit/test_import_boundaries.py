@@ -189,3 +189,51 @@ def test_utils_import_nothing_from_the_runtime():
     upward = {name: sorted(t for t in targets if t.startswith("deepspeed.runtime"))
               for name, targets in graph.items() if name.startswith("deepspeed.utils")}
     assert {name: targets for name, targets in upward.items() if targets} == {}
+
+
+# ------------------------------------------------------------------------------------------------------ the layers
+# Lowest first: a module imports only from its own layer or below. The engine assembles the runtime's pieces and
+# the checkpoint package; the package face (`deepspeed/__init__.py`, the launcher, env_report) sits on top.
+LAYERS = [
+    ("base", ("deepspeed.accelerator", "deepspeed.comm", "deepspeed.utils", "deepspeed.git_version_info",
+              "deepspeed.git_version_info_installed", "deepspeed.not_provided")),
+    ("pieces", ("deepspeed.ops", "deepspeed.runtime", "deepspeed.checkpoint")),
+    ("engine", ("deepspeed.runtime.engine", "deepspeed.runtime.engine_setup")),
+    ("face", ("deepspeed", "deepspeed.launcher", "deepspeed.env_report")),
+]
+# Upstream's public paths kept as thin re-exports of a higher layer's module.
+RE_EXPORTS = {("deepspeed.utils.zero_to_fp32", "deepspeed.checkpoint.zero_to_fp32")}
+
+
+def layer_of(module: str) -> int:
+    """The layer of the longest prefix of `module` that LAYERS names."""
+    best, level = -1, None
+    for number, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, level = len(prefix), number
+    assert level is not None, f"{module} is in no layer of LAYERS"
+    return level
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{name} ({LAYERS[layer_of(name)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
+                  for name, targets in graph.items() for target in targets
+                  if layer_of(target) > layer_of(name) and (name, target) not in RE_EXPORTS)
+
+
+def test_no_module_imports_from_a_higher_layer():
+    assert upward_imports(import_graph()) == []
+
+
+def test_the_layer_check_sees_an_upward_import():
+    assert upward_imports({"deepspeed.checkpoint.engine_io": {"deepspeed.runtime.engine"},
+                           "deepspeed.runtime.engine": set()}) == [
+        "deepspeed.checkpoint.engine_io (pieces) imports deepspeed.runtime.engine (engine)"]
+
+
+def test_the_checkpoint_package_never_imports_the_engine():
+    graph = import_graph()
+    engine = {"deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.engine_setup"}
+    assert {name: sorted(targets & engine) for name, targets in graph.items()
+            if name.startswith("deepspeed.checkpoint") and targets & engine} == {}

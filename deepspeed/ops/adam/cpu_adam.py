@@ -10,11 +10,12 @@ import torch
 from torch import Tensor
 
 from deepspeed.ops.op_builder import CPUAdamBuilder
+from deepspeed.runtime.zero.step_contract import ZeroStepContract
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
-class DeepSpeedCPUAdam(torch.optim.Optimizer):
+class DeepSpeedCPUAdam(torch.optim.Optimizer, ZeroStepContract):
     """Adam (L2 weight decay) or AdamW (decoupled weight decay) for parameters that live on the CPU.
 
     The state uses torch.optim.Adam's keys, so checkpoints and `safe_get_full_optimizer_state` read it alike:
@@ -38,9 +39,10 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
         OpBuildError: the op cannot be built or loaded on this machine (raised here, not at the first step).
     """
 
-    # What ZeRO-Offload relies on: step() takes `grad_scale` (multiplied into every gradient) and writes copies of
+    # What ZeRO-Offload relies on: step() takes `grad_factor` (multiplied into every gradient) and writes copies of
     # the updated parameters (`fp16_param_groups`) in the same pass over memory as the update.
-    fuses_grad_scale = True
+    fuses_grad_factor = True
+    steps_on_host = True
 
     def __init__(self, model_params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0,
@@ -73,14 +75,14 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None,
              fp16_param_groups: Sequence[Tensor | Sequence[Tensor]] | None = None, *,
-             grad_scale: float = 1.0) -> float | None:
+             grad_factor: float = 1.0) -> float | None:
         """Update every parameter that has a gradient.
 
         Args:
             closure: re-evaluates the model and returns the loss.
             fp16_param_groups: one entry per param group, each a tensor or a list with one tensor per parameter (CPU,
                 same number of elements, fp32/bf16/fp16): they receive the updated parameters in their own dtype.
-            grad_scale: every gradient is multiplied by it first (1 / loss scale / clip coefficient).
+            grad_factor: every gradient is multiplied by it first (1 / loss scale / clip coefficient).
 
         Returns:
             The closure's loss, or None.
@@ -106,7 +108,7 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
                 state["step"] += 1
                 op.adam_step(param, param.grad, state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq"),
                              copy, int(state["step"].item()), group["lr"], beta1, beta2, group["eps"],
-                             group["weight_decay"], group["bias_correction"], self.adamw_mode, float(grad_scale))
+                             group["weight_decay"], group["bias_correction"], self.adamw_mode, float(grad_factor))
                 # The op writes through pointers; tell autograd the parameter changed, as an in-place op would.
                 torch.autograd.graph.increment_version(param)
         return loss

@@ -27,6 +27,7 @@ from deepspeed.runtime.zero.flat_layout import GroupLayout, even_layout, full_sh
 from deepspeed.runtime.zero.grad_reducer import GradReducer, ReducerOptions
 from deepspeed.runtime.zero.muon.per_head import NUM_HEADS_ATTRIBUTE, head_count
 from deepspeed.runtime.zero.offload import HostOffload
+from deepspeed.runtime.zero.step_contract import contract_of
 from deepspeed.runtime.zero.weak_hook import weak_hook
 from deepspeed.runtime.unscaled_chunks import unscaled
 
@@ -205,16 +206,17 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
 
     def _configure_basic_optimizer(self) -> None:
         """Tell the basic optimizer what it may use: on the accelerator, buffers dead during its step; offloaded, that
-        it steps on the host (where Muon still orthogonalises on the accelerator, see MuonWithAuxAdam.run_on_host).
-        Decide how it reads the gradients (see `_prepare`)."""
-        # DeepSpeedCPUAdam declares that its step takes the unscale-and-clip factor and writes the model-dtype copy
-        # in the same pass; other optimizers get unscaled fp32 gradients and the copy is a separate pass.
-        self._fuses_grad_scale = self._offload is not None and getattr(self.optimizer, "fuses_grad_scale", False)
+        it steps on the host (where Muon still orthogonalises on the accelerator). Decide how it reads the gradients
+        (see `_prepare`), from what it declares (step_contract.py)."""
+        contract = self._contract = contract_of(self.optimizer)
+        # DeepSpeedCPUAdam's step takes the unscale-and-clip factor and writes the model-dtype copy in the same
+        # pass; other optimizers get unscaled fp32 gradients and the copy is a separate pass.
+        self._fuses_grad_factor = self._offload is not None and contract.fuses_grad_factor
         # On the accelerator an optimizer that takes the factor (MuonWithAuxAdam), or torch's Adam/AdamW stepped in
         # chunks, reads the reducer's model-dtype gradients directly: no unscaled fp32 copy of the partition.
         self._steps_on_scaled_grads = None
         if self._offload is None and _GRAD_DTYPE_SETTABLE:
-            if getattr(self.optimizer, "accepts_grad_factor", False):
+            if contract.accepts_grad_factor:
                 self._steps_on_scaled_grads = self._step_with_grad_factor
             elif chunked_torch_adam.steps_in_chunks(self.optimizer):
                 self._steps_on_scaled_grads = self._step_torch_adam_in_chunks
@@ -226,17 +228,12 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         # DeepSpeedCPUAdam does (`_lp_copy_targets`): then publishing casts nothing.
         self._host_step_writes_lp = False
         if self._offload is not None:
-            run_on_host = getattr(self.optimizer, "run_on_host", None)
-            if run_on_host is not None:
-                run_on_host(self.device)
-                self._steps_on_scaled_host_grads = (_GRAD_DTYPE_SETTABLE
-                                                    and getattr(self.optimizer, "accepts_grad_factor", False))
-                self._host_step_writes_lp = (self._steps_on_scaled_host_grads
-                                             and getattr(self.optimizer, "writes_param_copies_on_host", False))
+            if contract.steps_on_host:
+                contract.run_on_host(self.device)
+                self._steps_on_scaled_host_grads = _GRAD_DTYPE_SETTABLE and contract.accepts_grad_factor
+                self._host_step_writes_lp = self._steps_on_scaled_host_grads and contract.writes_param_copies_on_host
             return
-        lend_step_workspace = getattr(self.optimizer, "lend_step_workspace", None)
-        if lend_step_workspace is not None:
-            lend_step_workspace(self._buffers_dead_during_step())
+        contract.lend_step_workspace(self._buffers_dead_during_step())
 
     def _buffers_dead_during_step(self) -> List[torch.Tensor]:
         """Buffers whose contents nothing needs while the basic optimizer steps (see `_apply`): the lp weights, which
@@ -393,13 +390,13 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         self.micro_step_id = 0
         return outcome
 
-    def _prepare(self, factor: torch.Tensor) -> None:
+    def _prepare(self, grad_factor: torch.Tensor) -> None:
         """Before the verdict: give the masters their gradients, and compute what can be computed without mutating.
 
         On the accelerator, an optimizer that reads the gradients with the factor (`_steps_on_scaled_grads`) gets the
         reducer's model-dtype gradients as they are; nothing is computed before the verdict, and no fp32 copy of
         them is made. Otherwise the masters get unscaled, clipped fp32 gradients (new tensors), and Muon updates
-        that cannot wait for the step are computed from them (`prepare_muon_updates`, out of place). Nothing the
+        that cannot wait for the step are computed from them (`prepare_updates`, out of place). Nothing the
         step protects changes here, so a skipped step drops both.
 
         Offloaded, the gradients first travel to host staging buffers; an optimizer that unscales in its own step
@@ -411,22 +408,20 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         reduced = [self.reducer.partition_grad(g) for g in range(len(self.layouts))]
         if self._offload is not None:
             self._offload.send_grads(reduced)
-            if self._fuses_grad_scale:
+            if self._fuses_grad_factor:
                 return
-            reduced, factor = self._offload.host_grads(), factor.cpu()
+            reduced, grad_factor = self._offload.host_grads(), grad_factor.cpu()
             if self._steps_on_scaled_host_grads:
                 self._set_master_grads(reduced)
-                self._host_grad_factor = factor
+                self._host_grad_factor = grad_factor
                 return
         elif self._steps_on_scaled_grads is not None:
             self._set_master_grads(reduced)
             return
         # A new fp32 tensor per group: multiplying in place would write the reducer's buffer when it is fp32.
-        fp32_grads = [unscaled(grad, factor) for grad in reduced]
+        fp32_grads = [unscaled(grad, grad_factor) for grad in reduced]
         self._set_master_grads(fp32_grads)
-        prepare_muon_updates = getattr(self.optimizer, "prepare_muon_updates", None)
-        if prepare_muon_updates is not None:
-            prepare_muon_updates()
+        self._contract.prepare_updates()
 
     def _set_master_grads(self, grads: List[torch.Tensor]) -> None:
         """Give each master view the matching slice of its group's gradient as `.grad`."""
@@ -444,7 +439,7 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
                     param.grad_dtype = None
                 param.grad = buffer.as_strided(slot.shape, param.stride(), buffer.storage_offset() + slot.start)
 
-    def _apply(self, factor: torch.Tensor) -> None:
+    def _apply(self, grad_factor: torch.Tensor) -> None:
         """Step the basic optimizer on the gradients `_prepare` set, then publish the lp weights.
 
         The lp weights are rewritten even when the step raises: the basic optimizer may have used them as scratch
@@ -452,10 +447,10 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         """
         is_written = False
         try:
-            if self._fuses_grad_scale:
-                is_written = self._fused_host_step(factor)
+            if self._fuses_grad_factor:
+                is_written = self._fused_host_step(grad_factor)
             elif self._steps_on_scaled_grads is not None:
-                self._steps_on_scaled_grads(factor)
+                self._steps_on_scaled_grads(grad_factor)
             elif self._steps_on_scaled_host_grads:
                 is_written = self._host_step_with_grad_factor()
             else:
@@ -465,17 +460,17 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
             self._release_master_grads()
             self._publish(is_written)
 
-    def _step_with_grad_factor(self, factor: torch.Tensor) -> None:
-        self.optimizer.step(grad_factor=factor)
+    def _step_with_grad_factor(self, grad_factor: torch.Tensor) -> None:
+        self.optimizer.step(grad_factor=grad_factor)
 
-    def _step_torch_adam_in_chunks(self, factor: torch.Tensor) -> None:
-        chunked_torch_adam.chunked_step(self.optimizer, factor)
+    def _step_torch_adam_in_chunks(self, grad_factor: torch.Tensor) -> None:
+        chunked_torch_adam.chunked_step(self.optimizer, grad_factor)
 
-    def _fused_host_step(self, factor: torch.Tensor) -> bool:
+    def _fused_host_step(self, grad_factor: torch.Tensor) -> bool:
         """The offloaded step in one pass per group: unscale and clip, update the host masters, write the model-dtype
         weights into the buffers that go back to the device. Returns True (the weights are written)."""
         self._set_master_grads(self._offload.host_grads())
-        self.optimizer.step(fp16_param_groups=self._lp_copy_targets(), grad_scale=factor.item())
+        self.optimizer.step(fp16_param_groups=self._lp_copy_targets(), grad_factor=grad_factor.item())
         return True
 
     def _host_step_with_grad_factor(self) -> bool:
@@ -507,9 +502,7 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         if self._offload is not None:
             self._offload.release_grads()
             self._host_grad_factor = None
-        discard = getattr(self.optimizer, "discard_prepared_updates", None)
-        if discard is not None:
-            discard()
+        self._contract.discard_prepared_updates()
 
     def update_lp_params(self) -> None:
         """Copy fp32 masters into this rank's lp partition and all-gather the partitions."""
@@ -699,8 +692,8 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        """This rank's state as plain data and tensors (see partition_state.py)."""
-        from deepspeed.runtime.zero.partition_state import zero_state_dict
+        """This rank's state as plain data and tensors (see deepspeed/checkpoint/zero_state.py)."""
+        from deepspeed.checkpoint.zero_state import zero_state_dict
         return zero_state_dict(self)
 
     def load_state_dict(self, state_dict: dict, path: str = "<state_dict>",
@@ -716,7 +709,7 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         Raises:
             ValueError: the state belongs to another stage, world size, layout or loss scaling (nothing changed).
         """
-        from deepspeed.runtime.zero.partition_state import load_zero_state
+        from deepspeed.checkpoint.zero_state import load_zero_state
         if isinstance(state_dict, (list, tuple)):
             state_dict = state_dict[self.dp_rank]
         load_zero_state(self, state_dict, path)

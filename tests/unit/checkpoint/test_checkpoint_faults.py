@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import deepspeed.comm as dist
-from deepspeed.runtime.checkpoint_io import CheckpointError
+from deepspeed.checkpoint.engine_io import CheckpointError
 from unit.checkpoint.resume_harness import (assert_identical, batches_for, checkpoint_config, full_snapshot,
                                             new_engine, train)
 from unit.common import DistributedTest

@@ -21,7 +21,7 @@ import torch
 
 import deepspeed.comm as dist
 from deepspeed.checkpoint.ds_to_universal import convert
-from deepspeed.runtime.checkpoint_io import CheckpointError
+from deepspeed.checkpoint.engine_io import CheckpointError
 from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 from unit.checkpoint.resume_harness import (HIDDEN, MICRO, assert_identical, checkpoint_config, full_snapshot,
                                             new_engine, state_keys, train)

@@ -23,7 +23,7 @@ import torch
 import deepspeed
 import deepspeed.comm as dist
 from deepspeed.checkpoint.upstream_form import load_upstream_file, read_upstream_checkpoint
-from deepspeed.runtime.checkpoint_files import CheckpointError
+from deepspeed.checkpoint.files import CheckpointError
 from unit.common import DistributedTest
 from unit.ops.muon.muon_suite import TinyMLP
 
@@ -128,7 +128,7 @@ def test_the_mapping_of_upstream_fields():
 def test_refusals_name_what_cannot_be_read(tmp_path):
     # Loading without converting names the conversion.
     with pytest.raises(CheckpointError, match="from_upstream"):
-        from deepspeed.runtime.checkpoint_io import _check_model_file
+        from deepspeed.checkpoint.engine_io import _check_model_file
         model_file = os.path.join(FIXTURES, "zero2-adamw-bf16", f"global_step{K}", "mp_rank_00_model_states.pt")
         _check_model_file(None, load_upstream_file(model_file), model_file, True)
     # A missing rank file is named.

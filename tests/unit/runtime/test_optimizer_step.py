@@ -8,7 +8,7 @@ import torch
 
 import deepspeed
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.optimizer_step import NON_FINITE_NORM, norm_and_factor
+from deepspeed.runtime.optimizer_step import NON_FINITE_NORM, norm_and_grad_factor
 from unit.common import DistributedTest
 from unit.runtime.engine_harness import make_config, make_model
 
@@ -25,7 +25,7 @@ def reference_factor(sum_of_squares: float, scale: float, clip: float) -> tuple:
 @pytest.mark.parametrize("clip", [0.0, 1.0, 0.37])
 def test_factor_equals_the_python_formula(sum_of_squares, scale, clip):
     stats = torch.tensor([sum_of_squares, 0.0], dtype=torch.float64)
-    grad_norm, factor = norm_and_factor(stats, scale, clip)
+    grad_norm, factor = norm_and_grad_factor(stats, scale, clip)
     expected_norm, expected_factor = reference_factor(sum_of_squares, scale, clip)
     # torch's and Python's sqrt may differ in the last bit of a double; the fp32 factor must not.
     assert grad_norm.item() == pytest.approx(expected_norm, rel=1e-15)
@@ -38,7 +38,7 @@ def test_factor_equals_the_python_formula(sum_of_squares, scale, clip):
 
 def test_non_finite_gradients_report_minus_one_and_are_not_clipped():
     stats = torch.tensor([0.0, 1.0], dtype=torch.float64)
-    grad_norm, factor = norm_and_factor(stats, 4.0, clip=1.0)
+    grad_norm, factor = norm_and_grad_factor(stats, 4.0, clip=1.0)
     assert grad_norm.item() == NON_FINITE_NORM
     assert factor.item() == 0.25
 

@@ -45,7 +45,7 @@ def triton_available() -> bool:
 
 
 def fold_and_direction(grads: Tensor, momenta: Tensor, direction: Tensor, beta: float, nesterov: bool,
-                       factor: Tensor | None = None) -> None:
+                       grad_factor: Tensor | None = None) -> None:
     """momenta <- lerp(momenta, g, 1 - beta) in place; direction <- lerp(g, momenta, beta) (Nesterov) or the new
     momenta, cast to ``direction``'s dtype; g is ``grads`` in fp32, times ``factor`` when given.
 
@@ -55,10 +55,11 @@ def fold_and_direction(grads: Tensor, momenta: Tensor, direction: Tensor, beta: 
     (``unscaled_chunks``: a copy to fp32, then ``mul_``), then the two ``lerp`` passes per chunk; those run where
     the kernel cannot.
     """
-    if _fusable(grads, momenta, direction, factor) and _fused(grads, momenta, direction, beta, nesterov, factor):
+    if (_fusable(grads, momenta, direction, grad_factor)
+            and _fused(grads, momenta, direction, beta, nesterov, grad_factor)):
         return
     momenta, direction = momenta.view(-1), direction.view(-1)
-    for start, end, chunk in unscaled_chunks(grads, factor):
+    for start, end, chunk in unscaled_chunks(grads, grad_factor):
         chunk_momenta = momenta[start:end]
         chunk_momenta.lerp_(chunk, 1 - beta)
         if nesterov:
@@ -67,14 +68,14 @@ def fold_and_direction(grads: Tensor, momenta: Tensor, direction: Tensor, beta: 
             direction[start:end].copy_(chunk_momenta)
 
 
-def _fusable(grads: Tensor, momenta: Tensor, direction: Tensor, factor: Tensor | None) -> bool:
+def _fusable(grads: Tensor, momenta: Tensor, direction: Tensor, grad_factor: Tensor | None) -> bool:
     floats = (torch.float32, torch.bfloat16, torch.float16)
     return (grads.is_cuda and grads.device == momenta.device == direction.device and triton_available()
             and grads.numel() > 0 and momenta.dtype == torch.float32 and grads.dtype in floats
             and direction.dtype in floats and grads.is_contiguous() and momenta.is_contiguous()
             and direction.is_contiguous() and grads.numel() == momenta.numel() == direction.numel()
-            and (factor is None or (factor.device == grads.device and factor.dtype == torch.float32
-                                    and factor.numel() == 1)))
+            and (grad_factor is None or (grad_factor.device == grads.device and grad_factor.dtype == torch.float32
+                                    and grad_factor.numel() == 1)))
 
 
 def launched(failed: list[Exception], launch: Callable[[], None], device: torch.device, kernel: str,
@@ -96,14 +97,15 @@ def launched(failed: list[Exception], launch: Callable[[], None], device: torch.
 
 
 def _fused(grads: Tensor, momenta: Tensor, direction: Tensor, beta: float, nesterov: bool,
-           factor: Tensor | None = None) -> bool:
+           grad_factor: Tensor | None = None) -> bool:
     """Run the kernel; False (and the torch passes from then on) when Triton cannot compile it on this machine."""
     numel = grads.numel()
     fold_weight = 1 - beta
 
     def launch() -> None:
-        _kernel()[(-(-numel // _BLOCK), )](grads, momenta if factor is None else factor, momenta, direction, numel,
-                                          fold_weight, beta, HAS_FACTOR=factor is not None,
+        factor_or_momenta = momenta if grad_factor is None else grad_factor
+        _kernel()[(-(-numel // _BLOCK), )](grads, factor_or_momenta, momenta, direction, numel,
+                                          fold_weight, beta, HAS_FACTOR=grad_factor is not None,
                                           FOLD_SMALL=abs(fold_weight) < 0.5, DIRECTION_SMALL=abs(beta) < 0.5,
                                           NESTEROV=nesterov, BLOCK=_BLOCK)
 

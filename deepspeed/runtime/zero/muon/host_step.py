@@ -58,18 +58,18 @@ class HostStep:
         """The Newton-Schulz dtype, judged on the device Newton-Schulz runs on (not the host's)."""
         return resolve_ns_dtype(torch.empty(0, device=self.ns_device), configured)
 
-    def direction(self, grads: Tensor, momenta: Tensor, group: dict[str, Any], grad_scale: float | None = None,
+    def direction(self, grads: Tensor, momenta: Tensor, group: dict[str, Any], grad_factor: float | None = None,
                   fold: bool = False) -> Tensor:
         """The Nesterov direction (or the new momentum) of a group laid out as one run: a 1-D tensor in the
         Newton-Schulz dtype (host memory kept for the group: valid until the next call for it). The momenta are only
-        read, or with `fold` receive the new momenta in the same pass. `grad_scale`: a factor every gradient is
+        read, or with `fold` receive the new momenta in the same pass. `grad_factor`: a factor every gradient is
         multiplied by as it is read (gradients in any float dtype: the bits of `grad.float() * factor`)."""
         direction = self._buffer(("direction", id(group)), grads.numel(), self.ns_dtype(group["ns_dtype"]))
-        self.op.muon_momentum(grads, momenta, direction, group["momentum"], group["nesterov"], fold, grad_scale)
+        self.op.muon_momentum(grads, momenta, direction, group["momentum"], group["nesterov"], fold, grad_factor)
         return direction
 
     def directions(self, grads: list[Tensor], momenta: list[Tensor], group: dict[str, Any],
-                   num_heads: int = 1, grad_scale: float | None = None, fold: bool = False) -> tuple[Tensor, float]:
+                   num_heads: int = 1, grad_factor: float | None = None, fold: bool = False) -> tuple[Tensor, float]:
         """`momentum_directions(..., fold=fold)` for same-shape matrices, matrix by matrix: a new (count * heads,
         rows / heads, cols) tensor in the Newton-Schulz dtype, and the factor its update is multiplied by
         (`update_scale` of one head's block, by the group's adjust_lr_fn)."""
@@ -78,15 +78,15 @@ class HostStep:
         direction = torch.empty((len(grads), rows, cols), dtype=self.ns_dtype(group["ns_dtype"]), pin_memory=self._pin)
         for index, (grad, momentum) in enumerate(zip(grads, momenta)):
             self.op.muon_momentum(grad, momentum, direction[index], group["momentum"], group["nesterov"], fold,
-                                  grad_scale)
+                                  grad_factor)
         head_rows = rows // num_heads
         return (direction.view(len(grads) * num_heads, head_rows, cols),
                 update_scale(head_rows, cols, group.get("adjust_lr_fn") or "original"))
 
-    def fold(self, grads: list[Tensor], momenta: list[Tensor], beta: float, grad_scale: float | None = None) -> None:
-        """momentum <- lerp(momentum, grad * grad_scale, 1 - beta), in place, for each pair."""
+    def fold(self, grads: list[Tensor], momenta: list[Tensor], beta: float, grad_factor: float | None = None) -> None:
+        """momentum <- lerp(momentum, grad * grad_factor, 1 - beta), in place, for each pair."""
         for grad, momentum in zip(grads, momenta):
-            self.op.muon_momentum(grad, momentum, None, beta, False, True, grad_scale)
+            self.op.muon_momentum(grad, momentum, None, beta, False, True, grad_factor)
 
     def orthogonalised(self, orthogonalise, directions: list[Tensor], group: dict[str, Any],
                        wait: bool = True) -> list[Tensor]:
@@ -147,12 +147,12 @@ class HostStep:
             copy = None if copies is None else copies[index]
             self.op.apply_update(param, one, alpha, decay, has_decay, copy)
 
-    def adam(self, param: Tensor, state: dict[str, Any], group: dict[str, Any], grad_scale: float | None = None,
+    def adam(self, param: Tensor, state: dict[str, Any], group: dict[str, Any], grad_factor: float | None = None,
              copy: Tensor | None = None) -> None:
         """One bias-corrected AdamW step of `param` (its state's step already counted), as `adam_update` does, on its
-        gradient multiplied by `grad_scale` as it is read; `copy` (as many elements, any float dtype) receives the
+        gradient multiplied by `grad_factor` as it is read; `copy` (as many elements, any float dtype) receives the
         updated param in its dtype in the same pass."""
         beta1, beta2 = group["betas"]
         self.op.adam_step(param, param.grad, state["exp_avg"], state["exp_avg_sq"], None, copy,
                           int(state["step"].item()), group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                          True, True, 1.0 if grad_scale is None else grad_scale)
+                          True, True, 1.0 if grad_factor is None else grad_factor)

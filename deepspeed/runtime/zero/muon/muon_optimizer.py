@@ -35,6 +35,7 @@ from deepspeed.runtime.zero.muon.host_step import HostStep
 from deepspeed.runtime.zero.muon.per_head import head_count
 from deepspeed.runtime.zero.muon.ns_graph import GraphedCalls
 from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
+from deepspeed.runtime.zero.step_contract import ZeroStepContract
 
 MUON_DEFAULTS: dict[str, Any] = {
     "lr": 0.02,
@@ -79,20 +80,20 @@ class _MuonUpdates:
     batch, in the same order. ``flat`` is set when the params, their gradients and their momenta each lie back to
     back in one storage (ZeRO's masters): then (gradients, momenta) as two 1-D views, and the step works on the
     whole group at once. ``folded``: the momenta already hold the new values (the update was computed inside the
-    step, where writing them is allowed). ``grad_scale``: the factor the gradients were multiplied by as they were
+    step, where writing them is allowed). ``grad_factor``: the factor the gradients were multiplied by as they were
     read (the host step's unscale and clip), or None.
     """
 
-    __slots__ = ("batches", "updates", "flat", "folded", "grad_scale")
+    __slots__ = ("batches", "updates", "flat", "folded", "grad_factor")
 
     def __init__(self, batches: list[tuple[list[Tensor], list[Tensor], float]], updates: list[Tensor],
                  flat: tuple[Tensor, Tensor] | None = None, folded: bool = False,
-                 grad_scale: float | None = None) -> None:
+                 grad_factor: float | None = None) -> None:
         self.batches = batches
         self.updates = updates
         self.flat = flat
         self.folded = folded
-        self.grad_scale = grad_scale
+        self.grad_factor = grad_factor
 
     def is_for(self, group: dict[str, Any]) -> bool:
         """Whether the group's params with a gradient are exactly those these updates were computed for, still
@@ -103,7 +104,7 @@ class _MuonUpdates:
         return len(current) == len(recorded) and all(pair in recorded for pair in current)
 
 
-class MuonWithAuxAdam(torch.optim.Optimizer):
+class MuonWithAuxAdam(torch.optim.Optimizer, ZeroStepContract):
     """Muon (momentum + Newton-Schulz) on groups with ``use_muon=True``, Adam on the others.
 
     Muon groups accept ``lr`` (0.02), ``momentum`` (0.95), ``weight_decay`` (0), ``ns_method``
@@ -144,6 +145,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
     # step() takes grad_factor (see the class docstring); ZeRO asks for this instead of unscaling the gradients.
     accepts_grad_factor = True
+    # ZeRO-Offload: the momentum and the Adam state stay on the host; Newton-Schulz still runs on the accelerator.
+    steps_on_host = True
     # On the host (run_on_host), step() takes fp16_param_groups and writes the updated params into them in the pass
     # that updates them; ZeRO-Offload asks for this instead of casting every master again to publish it.
     writes_param_copies_on_host = True
@@ -228,14 +231,14 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
              fp16_param_groups: Sequence[Sequence[Tensor]] | None = None) -> float | None:
         """Apply one Muon or Adam update to every param that has a gradient.
 
-        Muon groups use the updates :meth:`prepare_muon_updates` computed for the current gradients, if it ran;
+        Muon groups use the updates :meth:`prepare_updates` computed for the current gradients, if it ran;
         otherwise they compute them here.
 
         Args:
             closure: re-evaluates the model and returns the loss (run with gradients enabled).
             grad_factor: a 0-d fp32 tensor every gradient is multiplied by as it is read (the caller's unscale and
                 clip); the gradients may then be in any float dtype. Updates prepared before are used with it only
-                when they were prepared with the same factor (on the host, see :meth:`prepare_muon_updates`).
+                when they were prepared with the same factor (on the host, see :meth:`prepare_updates`).
             fp16_param_groups: on the host only (:meth:`run_on_host`): one list per param group with one CPU tensor per
                 param (as many elements, contiguous, fp32/bf16/fp16), as DeepSpeedCPUAdam's step takes them; each
                 receives its updated param in its own dtype (``param.to(dtype)``'s bits) in the op's pass that
@@ -335,7 +338,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         Muon group whose params and gradients each lie in one run (ZeRO's layout) then computes its update inside
         ``step()`` in that memory (its momenta packed into one run there, created on the first step), allocating
         for the step only what does not fit, and on a GPU replays Newton-Schulz from a CUDA graph
-        (``ns_cuda_graph``). :meth:`prepare_muon_updates` leaves such groups to ``step()``. The results are bit for
+        (``ns_cuda_graph``). :meth:`prepare_updates` leaves such groups to ``step()``. The results are bit for
         bit those of the other paths.
 
         Args:
@@ -354,7 +357,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         return graphs.pool_bytes if graphs is not None else 0
 
     @torch.no_grad()
-    def prepare_muon_updates(self, grad_factor: Tensor | None = None) -> None:
+    def prepare_updates(self, grad_factor: Tensor | None = None) -> None:
         """Compute the Muon groups' updates from the current gradients without changing anything.
 
         Groups that :meth:`step` will compute in a lent workspace (see :meth:`lend_step_workspace`) are left to it.
@@ -371,15 +374,15 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         if grad_factor is not None and self._host is None:
             self._prepared = {}
             return
-        grad_scale = None if grad_factor is None else float(grad_factor)
+        grad_factor = None if grad_factor is None else float(grad_factor)
         self._prepared = {
-            index: self._muon_updates(group, grad_scale)
+            index: self._muon_updates(group, grad_factor)
             for index, group in enumerate(self.param_groups)
             if group["use_muon"] and self._workspace_operands(group) is None
         }
 
     def discard_prepared_updates(self) -> None:
-        """Forget what :meth:`prepare_muon_updates` computed (the step it was for is not taken)."""
+        """Forget what :meth:`prepare_updates` computed (the step it was for is not taken)."""
         self._prepared = {}
         self.__dict__.pop("_operands", None)
 
@@ -392,14 +395,14 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
     def _prepared(self, value: dict[int, _MuonUpdates]) -> None:
         self.__dict__["_prepared_updates"] = value
 
-    def _muon_updates(self, group: dict[str, Any], grad_scale: float | None = None, fold: bool = False,
+    def _muon_updates(self, group: dict[str, Any], grad_factor: float | None = None, fold: bool = False,
                       wait: bool = True) -> _MuonUpdates:
         """The orthogonalised updates of every param with a gradient, with one Newton-Schulz call for the group.
 
         Matrices of one shape (and head count) are stacked into one batch, a matrix split by heads as one
         (heads, rows / heads, cols) block of it; the call gets every batch, so the Gram iteration can also share its
         small-matrix work across shapes (see ``zeropower_via_gram_newtonschulz``).
-        Nothing is written: a missing momentum counts as zeros. ``grad_scale`` (the host step only): a factor the
+        Nothing is written: a missing momentum counts as zeros. ``grad_factor`` (the host step only): a factor the
         gradients, in any float dtype, are multiplied by as they are read. The host step only, inside ``step()``:
         ``fold`` writes the new momenta in the pass that computes the directions (created packed where missing), and
         ``wait=False`` leaves the updates in flight (:meth:`HostStep.wait_for_updates` before reading them).
@@ -409,7 +412,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             self._packed_momenta([p for batch in by_key.values() for p in batch])
         flat = self._flat_operands(params, by_key)
         if flat is not None:
-            return self._flat_muon_updates(group, by_key, flat, grad_scale, fold, wait)
+            return self._flat_muon_updates(group, by_key, flat, grad_factor, fold, wait)
         batches, directions = [], []
         for (_, num_heads), key_params in by_key.items():
             grads = [p.grad for p in key_params]
@@ -420,7 +423,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                            for p, m in zip(key_params, momenta)]
             if self._host is not None:
                 direction, scale = self._host.directions(grads, momenta, group, num_heads=num_heads,
-                                                         grad_scale=grad_scale, fold=fold)
+                                                         grad_factor=grad_factor, fold=fold)
             else:
                 direction, scale = momentum_directions(grads, momenta, beta=group["momentum"],
                                                        nesterov=group["nesterov"], fold=False, num_heads=num_heads,
@@ -428,7 +431,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             batches.append((key_params, grads, scale))
             directions.append(direction)
         return _MuonUpdates(batches, self._orthogonalised(group, directions, wait), folded=fold,
-                            grad_scale=grad_scale)
+                            grad_factor=grad_factor)
 
     def run_on_host(self, ns_device: torch.device | str) -> None:
         """Step on the host from now on (ZeRO-Offload): the params, their gradients and all state are CPU tensors.
@@ -519,7 +522,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             captured = self.__dict__["_graphs"].get(key, orthogonalise, grads.device, workspace)
         beta, nesterov = group["momentum"], group["nesterov"]
         # The new momenta, then the direction straight into the Newton-Schulz input: one pass on a GPU with Triton.
-        fold_and_direction(grads, momenta, direction, beta, nesterov, factor=grad_factor)
+        fold_and_direction(grads, momenta, direction, beta, nesterov, grad_factor=grad_factor)
         updates = captured.replay(workspace) if captured is not None else orthogonalise()
         plans[key] = workspace.fallback_sizes
         return _MuonUpdates(_recorded_batches(by_key, batches, group["adjust_lr_fn"]), updates, (grads, momenta),
@@ -547,7 +550,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         return flat_grads, flat_momenta
 
     def _flat_muon_updates(self, group: dict[str, Any], by_key: dict[BatchKey, list[Tensor]],
-                           flat: tuple[Tensor, Tensor], grad_scale: float | None = None, fold: bool = False,
+                           flat: tuple[Tensor, Tensor], grad_factor: float | None = None, fold: bool = False,
                            wait: bool = True) -> _MuonUpdates:
         """:meth:`_muon_updates` for a group laid out as one run: the element-wise work in three launches for all
         matrices (new momentum, Nesterov direction written over it, cast to the Newton-Schulz dtype), bit for bit
@@ -555,7 +558,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         grads, momenta = flat
         beta = group["momentum"]
         if self._host is not None:
-            direction = self._host.direction(grads, momenta, group, grad_scale, fold)
+            direction = self._host.direction(grads, momenta, group, grad_factor, fold)
         else:
             direction = torch.lerp(momenta, grads, 1 - beta)
             if group["nesterov"]:
@@ -563,7 +566,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             direction = direction.to(resolve_ns_dtype(direction, group["ns_dtype"]))
         directions = _batch_views(direction, by_key)
         return _MuonUpdates(_recorded_batches(by_key, directions, group["adjust_lr_fn"]),
-                            self._orthogonalised(group, directions, wait), flat, folded=fold, grad_scale=grad_scale)
+                            self._orthogonalised(group, directions, wait), flat, folded=fold, grad_factor=grad_factor)
 
     def _orthogonalised(self, group: dict[str, Any], directions: list[Tensor], wait: bool = True) -> list[Tensor]:
         if not directions:
@@ -615,7 +618,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         if updates.flat is not None:
             grads, momenta = updates.flat
             if self._host is not None:
-                self._host.fold([grads], [momenta], beta, updates.grad_scale)
+                self._host.fold([grads], [momenta], beta, updates.grad_factor)
             else:
                 momenta.lerp_(grads, 1 - beta)
         else:
@@ -623,7 +626,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             for params, grads, _ in updates.batches:
                 momenta = [next(packed) for _ in params]
                 if self._host is not None:
-                    self._host.fold(grads, momenta, beta, updates.grad_scale)
+                    self._host.fold(grads, momenta, beta, updates.grad_factor)
                 else:
                     fold_momenta(grads, momenta, beta=beta)
 
@@ -764,14 +767,15 @@ def _scale_of(grad_factor: Tensor | None) -> float | None:
 
 def _fits(updates: _MuonUpdates | None, group: dict[str, Any], grad_factor: Tensor | None) -> bool:
     """Whether `updates` were computed for `group`'s current gradients with this step's factor."""
-    return updates is not None and updates.is_for(group) and _same_scale(updates.grad_scale, grad_factor)
+    return updates is not None and updates.is_for(group) and _same_factor(updates.grad_factor, grad_factor)
 
 
-def _same_scale(grad_scale: float | None, grad_factor: Tensor | None) -> bool:
-    """Whether updates prepared with ``grad_scale`` were computed for ``grad_factor`` (read only when both exist)."""
-    if grad_scale is None or grad_factor is None:
-        return grad_scale is None and grad_factor is None
-    return float(grad_factor) == grad_scale
+def _same_factor(prepared: float | None, grad_factor: Tensor | None) -> bool:
+    """Whether updates prepared with the factor ``prepared`` were computed for ``grad_factor`` (read only when both
+    exist)."""
+    if prepared is None or grad_factor is None:
+        return prepared is None and grad_factor is None
+    return float(grad_factor) == prepared
 
 
 def _restored(key: str, value: Any, param: Tensor) -> Any:

@@ -22,10 +22,10 @@ def op():
 
 
 def reference_adam(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
-                   bias_correction, adamw_mode, grad_scale):
+                   bias_correction, adamw_mode, grad_factor):
     """One Adam/AdamW step in float64 on copies; returns (param, exp_avg, exp_avg_sq, max_exp_avg_sq)."""
     p, m, v = param.double(), exp_avg.double(), exp_avg_sq.double()
-    g = grad.double() * grad_scale
+    g = grad.double() * grad_factor
     if weight_decay and not adamw_mode:
         g = g + weight_decay * p
     m = beta1 * m + (1 - beta1) * g
@@ -59,10 +59,10 @@ def tensors(n, seed):
 OPTIONS = list(itertools.product([True, False], [True, False], [True, False], [0.0, 0.1], [1.0, 0.25]))
 
 
-@pytest.mark.parametrize("adamw_mode, amsgrad, bias_correction, weight_decay, grad_scale", OPTIONS)
-def test_adam_matches_float64_for_every_option(op, adamw_mode, amsgrad, bias_correction, weight_decay, grad_scale):
+@pytest.mark.parametrize("adamw_mode, amsgrad, bias_correction, weight_decay, grad_factor", OPTIONS)
+def test_adam_matches_float64_for_every_option(op, adamw_mode, amsgrad, bias_correction, weight_decay, grad_factor):
     hyper = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": weight_decay,
-             "bias_correction": bias_correction, "adamw_mode": adamw_mode, "grad_scale": grad_scale}
+             "bias_correction": bias_correction, "adamw_mode": adamw_mode, "grad_factor": grad_factor}
     for n in (17, 4097):
         param, grads = tensors(n, seed=n)
         exp_avg, exp_avg_sq = torch.zeros(n), torch.zeros(n)
@@ -180,7 +180,7 @@ def test_muon_momentum_is_torchs_lerp_bit_for_bit(op, n, beta, nesterov):
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("n", [7, 17, 4097])
 def test_muon_momentum_unscales_as_it_reads(op, n, grad_dtype):
-    """With grad_scale the gradient, in any dtype, is read as grad.float() * factor: the bits of torch's lerp on the
+    """With grad_factor the gradient, in any dtype, is read as grad.float() * factor: the bits of torch's lerp on the
     unscaled fp32 gradient, which is what the host step's fold and direction see."""
     generator = torch.Generator().manual_seed(n)
     grad = (torch.randn(n, generator=generator) * 1000).to(grad_dtype)

@@ -76,7 +76,7 @@ def test_without_bias_correction():
     assert relative(param, expected) < 1e-6
 
 
-def test_grad_scale_and_copies_in_one_step():
+def test_grad_factor_and_copies_in_one_step():
     params = make_params()
     twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
     optimizer = DeepSpeedCPUAdam(params, lr=1e-2, weight_decay=0.01)
@@ -85,7 +85,7 @@ def test_grad_scale_and_copies_in_one_step():
     for step in range(3):
         set_grads(params, step, scale=512.0)
         set_grads(twin, step)
-        optimizer.step(fp16_param_groups=[copies], grad_scale=1 / 512)
+        optimizer.step(fp16_param_groups=[copies], grad_factor=1 / 512)
         twin_optimizer.step()
     for p, t, c in zip(params, twin, copies):
         # 512 is a power of two: scaling and unscaling are exact, so the two runs agree bit for bit.

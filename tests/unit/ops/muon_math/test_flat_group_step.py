@@ -49,7 +49,7 @@ def test_whole_group_path_matches_per_shape_path_bit_for_bit(nesterov, ns_method
         # Step 0 has no momenta yet (per-shape path, which packs them); from step 1 on the whole-group path runs.
         assert (flat_opt._flat_operands(group["params"], by_shape) is not None) == (step > 0)
         for optimizer in (flat_opt, separate_opt):
-            optimizer.prepare_muon_updates()
+            optimizer.prepare_updates()
             with count_newton_schulz_calls() as calls:
                 optimizer.step()
             assert sum(calls.values()) == 0

@@ -44,7 +44,7 @@ def compare(device: str, beta: float, nesterov: bool, dtype: torch.dtype, numel:
     torch_passes(grads, expected_momenta, expected, beta, nesterov, factor)
     grads_before = grads.clone()
     direction = torch.empty(numel, dtype=dtype, device=device)
-    fold_and_direction(grads, momenta, direction, beta, nesterov, factor=factor)
+    fold_and_direction(grads, momenta, direction, beta, nesterov, grad_factor=factor)
     assert torch.equal(momenta, expected_momenta)
     assert torch.equal(direction, expected)
     assert torch.equal(grads, grads_before)

@@ -68,7 +68,7 @@ def test_host_steps_follow_the_torch_path(flat):
         for step in range(4):
             set_grads(matrices, biases, step, flat)
             if step % 2:
-                optimizer.prepare_muon_updates()  # as ZeRO does before its verdict
+                optimizer.prepare_updates()  # as ZeRO does before its verdict
             optimizer.step()
             if step == 1:
                 # A checkpoint round trip: the restored momenta are separate tensors (not one run) again.
@@ -108,11 +108,11 @@ def test_scaled_low_precision_gradients_give_the_unscaled_fp32_bits(flat, prepar
                     p.grad = low.float() * factor
             if mode == "host-scaled":
                 if prepared:
-                    optimizer.prepare_muon_updates(grad_factor=factor)
+                    optimizer.prepare_updates(grad_factor=factor)
                 optimizer.step(grad_factor=factor)
             else:
                 if prepared:
-                    optimizer.prepare_muon_updates()
+                    optimizer.prepare_updates()
                 optimizer.step()
         runs[mode] = (matrices, biases, optimizer)
     (torch_m, _, torch_opt), (host_m, host_b, host_opt), (scaled_m, scaled_b, scaled_opt) = (
@@ -133,7 +133,7 @@ def test_a_prepared_update_leaves_the_host_state_alone_until_the_step():
     optimizer.step()
     before = [m.clone() for m in matrices] + [optimizer.state[m]["momentum_buffer"].clone() for m in matrices]
     set_grads(matrices, biases, 1, flat=True)
-    optimizer.prepare_muon_updates()
+    optimizer.prepare_updates()
     after = [m.clone() for m in matrices] + [optimizer.state[m]["momentum_buffer"].clone() for m in matrices]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
     optimizer.discard_prepared_updates()
@@ -170,7 +170,7 @@ def test_the_step_writes_the_params_as_torch_casts_them(flat, contiguous, prepar
         for step in range(3):
             set_grads(matrices, biases, step, flat)
             if prepared:
-                optimizer.prepare_muon_updates(grad_factor=factor)
+                optimizer.prepare_updates(grad_factor=factor)
             optimizer.step(grad_factor=factor, fp16_param_groups=copies if with_copies else None)
             if with_copies:
                 for p, c in zip(matrices + biases, copies[0] + copies[1]):

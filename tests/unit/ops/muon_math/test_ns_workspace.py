@@ -143,7 +143,7 @@ def test_optimizer_in_a_lent_workspace_gives_the_same_bits(nesterov, room, ns_me
         in_workspace = lent_opt._muon_updates_in_workspace
         lent_opt._muon_updates_in_workspace = _recording(in_workspace, computed_in_step)
         for optimizer in (lent_opt, plain_opt):
-            optimizer.prepare_muon_updates()
+            optimizer.prepare_updates()
             with count_newton_schulz_calls() as calls:
                 optimizer.step()
             # Lent a workspace, every step (the first too: it packs the momenta) runs Newton-Schulz in the step;
@@ -172,7 +172,7 @@ def test_prepared_updates_are_left_to_the_step_when_a_workspace_is_lent():
     for _ in range(2):
         for p, grad in zip(params, torch.randn(sum(numels)).split(numels)):
             p.grad = grad.view(p.shape)
-        optimizer.prepare_muon_updates()
+        optimizer.prepare_updates()
         # Nothing is computed before the step when the group can step in the workspace: from the first step on,
         # since the step packs the momenta it creates.
         assert 0 not in optimizer._prepared
@@ -195,7 +195,7 @@ def test_no_gradient_outlives_the_step():
         for p, grad in zip(params, grads.split(numels)):
             p.grad = grad.view(p.shape)
         alive = weakref.ref(grads)
-        optimizer.prepare_muon_updates()
+        optimizer.prepare_updates()
         optimizer.step()
         for p in params:
             p.grad = None

@@ -1,4 +1,4 @@
-"""MuonWithAuxAdam.prepare_muon_updates: computing the Muon updates ahead of step() changes nothing, and the
+"""MuonWithAuxAdam.prepare_updates: computing the Muon updates ahead of step() changes nothing, and the
 step that follows is bit for bit the step taken without it.
 
 The ZeRO step relies on both: it prepares before the global overflow verdict and discards on a skip.
@@ -61,7 +61,7 @@ def test_prepare_changes_nothing_and_the_next_step_is_the_same_bits(nesterov):
         set_grads(direct_params, step)
         set_grads(prepared_params, step)
         before = snapshot(prepared, prepared_params)
-        prepared.prepare_muon_updates()
+        prepared.prepare_updates()
         # Not even the momentum buffers appear before the step (the first step creates them).
         assert_same(before, snapshot(prepared, prepared_params))
         with count_newton_schulz_calls() as calls:
@@ -77,7 +77,7 @@ def test_stale_or_discarded_updates_are_not_applied(discard):
     direct, direct_params = make_optimizer()
     prepared, prepared_params = make_optimizer()
     set_grads(prepared_params, 0)
-    prepared.prepare_muon_updates()
+    prepared.prepare_updates()
     if discard:
         prepared.discard_prepared_updates()  # the step they were for was skipped
     # A new backward: new gradient tensors.

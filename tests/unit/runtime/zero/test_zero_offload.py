@@ -389,7 +389,7 @@ class TestOffloadConfig(DistributedTest):
         model = make_model(HIDDEN)
         engine = deepspeed.initialize(model=model, optimizer=DeepSpeedCPUAdam(model.parameters(), lr=1e-3),
                                       config=offload_config(3, "bf16"))[0]
-        assert engine.optimizer.cpu_offload and engine.optimizer._fuses_grad_scale
+        assert engine.optimizer.cpu_offload and engine.optimizer._fuses_grad_factor
         config = offload_config(3, "fp32", zero_force_ds_cpu_optimizer=False)
         model = make_model(HIDDEN)
         engine = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config)[0]

@@ -1,7 +1,7 @@
 """Checkpoint files one by one: upstream's names, plain-data checks, durable writes and pickle-free reads.
 
 Every failure names the file. What goes into which file, and the transactions over the ranks, are
-runtime/checkpoint_io.py's; the per-parameter (universal) form is deepspeed/checkpoint/full_state.py's.
+deepspeed/checkpoint/engine_io.py's; the per-parameter (universal) form is deepspeed/checkpoint/universal.py's.
 """
 
 import os

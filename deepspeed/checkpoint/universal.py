@@ -12,7 +12,7 @@ partitions. The universal form is what `python -m deepspeed.checkpoint.ds_to_uni
         zero/<name>/<key>.pt          {"param": optimizer state <key>}: exp_avg, exp_avg_sq, step, momentum_buffer, ...
     <dir>/latest_universal            "<tag>_universal"
 
-Either form loads at any world size and ZeRO stage 0-3 (runtime/checkpoint_io.py); zero/regroup.py cuts the
+Either form loads at any world size and ZeRO stage 0-3 (engine_io.py); regroup.py cuts the
 whole tensors for each rank. Reading the universal form reads only the parameters a rank needs.
 """
 
@@ -23,10 +23,10 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from deepspeed.git_version_info import version
-from deepspeed.runtime.checkpoint_files import (MODEL_FILE, UNIVERSAL_CHECKPOINT_INFO, CheckpointError, check_plain,
+from deepspeed.checkpoint.files import (MODEL_FILE, UNIVERSAL_CHECKPOINT_INFO, CheckpointError, check_plain,
                                                 load_file, temporary_name, write_file)
-from deepspeed.runtime.zero.partition_state import FullGroup, FullZeroState, full_state_from_ranks
-from deepspeed.runtime.zero.regroup import ParamState
+from deepspeed.checkpoint.zero_state import FullGroup, FullZeroState, full_state_from_ranks
+from deepspeed.checkpoint.regroup import ParamState
 
 UNIVERSAL_FORMAT = 1
 ZERO_DIR = "zero"
@@ -155,7 +155,7 @@ def read_universal(tag_dir: str, param_shapes: Sequence[dict],
     Args:
         tag_dir: the universal checkpoint's folder.
         param_shapes: per group, name -> shape of the engine that loads it; the checkpoint must hold the same.
-        needed: per group, the parameter indices to read (zero/regroup.py's needed_params).
+        needed: per group, the parameter indices to read (deepspeed/checkpoint/regroup.py's needed_params).
 
     Raises:
         CheckpointError: naming the file: missing, unreadable, or holding other parameters, shapes or dtypes.

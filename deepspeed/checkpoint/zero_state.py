@@ -7,7 +7,7 @@ continuing with momenta built for other updates). Validation is separate from lo
 check every rank's file before any rank changes anything.
 
 Another world size or ZeRO stage goes through `FullZeroState`, the same state with every tensor whole and named
-by parameter: `full_state_from_ranks` builds it from every rank's dict (zero/regroup.py does the slicing), and
+by parameter: `full_state_from_ranks` builds it from every rank's dict (regroup.py does the slicing), and
 `rank_state_from_full` cuts from it the dict this rank would have saved with its own layout, which then loads
 like any other.
 """
@@ -20,7 +20,7 @@ import torch
 
 from deepspeed.runtime.zero.flat_layout import GroupLayout
 from deepspeed.runtime.zero.muon.per_head import head_count
-from deepspeed.runtime.zero.regroup import (ParamState, basic_param_indices, full_group_state, full_params,
+from deepspeed.checkpoint.regroup import (ParamState, basic_param_indices, full_group_state, full_params,
                                             group_state_for_rank, needed_params, partition_of)
 from deepspeed.runtime.zero.flat_layout import full_shape
 
@@ -201,7 +201,7 @@ class FullGroup:
         shapes: their shapes.
         hyperparameters: the basic optimizer's param group without `params` (lr, betas, use_muon, ...).
         masters: fp32 master by parameter index, flat; a reader may hold only the parameters one rank needs.
-        states: optimizer state by parameter index (zero/regroup.py's ParamState), as `masters`.
+        states: optimizer state by parameter index (deepspeed/checkpoint/regroup.py's ParamState), as `masters`.
     """
 
     names: List[str]
@@ -322,7 +322,7 @@ def _group_states(state: dict, g: int) -> List[dict]:
 
 
 def needed_params_by_group(optimizer) -> List[List[int]]:
-    """Per group, the parameters whose whole state this rank's partition is cut from (zero/regroup.py)."""
+    """Per group, the parameters whose whole state this rank's partition is cut from (regroup.py)."""
     return [needed_params(layout, optimizer.dp_rank if layout.num_partitions > 1 else 0)
             for layout in optimizer.layouts]
 

@@ -10,8 +10,8 @@ agreement rank 0 replaces `latest`. A save that fails while writing leaves no fi
 only then is the engine changed. A failure on one rank is raised on every rank, never left as a hang.
 Files hold plain data and tensors only and are read with torch.load(weights_only=True), so loading runs
 no pickled code. A checkpoint of another data-parallel world size or ZeRO stage (0-3), or in the universal
-form (deepspeed/checkpoint/full_state.py), is regrouped into the dict this rank would have saved
-(zero/partition_state.py) and then loads like one of its own. docs/checkpoints.md describes the format and
+form (deepspeed/checkpoint/universal.py), is regrouped into the dict this rank would have saved
+(deepspeed/checkpoint/zero_state.py) and then loads like one of its own. docs/checkpoints.md describes the format and
 where it differs from upstream.
 """
 
@@ -26,15 +26,15 @@ import torch
 
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
-from deepspeed.checkpoint.full_state import ZERO_DIR, is_universal, read_rank_files, read_universal
+from deepspeed.checkpoint.universal import ZERO_DIR, is_universal, read_rank_files, read_universal
 from deepspeed.checkpoint.upstream_form import is_upstream_model_state
 from deepspeed.git_version_info import version
-from deepspeed.runtime.checkpoint_files import (CHECKPOINT_FORMAT, LATEST_FILE, LATEST_UNIVERSAL_FILE,
+from deepspeed.checkpoint.files import (CHECKPOINT_FORMAT, LATEST_FILE, LATEST_UNIVERSAL_FILE,
                                                 UNIVERSAL_CHECKPOINT_INFO,
                                                 CheckpointError, atomic_write_text, check_plain, discard,
                                                 find_model_file, load_file, missing_files, model_file_name,
                                                 optim_file_name, temporary_name, write_file)
-from deepspeed.runtime.zero.partition_state import needed_params_by_group, rank_state_from_full, validate_zero_state
+from deepspeed.checkpoint.zero_state import needed_params_by_group, rank_state_from_full, validate_zero_state
 from deepspeed.runtime.zero.flat_layout import full_shape
 from deepspeed.runtime.zero.utils import ZeRORuntimeException
 from deepspeed.utils.logging import logger
@@ -250,7 +250,7 @@ def _publish(save_dir: str, tag: str, save_latest: bool) -> None:
 
 
 def _copy_zero_to_fp32(save_dir: str) -> None:
-    source = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "utils", "zero_to_fp32.py")
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zero_to_fp32.py")
     target = os.path.join(save_dir, "zero_to_fp32.py")
     try:
         shutil.copyfile(source, target)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deepspeed.runtime.zero.flat_layout import GroupLayout, even_layout, newton_schulz_cost, owner_layout
-from deepspeed.runtime.zero.regroup import (ParamState, basic_param_indices, full_group_state, full_params,
+from deepspeed.checkpoint.regroup import (ParamState, basic_param_indices, full_group_state, full_params,
                                             group_state_for_rank, needed_params, partition_of)
 
 # Odd sizes (a parameter straddles partitions, the last partition is mostly padding) and matrices of unequal cost.
