@@ -72,6 +72,8 @@ STAGE = "deepspeed/runtime/zero/stage_1_and_2.py"
 MUON_OPTIMIZER = "deepspeed/runtime/zero/muon/muon_optimizer.py"
 MUON_MATH = "deepspeed/runtime/zero/muon/original_muon.py"
 PARTITION_STATE = "deepspeed/checkpoint/zero_state.py"
+MASTER_VIEWS = "deepspeed/runtime/zero/master_views.py"
+FULL_PARAMS = "deepspeed/runtime/zero/full_params.py"
 STEP = "deepspeed/runtime/optimizer_step.py"
 LR_SCHEDULES = "deepspeed/runtime/lr_schedules.py"
 LOSS_SCALER = "deepspeed/runtime/fp16/loss_scaler.py"
@@ -96,7 +98,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "            if not is_muon_group(group):\n"
                   "                continue\n"
                   "            for param in group['params']:\n"
-                  "                slot = self._hp_slots[id(param)]\n"
+                  "                slot = self._masters.slots[id(param)]\n"
                   "                grad = grads[slot.group][slot.start:slot.start + slot.numel].view(slot.shape)\n"
                   "                state = self.optimizer.state[param]\n"
                   "                if 'momentum_buffer' not in state:\n"
@@ -210,37 +212,38 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "            else:\n"
                   "                layouts.append(even_layout(numels, partitions))\n",
                   "            layouts.append(even_layout(numels, partitions))\n"),
-            Patch(STAGE,
-                  "                for index in layout.owned_params(self._owner_rank(g)):\n"
+            Patch(MASTER_VIEWS,
+                  "                for index in layout.owned_params(owner_rank(g)):\n"
                   "                    start, end = layout.param_range(index)\n"
-                  "                    lp = self.bit16_groups[g][index]\n"
+                  "                    lp = lp_groups[g][index]\n"
                   "                    view = hp[start - base:end - base].view(full_shape(lp))\n"
                   "                    # The master stands for the model's matrix: it is orthogonalised in the same "
                   "heads.\n"
                   "                    if (num_heads := head_count(lp)) > 1:\n"
                   "                        setattr(view, NUM_HEADS_ATTRIBUTE, num_heads)\n"
-                  "                    self._hp_slots[id(view)] = _HpSlot(g, start - base, end - start, "
+                  "                    self.slots[id(view)] = MasterSlot(g, start - base, end - start, "
                   "full_shape(lp))\n"
                   "                    params.append(view)\n",
-                  "                for fragment in layout.fragments(self._owner_rank(g)):\n"
-                  "                    cols = full_shape(self.bit16_groups[g][fragment.param_index])[-1]\n"
+                  "                for fragment in layout.fragments(owner_rank(g)):\n"
+                  "                    cols = full_shape(lp_groups[g][fragment.param_index])[-1]\n"
                   "                    rows = fragment.numel // cols if fragment.numel % cols == 0 else 1\n"
                   "                    shape = torch.Size([rows, fragment.numel // rows])\n"
                   "                    start = fragment.flat_start - base\n"
                   "                    view = hp[start:start + fragment.numel].view(shape)\n"
-                  "                    self._hp_slots[id(view)] = _HpSlot(g, start, fragment.numel, shape)\n"
+                  "                    self.slots[id(view)] = MasterSlot(g, start, fragment.numel, shape)\n"
                   "                    params.append(view)\n"),
             # Keep safe_get_full_optimizer_state working on slices, so what fails is the math, not the getter.
-            Patch(STAGE,
+            Patch(FULL_PARAMS,
                   "            return self._gather_full(param, lambda g, start, n, frag: "
                   "self._muon_state(g, index, key).reshape(-1),\n",
                   "            return self._gather_full(param, lambda g, start, n, frag: "
                   "self._slice_state(g, start, key).reshape(-1),\n"),
-            Patch(STAGE,
+            Patch(FULL_PARAMS,
                   "    def _muon_state(self, group: int, index: int, key: str) -> torch.Tensor:\n",
                   "    def _slice_state(self, group: int, start: int, key: str) -> torch.Tensor:\n"
                   "        for hp in self.optimizer.param_groups[group]['params']:\n"
-                  "            if self._hp_slots[id(hp)].start == start and key in self.optimizer.state.get(hp, {}):\n"
+                  "            if (self._masters.slots[id(hp)].start == start\n"
+                  "                    and key in self.optimizer.state.get(hp, {})):\n"
                   "                return self.optimizer.state[hp][key]\n"
                   "        raise ValueError(f'{key} not found in optimizer state fragment')\n"
                   "\n"

@@ -171,7 +171,8 @@ def _check_no_duplicate_params(engine, optimizer) -> None:
 def build_zero_optimizer(engine, basic_optimizer):
     """Wrap the basic optimizer in DeepSpeedZeroOptimizer (stages 0-2) or DeepSpeedZeroOptimizer_Stage3."""
     from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer, ZeroOptions
+    from deepspeed.runtime.zero.options import ZeroOptions
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     config = engine._config
     if config.zero_optimization_stage == 3:

@@ -14,7 +14,8 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.runtime.zero.init_partition import gather_init_shards, is_init_partitioned
 from deepspeed.runtime.zero.param_residency import ParamResidency, ResidencyOptions, ZeroParamStatus
-from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer, ZeroOptions
+from deepspeed.runtime.zero.options import ZeroOptions
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 
 class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (upstream's class name)
@@ -89,12 +90,6 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (upst
     @property
     def fp32_partitioned_groups_flat(self) -> List[torch.Tensor]:
         return self.single_partition_of_fp32_groups
-
-    def _reducer_options(self):
-        options = super()._reducer_options()
-        options.partition_grads = True
-        options.overlap_comm = self.options.overlap_comm
-        return options
 
     def backward_epilogue(self, is_boundary: bool) -> None:
         super().backward_epilogue(is_boundary)

@@ -13,7 +13,7 @@ basic optimizer steps there; the reduced gradients travel to the host before the
 come back after the step.
 """
 
-from dataclasses import dataclass
+import functools
 from typing import Dict, List, Optional
 
 import torch
@@ -22,69 +22,21 @@ import deepspeed.comm as dist
 from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
 from deepspeed.runtime.optimizer_step import StepOutcome, transactional_step
 from deepspeed.runtime.zero import chunked_torch_adam
-from deepspeed.runtime.zero.config import DeepSpeedZeroOffloadOptimizerConfig
 from deepspeed.runtime.zero.flat_layout import GroupLayout, even_layout, full_shape, newton_schulz_cost, owner_layout
-from deepspeed.runtime.zero.grad_reducer import GradReducer, ReducerOptions
-from deepspeed.runtime.zero.muon.per_head import NUM_HEADS_ATTRIBUTE, head_count
+from deepspeed.runtime.zero.full_params import FullParamAccess
+from deepspeed.runtime.zero.grad_reducer import GradReducer
+from deepspeed.runtime.zero.master_views import GRAD_DTYPE_SETTABLE, MasterViews
+from deepspeed.runtime.zero.muon.per_head import head_count
 from deepspeed.runtime.zero.offload import HostOffload
+from deepspeed.runtime.zero.options import ZeroOptions
+from deepspeed.runtime.zero.param_groups import is_muon_group
 from deepspeed.runtime.zero.step_contract import contract_of
+from deepspeed.runtime.zero.upstream_surface import UpstreamOptimizerAttributes
 from deepspeed.runtime.zero.weak_hook import weak_hook
 from deepspeed.runtime.unscaled_chunks import unscaled
 
 
-@dataclass
-class ZeroOptions:
-    """Everything the ZeRO optimizer needs from the config, resolved by the engine.
-
-    Attributes:
-        stage: 0, 1, 2 or 3.
-        model_dtype: dtype of the model's parameters (fp32, fp16 or bf16).
-        accum_dtype: dtype in which gradients accumulate.
-        comm_dtype: dtype of gradient collectives.
-        reduce_scatter: reduce-scatter instead of all-reduce (stages 1, 2).
-        overlap_comm: overlap stage-2 reductions with backward.
-        contiguous_gradients: accepted for compatibility; partition gradients are always contiguous here.
-        reduce_bucket_size: elements per reduction bucket.
-        clip_grad: gradient_clipping (<= 0 disables).
-        check_overflow: skip steps with non-finite gradients.
-        average: average (True) or sum (False) gradients over data-parallel ranks.
-        offload_optimizer: zero_optimization.offload_optimizer when its device is "cpu" (stages 1-3), else None.
-    """
-
-    stage: int
-    model_dtype: torch.dtype
-    accum_dtype: torch.dtype
-    comm_dtype: torch.dtype
-    reduce_scatter: bool = True
-    overlap_comm: bool = False
-    contiguous_gradients: bool = True
-    reduce_bucket_size: int = 500_000_000
-    clip_grad: float = 0.0
-    check_overflow: bool = True
-    average: bool = True
-    offload_optimizer: Optional[DeepSpeedZeroOffloadOptimizerConfig] = None
-
-
-# Whether a tensor may be given a gradient of another dtype (torch's `grad_dtype`, recent releases).
-_GRAD_DTYPE_SETTABLE = hasattr(torch.Tensor, "grad_dtype")
-
-
-@dataclass(frozen=True)
-class _HpSlot:
-    """Where one basic-optimizer parameter sits inside a group's fp32 partition."""
-
-    group: int
-    start: int
-    numel: int
-    shape: torch.Size
-
-
-def is_muon_group(group: dict) -> bool:
-    """Muon groups are declared by the param-group key `use_muon`, never guessed from a class name."""
-    return bool(group.get("use_muon", False))
-
-
-class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
+class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, DeepSpeedOptimizer):
     """ZeRO stage 0/1/2 optimizer wrapper with fp32 masters and a transactional step.
 
     Args:
@@ -117,9 +69,10 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         self._flatten_lp_params()
         self._offload = self._build_offload()
         self._create_hp_partitions()
-        self._rebind_basic_optimizer()
+        self._masters = MasterViews(self.optimizer, self.single_partition_of_fp32_groups, self.layouts,
+                                    self.bit16_groups, self._partition_base, self._owner_rank)
         self.reducer = GradReducer(self.layouts, self._reduction_order(), self.dp_rank, self.dp_world_size, dp_group,
-                                   self._reducer_options(), self.device)
+                                   self.options.reducer_options(), self.device)
         if self._offload is not None and self._offload.is_staged:
             # Gradients go to the host stretch by stretch as the backward makes them final, not all after it.
             self.reducer.final_range_listener = self._send_grad_range
@@ -131,10 +84,6 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         self.micro_step_id = 0
 
     # ------------------------------------------------------------------ construction
-    @property
-    def partition_count(self) -> List[int]:
-        return [layout.num_partitions for layout in self.layouts]
-
     def _build_layouts(self) -> List[GroupLayout]:
         partitions = self.dp_world_size if self.options.stage >= 1 else 1
         layouts = []
@@ -162,17 +111,14 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
                                                   for flat, layout in zip(self.bit16_groups_flat, self.layouts)]
 
     def _lp_partition(self, group: int) -> torch.Tensor:
-        rank = self.dp_rank if self.layouts[group].num_partitions > 1 else 0
-        return self.parallel_partitioned_bit16_groups[group][rank]
+        return self.parallel_partitioned_bit16_groups[group][self._owner_rank(group)]
 
     def _build_offload(self) -> Optional[HostOffload]:
-        offload = self.options.offload_optimizer
-        if offload is None:
+        if (offload := self.options.offload_optimizer) is None:
             return None
-        numels = [layout.partition_size for layout in self.layouts]
-        staged = self.device.type != "cpu" or self.stage_offload_on_cpu
-        return HostOffload(numels, self.options.accum_dtype, self.options.model_dtype, self.device,
-                           offload.pin_memory, staged=staged)
+        return HostOffload([layout.partition_size for layout in self.layouts], self.options.accum_dtype,
+                           self.options.model_dtype, self.device, offload.pin_memory,
+                           staged=self.device.type != "cpu" or self.stage_offload_on_cpu)
 
     def _create_hp_partitions(self) -> None:
         lp_partitions = [self._lp_partition(g).detach() for g in range(len(self.layouts))]
@@ -180,29 +126,6 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
             self.single_partition_of_fp32_groups = self._offload.host_masters(lp_partitions)
         else:
             self.single_partition_of_fp32_groups = [lp.to(torch.float32, copy=True) for lp in lp_partitions]
-
-    def _rebind_basic_optimizer(self) -> None:
-        """Point the basic optimizer at this rank's fp32 masters (whole matrices for Muon groups)."""
-        self._hp_slots: Dict[int, _HpSlot] = {}
-        for g, (group, layout) in enumerate(zip(self.optimizer.param_groups, self.layouts)):
-            hp = self.single_partition_of_fp32_groups[g]
-            if is_muon_group(group):
-                base = self._partition_base(g)
-                params = []
-                for index in layout.owned_params(self._owner_rank(g)):
-                    start, end = layout.param_range(index)
-                    lp = self.bit16_groups[g][index]
-                    view = hp[start - base:end - base].view(full_shape(lp))
-                    # The master stands for the model's matrix: it is orthogonalised in the same heads.
-                    if (num_heads := head_count(lp)) > 1:
-                        setattr(view, NUM_HEADS_ATTRIBUTE, num_heads)
-                    self._hp_slots[id(view)] = _HpSlot(g, start - base, end - start, full_shape(lp))
-                    params.append(view)
-            else:
-                params = [hp]
-                self._hp_slots[id(hp)] = _HpSlot(g, 0, hp.numel(), hp.shape)
-            group["params"] = params
-        self.optimizer.state.clear()
 
     def _configure_basic_optimizer(self) -> None:
         """Tell the basic optimizer what it may use: on the accelerator, buffers dead during its step; offloaded, that
@@ -215,11 +138,11 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         # On the accelerator an optimizer that takes the factor (MuonWithAuxAdam), or torch's Adam/AdamW stepped in
         # chunks, reads the reducer's model-dtype gradients directly: no unscaled fp32 copy of the partition.
         self._steps_on_scaled_grads = None
-        if self._offload is None and _GRAD_DTYPE_SETTABLE:
+        if self._offload is None and GRAD_DTYPE_SETTABLE:
             if contract.accepts_grad_factor:
-                self._steps_on_scaled_grads = self._step_with_grad_factor
+                self._steps_on_scaled_grads = lambda grad_factor: self.optimizer.step(grad_factor=grad_factor)
             elif chunked_torch_adam.steps_in_chunks(self.optimizer):
-                self._steps_on_scaled_grads = self._step_torch_adam_in_chunks
+                self._steps_on_scaled_grads = functools.partial(chunked_torch_adam.chunked_step, self.optimizer)
         # Offloaded, an optimizer that steps on the host and takes the factor (MuonWithAuxAdam) reads the staged
         # model-dtype gradients in the op, unscaling as it reads: no fp32 copy of the partition on the host either.
         self._host_grad_factor: Optional[torch.Tensor] = None
@@ -230,7 +153,7 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         if self._offload is not None:
             if contract.steps_on_host:
                 contract.run_on_host(self.device)
-                self._steps_on_scaled_host_grads = _GRAD_DTYPE_SETTABLE and contract.accepts_grad_factor
+                self._steps_on_scaled_host_grads = GRAD_DTYPE_SETTABLE and contract.accepts_grad_factor
                 self._host_step_writes_lp = self._steps_on_scaled_host_grads and contract.writes_param_copies_on_host
             return
         contract.lend_step_workspace(self._buffers_dead_during_step())
@@ -254,13 +177,6 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         order = [(g, i) for g, params in enumerate(self.bit16_groups) for i in range(len(params))]
         return sorted(order, key=lambda key: -position.get(id(self.bit16_groups[key[0]][key[1]]), 0))
 
-    def _reducer_options(self) -> ReducerOptions:
-        opts = self.options
-        return ReducerOptions(partition_grads=opts.stage == 2, reduce_scatter=opts.reduce_scatter,
-                              overlap_comm=opts.overlap_comm and opts.stage == 2,
-                              bucket_numel=max(1, int(opts.reduce_bucket_size)), accum_dtype=opts.accum_dtype,
-                              comm_dtype=opts.comm_dtype, average=opts.average)
-
     def _register_grad_hooks(self) -> list:
         handles = []
         for g, params in enumerate(self.bit16_groups):
@@ -281,72 +197,6 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
     def _accumulate_grad(self, group: int, index: int, param: torch.Tensor) -> None:
         self.reducer.accumulate(group, index, param.grad)
         param.grad = None
-
-    # ------------------------------------------------------------------ properties upstream exposes
-    @property
-    def _global_grad_norm(self) -> float:
-        """The last step's global gradient norm (read from the device on first access; 0.0 before any step)."""
-        return self._last_outcome.grad_norm if self._last_outcome is not None else 0.0
-
-    @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.cur_scale
-
-    @property
-    def cur_scale(self) -> float:
-        return self.loss_scaler.cur_scale
-
-    @property
-    def dynamic_loss_scale(self) -> bool:
-        return self.loss_scaler.dynamic
-
-    @property
-    def clip_grad(self) -> float:
-        return self.options.clip_grad
-
-    @property
-    def partition_gradients(self) -> bool:
-        return self.options.stage == 2
-
-    @property
-    def reduce_scatter(self) -> bool:
-        return self.options.reduce_scatter
-
-    @property
-    def overlap_comm(self) -> bool:
-        return self.options.overlap_comm
-
-    @property
-    def contiguous_gradients(self) -> bool:
-        return self.options.contiguous_gradients
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.options.model_dtype
-
-    @property
-    def gradient_accumulation_dtype(self) -> torch.dtype:
-        return self.options.accum_dtype
-
-    @property
-    def cpu_offload(self) -> bool:
-        return self._offload is not None
-
-    @property
-    def param_groups(self) -> list:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> dict:
-        return self.optimizer.state
-
-    @property
-    def zero_stage(self) -> int:
-        return self.options.stage
-
-    def get_param_id(self, param: torch.Tensor) -> int:
-        group, index = param._zero_index
-        return sum(len(p) for p in self.bit16_groups[:group]) + index
 
     # ------------------------------------------------------------------ backward and step
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -412,32 +262,16 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
                 return
             reduced, grad_factor = self._offload.host_grads(), grad_factor.cpu()
             if self._steps_on_scaled_host_grads:
-                self._set_master_grads(reduced)
+                self._masters.set_grads(reduced)
                 self._host_grad_factor = grad_factor
                 return
         elif self._steps_on_scaled_grads is not None:
-            self._set_master_grads(reduced)
+            self._masters.set_grads(reduced)
             return
         # A new fp32 tensor per group: multiplying in place would write the reducer's buffer when it is fp32.
         fp32_grads = [unscaled(grad, grad_factor) for grad in reduced]
-        self._set_master_grads(fp32_grads)
+        self._masters.set_grads(fp32_grads)
         self._contract.prepare_updates()
-
-    def _set_master_grads(self, grads: List[torch.Tensor]) -> None:
-        """Give each master view the matching slice of its group's gradient as `.grad`."""
-        if not _GRAD_DTYPE_SETTABLE:
-            # This torch requires a gradient in the tensor's dtype: upcast (a pass the fused step would save).
-            grads = [grad.float() for grad in grads]
-        for group in self.optimizer.param_groups:
-            for param in group["params"]:
-                slot = self._hp_slots[id(param)]
-                # One view op per param (a step is bound by the host at small scale); the master is contiguous, so
-                # its strides are the gradient view's.
-                buffer = grads[slot.group]
-                if buffer.dtype != param.dtype:
-                    # Host-staged gradients stay in the model dtype; the host step upcasts them as it reads them.
-                    param.grad_dtype = None
-                param.grad = buffer.as_strided(slot.shape, param.stride(), buffer.storage_offset() + slot.start)
 
     def _apply(self, grad_factor: torch.Tensor) -> None:
         """Step the basic optimizer on the gradients `_prepare` set, then publish the lp weights.
@@ -450,7 +284,7 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
             if self._fuses_grad_factor:
                 is_written = self._fused_host_step(grad_factor)
             elif self._steps_on_scaled_grads is not None:
-                self._steps_on_scaled_grads(grad_factor)
+                self._steps_on_scaled_grads(grad_factor=grad_factor)
             elif self._steps_on_scaled_host_grads:
                 is_written = self._host_step_with_grad_factor()
             else:
@@ -460,16 +294,10 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
             self._release_master_grads()
             self._publish(is_written)
 
-    def _step_with_grad_factor(self, grad_factor: torch.Tensor) -> None:
-        self.optimizer.step(grad_factor=grad_factor)
-
-    def _step_torch_adam_in_chunks(self, grad_factor: torch.Tensor) -> None:
-        chunked_torch_adam.chunked_step(self.optimizer, grad_factor)
-
     def _fused_host_step(self, grad_factor: torch.Tensor) -> bool:
         """The offloaded step in one pass per group: unscale and clip, update the host masters, write the model-dtype
         weights into the buffers that go back to the device. Returns True (the weights are written)."""
-        self._set_master_grads(self._offload.host_grads())
+        self._masters.set_grads(self._offload.host_grads())
         self.optimizer.step(fp16_param_groups=self._lp_copy_targets(), grad_factor=grad_factor.item())
         return True
 
@@ -486,19 +314,13 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
     def _lp_copy_targets(self) -> List[List[torch.Tensor]]:
         """Per basic-optimizer group, per master: its slice of `HostOffload.lp_targets()`, where a host step writes
         the updated master in the model dtype. Called after the verdict only: on a CPU-only run the targets are the
-        lp partitions themselves. Every master has a gradient (`_set_master_grads`), so the step writes every
+        lp partitions themselves. Every master has a gradient (`MasterViews.set_grads`), so the step writes every
         slice; what no master covers (padding after one rank's Muon matrices) keeps what the target held."""
-        targets = self._offload.lp_targets([self._lp_partition(g) for g in range(len(self.layouts))])
-        copies = []
-        for group in self.optimizer.param_groups:
-            slots = [self._hp_slots[id(param)] for param in group["params"]]
-            copies.append([targets[slot.group][slot.start:slot.start + slot.numel] for slot in slots])
-        return copies
+        return self._masters.slices_of(self._offload.lp_targets([self._lp_partition(g)
+                                                                 for g in range(len(self.layouts))]))
 
     def _release_master_grads(self) -> None:
-        for group in self.optimizer.param_groups:
-            for param in group["params"]:
-                param.grad = None
+        self._masters.release_grads()
         if self._offload is not None:
             self._offload.release_grads()
             self._host_grad_factor = None
@@ -546,149 +368,6 @@ class DeepSpeedZeroOptimizer(DeepSpeedOptimizer):
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
-
-    # ------------------------------------------------------------------ fragment access (deepspeed.utils)
-    def _check_param(self, param: torch.Tensor):
-        if getattr(param, "_zero_optimizer", None) is not self:
-            raise ValueError(f"parameter {self.param_names.get(param, '<unnamed>')} is not managed by this optimizer")
-        return param._zero_index
-
-    def _gather_full(self, param: torch.Tensor, read_fragment, failure: str = "reading it failed") -> torch.Tensor:
-        """Assemble a full fp32 tensor: each rank writes its fragment, then one SUM all-reduce.
-
-        A rank whose fragment cannot be read (e.g. a missing state key on the owner) must not leave the
-        others waiting in the collective: the failure rides in an extra element of the same all-reduce
-        and every rank raises.
-        """
-        group, index = self._check_param(param)
-        layout = self.layouts[group]
-        shape = full_shape(param)
-        buffer = torch.zeros(shape.numel() + 1, dtype=torch.float32, device=self.device)
-        full = buffer[:-1]
-        rank = self._owner_rank(group)
-        base = layout.partition_range(rank)[0]
-        error = None
-        try:
-            for fragment in layout.fragments(rank):
-                if fragment.param_index == index:
-                    segment = read_fragment(group, fragment.flat_start - base, fragment.numel, fragment)
-                    full[fragment.param_start:fragment.param_start + fragment.numel].copy_(segment)
-        except ValueError as exc:
-            error = exc
-            buffer[-1] = 1.0
-        if layout.num_partitions > 1:
-            dist.all_reduce(buffer, group=self.dp_process_group)
-        if buffer[-1].item() > 0:
-            raise error or ValueError(f"{failure} (on the rank that holds that part of "
-                                      f"{self.param_names.get(param, '<unnamed>')})")
-        return full.view(shape)
-
-    def get_full_hp_param(self, param: torch.Tensor) -> torch.Tensor:
-        masters = self.single_partition_of_fp32_groups
-        return self._gather_full(param, lambda g, start, n, _: masters[g][start:start + n])
-
-    def get_full_hp_grad(self, param: torch.Tensor) -> torch.Tensor:
-        if not self._grads_ready:
-            raise ValueError("Gradients are only available immediately after backward and before engine step")
-        scale = float(self.loss_scaler.cur_scale)
-        grads = self.reducer.partition_grad
-        return self._gather_full(param, lambda g, start, n, _: grads(g)[start:start + n].float() / scale)
-
-    def get_full_optimizer_state(self, param: torch.Tensor, key: str) -> torch.Tensor:
-        group, index = self._check_param(param)
-        failure = f"{key} not found in optimizer state fragment"
-        if is_muon_group(self.optimizer.param_groups[group]):
-            return self._gather_full(param, lambda g, start, n, frag: self._muon_state(g, index, key).reshape(-1),
-                                     failure)
-        return self._gather_full(param, lambda g, start, n, _: self._flat_state(g, key)[start:start + n], failure)
-
-    def _flat_state(self, group: int, key: str) -> torch.Tensor:
-        hp = self.optimizer.param_groups[group]["params"][0]
-        state = self.optimizer.state.get(hp, {})
-        if key not in state or not torch.is_tensor(state[key]) or state[key].numel() != hp.numel():
-            raise ValueError(f"{key} not found in optimizer state fragment")
-        return state[key]
-
-    def _muon_state(self, group: int, index: int, key: str) -> torch.Tensor:
-        hp = self._muon_master(group, index)
-        state = self.optimizer.state.get(hp, {}) if hp is not None else {}
-        if key not in state:
-            raise ValueError(f"{key} not found in optimizer state fragment")
-        return state[key]
-
-    def _muon_master(self, group: int, index: int) -> Optional[torch.Tensor]:
-        """The basic optimizer's view of Muon matrix `index` of `group` (None when another rank owns it)."""
-        start = self.layouts[group].param_offsets[index] - self._partition_base(group)
-        for hp in self.optimizer.param_groups[group]["params"]:
-            if self._hp_slots[id(hp)].start == start:
-                return hp
-        return None
-
-    def set_full_optimizer_state(self, param: torch.Tensor, value: torch.Tensor, key: str) -> None:
-        """Write this rank's part of `param`'s optimizer state `key` from the full `value` (no collective).
-
-        A tensor with the parameter's number of elements is element-wise state: this rank's fragment of it is
-        written, into a new zero tensor in `value`'s dtype where the state does not exist yet. A 0-dim tensor
-        (Adam's `step`) is stored as given in the state that holds this parameter's fragment: for a Muon matrix
-        its own, for other groups this rank's flat partition, which other parameters share.
-
-        Raises:
-            ValueError: `value` has neither 0 dims nor the parameter's number of elements, or the existing state
-                `key` has another number of elements than the basic-optimizer param it belongs to.
-        """
-        group, index = self._check_param(param)
-        value = value.detach()
-        numel = full_shape(param).numel()
-        if value.dim() != 0 and value.numel() != numel:
-            raise ValueError(f"optimizer state '{key}' of {self.param_names.get(param, '<unnamed>')} needs a 0-dim "
-                             f"tensor or {numel} elements, got shape {tuple(value.shape)}")
-        layout = self.layouts[group]
-        muon = is_muon_group(self.optimizer.param_groups[group])
-        base = self._partition_base(group)
-        for fragment in layout.fragments(self._owner_rank(group)):
-            if fragment.param_index != index:
-                continue
-            hp = self._muon_master(group, index) if muon else self.optimizer.param_groups[group]["params"][0]
-            state = self.optimizer.state[hp]
-            if value.dim() == 0:
-                state[key] = value.clone()
-                continue
-            if key not in state:
-                state[key] = torch.zeros(hp.shape, dtype=value.dtype, device=hp.device)
-            if state[key].numel() != hp.numel():
-                raise ValueError(f"optimizer state '{key}' holds {state[key].numel()} elements, its parameter "
-                                 f"{hp.numel()}")
-            start = 0 if muon else fragment.flat_start - base
-            source = value.reshape(-1)[fragment.param_start:fragment.param_start + fragment.numel]
-            state[key].view(-1)[start:start + fragment.numel].copy_(source)
-
-    def _scatter_full(self, param: torch.Tensor, value: torch.Tensor, target: torch.Tensor) -> None:
-        """Copy this rank's fragment of the full `value` into `target`, a partition-shaped buffer."""
-        group, index = self._check_param(param)
-        layout = self.layouts[group]
-        rank = self._owner_rank(group)
-        base = layout.partition_range(rank)[0]
-        flat_value = value.detach().reshape(-1).to(device=self.device, dtype=torch.float32)
-        for fragment in layout.fragments(rank):
-            if fragment.param_index == index:
-                start = fragment.flat_start - base
-                source = flat_value[fragment.param_start:fragment.param_start + fragment.numel]
-                target[start:start + fragment.numel].copy_(source)
-
-    def set_full_hp_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
-        """Write `value` into the masters (this rank's fragment) and into the lp weight (whole)."""
-        group, _ = self._check_param(param)
-        self._scatter_full(param, value, self.single_partition_of_fp32_groups[group])
-        param.data.copy_(value.detach().view_as(param))
-
-    def set_full_hp_grad(self, param: torch.Tensor, value: torch.Tensor) -> None:
-        """Replace this rank's fragment of the reduced gradient with `value` (given unscaled)."""
-        group, _ = self._check_param(param)
-        if not self._grads_ready:
-            raise ValueError("Gradients are only available immediately after backward and before engine step")
-        # The reducer holds loss-scaled gradients; the transactional step unscales them.
-        scaled = value.detach().float() * float(self.loss_scaler.cur_scale)
-        self._scatter_full(param, scaled, self.reducer.partition_grad(group))
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
