@@ -1,0 +1,274 @@
+#!/usr/bin/env python3
+"""Training on real text: validation loss against tokens and against seconds, per optimizer, on the same data.
+
+The text is the Python standard library's own source (every `.py` file under the running Python's `<stdlib>`, in
+sorted order, as bytes: a 256-symbol vocabulary, on every machine, nothing to download). The files are split
+before sampling: the last `--val-fraction` of them (by bytes) is held out. The model is benchmarks/gpt_model.py's
+GPT with a byte vocabulary; each mode trains a fresh model from the same seed on the same batches, through
+`deepspeed.initialize` (so a release's tree runs it too: `--tree`), with a warmup-then-cosine schedule over the
+token budget, and evaluates on the same held-out windows every `--eval-every` steps.
+
+    python benchmarks/convergence.py --size gpt-small --tokens 500e6 --modes adamw,muon,muon-standard --out DIR
+    python benchmarks/convergence.py --report DIR/convergence.json        # table and figure again
+    python benchmarks/convergence.py --size tiny --tokens 2e5 --device cpu --out DIR   # CPU check (in CI)
+
+Writes `<out>/convergence.json` (provenance, configs, every evaluation: step, tokens, training seconds, train and
+validation loss), `convergence.md` (per mode: final validation loss, tokens to reach AdamW's final validation loss,
+validation loss at AdamW's training time) and, with matplotlib, `convergence.png` (validation loss against tokens
+and against seconds). The learning rates of each mode are in MODES, stated in the JSON; a mode a tree cannot run
+is recorded with the error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpt_model import GPT, GPTConfig, count_parameters, is_hidden_matrix  # noqa: E402
+from provenance import provenance  # noqa: E402
+
+SIZES = {
+    "gpt-small": GPTConfig(n_layer=12, d_model=768, n_head=12, seq_len=1024, vocab_size=256),
+    "small": GPTConfig(n_layer=6, d_model=384, n_head=6, seq_len=512, vocab_size=256),
+    "tiny": GPTConfig(n_layer=2, d_model=64, n_head=4, seq_len=64, vocab_size=256),
+}
+
+# Each mode: the optimizer section of the DeepSpeed config. Keys both this fork and upstream 0.19.x read only.
+MODES = {
+    "adamw": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+    "muon": {"type": "muon", "params": {"muon_lr": 0.02, "adam_lr": 1e-3, "momentum": 0.95, "betas": [0.9, 0.95],
+                                        "eps": 1e-8, "weight_decay": 0.1}},
+    "muon-standard": {"type": "muon", "params": {"muon_lr": 0.02, "adam_lr": 1e-3, "momentum": 0.95,
+                                                 "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
+                                                 "ns_method": "standard"}},
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="gpt-small")
+    parser.add_argument("--modes", default="adamw,muon,muon-standard", help=f"comma-separated, of {list(MODES)}")
+    parser.add_argument("--tokens", type=float, default=500e6, help="training tokens per mode")
+    parser.add_argument("--batch", type=int, default=32, help="sequences per step")
+    parser.add_argument("--warmup-fraction", type=float, default=0.02)
+    parser.add_argument("--eval-every", type=int, default=100, help="steps between evaluations")
+    parser.add_argument("--eval-batches", type=int, default=20, help="batches of --batch held-out windows")
+    parser.add_argument("--val-fraction", type=float, default=0.05)
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                        help="default: bf16 on a GPU, fp32 on the CPU")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default=None)
+    parser.add_argument("--zero-stage", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--tree", default="this", help="the tree this process runs (a release's: its version)")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--report", default=None, help="re-render the table and figure from a convergence.json")
+    return parser.parse_args(argv)
+
+
+def stdlib_bytes(val_fraction: float) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(training bytes, held-out bytes, what was read): the stdlib's .py files, sorted, split by file."""
+    root = os.path.dirname(os.__file__)
+    paths = sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True))
+    paths = [p for p in paths if "site-packages" not in p and "dist-packages" not in p]
+    blobs = [Path(p).read_bytes() for p in paths]
+    total = sum(len(b) for b in blobs)
+    cut, seen = len(blobs), 0
+    for index, blob in enumerate(blobs):
+        seen += len(blob)
+        if seen >= total * (1 - val_fraction):
+            cut = index + 1
+            break
+    train, val = b"".join(blobs[:cut]), b"".join(blobs[cut:])
+    as_tensor = lambda data: torch.frombuffer(bytearray(data), dtype=torch.uint8).long()  # noqa: E731
+    return as_tensor(train), as_tensor(val), {"root": root, "files": len(paths), "train_bytes": len(train),
+                                              "val_bytes": len(val), "python": sys.version.split()[0]}
+
+
+def windows(data: torch.Tensor, starts: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = data[starts[:, None] + torch.arange(seq_len + 1)]
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def config_for(mode: str, args, steps: int, dtype: str) -> dict:
+    warmup = max(1, int(steps * args.warmup_fraction))
+    config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+              "gradient_clipping": 1.0, "steps_per_print": 10**9, "optimizer": json.loads(json.dumps(MODES[mode])),
+              "zero_optimization": {"stage": args.zero_stage},
+              "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": steps,
+                                                                 "warmup_num_steps": warmup}}}
+    if dtype != "fp32":
+        config[dtype] = {"enabled": True}
+    return config
+
+
+def train_mode(mode: str, args, cfg: GPTConfig, train: torch.Tensor, val: torch.Tensor, device: str,
+               dtype: str) -> dict:
+    import deepspeed
+
+    steps = max(1, int(args.tokens // (args.batch * cfg.seq_len)))
+    torch.manual_seed(args.seed)
+    model = GPT(cfg)
+    for name, param in model.named_parameters():
+        param.use_muon = is_hidden_matrix(name, param)  # explicit: a release needs the flag on every parameter
+    config = config_for(mode, args, steps, dtype)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    generator = torch.Generator().manual_seed(args.seed)
+    val_starts = torch.randint(0, len(val) - cfg.seq_len - 1, (args.eval_batches * args.batch, ),
+                               generator=torch.Generator().manual_seed(args.seed + 1))
+    evaluations, trained_seconds = [], 0.0
+
+    def evaluate(step: int, train_loss: float) -> None:
+        engine.eval()
+        with torch.no_grad():
+            losses = []
+            for b in range(args.eval_batches):
+                x, y = windows(val, val_starts[b * args.batch:(b + 1) * args.batch], cfg.seq_len)
+                losses.append(float(engine(x.to(device), y.to(device))))
+        engine.train()
+        evaluations.append({"step": step, "tokens": step * args.batch * cfg.seq_len, "seconds": trained_seconds,
+                            "train_loss": train_loss, "val_loss": sum(losses) / len(losses)})
+        print(f"[{mode}] step {step}/{steps} tokens {evaluations[-1]['tokens']:.3g} train {train_loss:.4f} "
+              f"val {evaluations[-1]['val_loss']:.4f} ({trained_seconds:.1f} s)", flush=True)
+
+    evaluate(0, float("nan"))
+    recent = []
+    for step in range(1, steps + 1):
+        x, y = windows(train, torch.randint(0, len(train) - cfg.seq_len - 1, (args.batch, ), generator=generator),
+                       cfg.seq_len)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = engine(x.to(device), y.to(device))
+        engine.backward(loss)
+        engine.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        trained_seconds += time.perf_counter() - start
+        recent.append(float(loss))
+        if step % args.eval_every == 0 or step == steps:
+            evaluate(step, sum(recent) / len(recent))
+            recent = []
+    return {"config": config, "steps": steps, "skipped_steps": engine.skipped_steps, "evaluations": evaluations}
+
+
+def crossing(evaluations: list[dict], target: float, key: str) -> float | None:
+    """The first `key` (tokens or seconds) at which the validation loss reaches `target`, linearly interpolated
+    between evaluations; None when it never does."""
+    previous = None
+    for point in evaluations:
+        if point["val_loss"] <= target:
+            if previous is None or previous["val_loss"] == point["val_loss"]:
+                return point[key]
+            fraction = (previous["val_loss"] - target) / (previous["val_loss"] - point["val_loss"])
+            return previous[key] + fraction * (point[key] - previous[key])
+        previous = point
+    return None
+
+
+def loss_at(evaluations: list[dict], value: float, key: str) -> float | None:
+    """The validation loss at `key` = value, linearly interpolated; None past the mode's last evaluation."""
+    for before, after in zip(evaluations, evaluations[1:]):
+        if before[key] <= value <= after[key]:
+            span = after[key] - before[key]
+            fraction = 0.0 if span == 0 else (value - before[key]) / span
+            return before["val_loss"] + fraction * (after["val_loss"] - before["val_loss"])
+    return None
+
+
+def report(results: dict, out_dir: str) -> str:
+    """convergence.md (and convergence.png with matplotlib) from the results; returns the markdown."""
+    runs = {mode: run for mode, run in results["modes"].items() if "evaluations" in run}
+    baseline = runs.get("adamw")
+    target = baseline["evaluations"][-1]["val_loss"] if baseline else None
+    adamw_seconds = baseline["evaluations"][-1]["seconds"] if baseline else None
+    lines = [f"# Convergence on the standard library's source ({results['meta']['size']}, "
+             f"{results['meta']['parameters']:,} parameters, {results['meta']['tokens']:.3g} tokens per mode)", "",
+             *(f"- {key}: {value}" for key, value in results["meta"]["provenance"].items()), "",
+             "| mode | final validation loss | tokens to AdamW's final validation loss | validation loss at AdamW's "
+             "training time | training seconds | skipped steps |", "|---|---|---|---|---|---|"]
+    for mode, run in results["modes"].items():
+        if "evaluations" not in run:
+            lines.append(f"| {mode} | not run: {run.get('error', '?')} | | | | |")
+            continue
+        evaluations = run["evaluations"]
+        reach = crossing(evaluations, target, "tokens") if target is not None else None
+        at_time = loss_at(evaluations, adamw_seconds, "seconds") if adamw_seconds is not None else None
+        final, end = evaluations[-1]["val_loss"], evaluations[-1]["seconds"]
+        if at_time is None and adamw_seconds is not None and end < adamw_seconds:
+            at_time_text = f"{final:.4f} (its budget ended at {end:.1f} s)"
+        else:
+            at_time_text = "-" if at_time is None else f"{at_time:.4f}"
+        lines.append(f"| {mode} | {final:.4f} | {'-' if reach is None else f'{reach:.4g}'} | {at_time_text} | "
+                     f"{end:.1f} | {run['skipped_steps']} |")
+    markdown = "\n".join(lines) + "\n"
+    Path(out_dir, "convergence.md").write_text(markdown)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: convergence.png is not drawn", flush=True)
+        return markdown
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for mode, run in runs.items():
+        points = [p for p in run["evaluations"] if not math.isnan(p["val_loss"])]
+        axes[0].plot([p["tokens"] for p in points], [p["val_loss"] for p in points], label=mode)
+        axes[1].plot([p["seconds"] for p in points], [p["val_loss"] for p in points], label=mode)
+    axes[0].ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
+    for axis, label in zip(axes, ("tokens", "training seconds")):
+        axis.set_xlabel(label)
+        axis.set_ylabel("validation loss (nats per byte)")
+        axis.grid(alpha=0.3)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(Path(out_dir, "convergence.png"), dpi=120)
+    plt.close(figure)
+    return markdown
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.report:
+        results = json.loads(Path(args.report).read_text())
+        print(report(results, str(Path(args.report).parent)))
+        return 0
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", "29563")):
+        os.environ.setdefault(key, value)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    dtype = args.dtype or ("bf16" if device == "cuda" else "fp32")
+    cfg = SIZES[args.size]
+    train, val, data = stdlib_bytes(args.val_fraction)
+    os.makedirs(args.out, exist_ok=True)
+    import deepspeed
+    meta = {"size": args.size, "model": cfg.__dict__, "parameters": count_parameters(GPT(cfg)),
+            "tokens": args.tokens, "batch": args.batch, "dtype": dtype, "device": device, "tree": args.tree,
+            "deepspeed": deepspeed.__version__, "data": data, "provenance": provenance()}
+    results = {"meta": meta, "modes": {}}
+    for mode in args.modes.split(","):
+        if mode not in MODES:
+            raise SystemExit(f"unknown mode {mode!r}; modes: {list(MODES)}")
+        try:
+            results["modes"][mode] = train_mode(mode, args, cfg, train, val, device, dtype)
+        except Exception as error:  # noqa: BLE001 -- a mode a tree cannot run is recorded, the next still runs
+            results["modes"][mode] = {"error": f"{type(error).__name__}: {error}"}
+            print(f"[{mode}] not run: {results['modes'][mode]['error']}", flush=True)
+        Path(args.out, "convergence.json").write_text(json.dumps(results, indent=1))
+    print(report(results, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
