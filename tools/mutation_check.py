@@ -70,6 +70,7 @@ class PatchDrift(RuntimeError):
 
 STAGE = "deepspeed/runtime/zero/stage_1_and_2.py"
 MUON_OPTIMIZER = "deepspeed/runtime/zero/muon/muon_optimizer.py"
+MUON_EXECUTOR = "deepspeed/runtime/zero/muon/executor.py"
 MUON_MATH = "deepspeed/runtime/zero/muon/original_muon.py"
 PARTITION_STATE = "deepspeed/checkpoint/zero_state.py"
 MASTER_VIEWS = "deepspeed/runtime/zero/master_views.py"
@@ -111,7 +112,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "    def _apply(self, grad_factor: torch.Tensor) -> None:\n"),
             # The optimizer applies the update computed before the decision instead of computing its own.
             Patch(MUON_OPTIMIZER,
-                  "                if group[\"use_muon\"]:\n                    self._muon_group_step(",
+                  "                if group[\"use_muon\"]:\n                    executor._muon_group_step(",
                   "                if group[\"use_muon\"]:\n"
                   "                    with_grad = [p for p in group['params'] if p.grad is not None]\n"
                   "                    precomputed = [self.state[p].pop('precomputed_update', None)\n"
@@ -119,7 +120,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "                    if precomputed and all(u is not None for u in precomputed):\n"
                   "                        torch._foreach_add_(with_grad, precomputed, alpha=-group['lr'])\n"
                   "                        continue\n"
-                  "                    self._muon_group_step("),
+                  "                    executor._muon_group_step("),
         ),
     ),
     Mutation(
@@ -140,7 +141,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "    direction = torch.stack([grad.float() for grad in grads]) if nesterov else momentum32\n"),
             # The form the ZeRO step runs (the update computed inside step() in the lent workspace): the gradients
             # are left holding the Nesterov direction.
-            Patch(MUON_OPTIMIZER,
+            Patch(MUON_EXECUTOR,
                   "        fold_and_direction(grads, momenta, direction, beta, nesterov, grad_factor=grad_factor)\n",
                   "        fold_and_direction(grads, momenta, direction, beta, nesterov, grad_factor=grad_factor)\n"
                   "        if nesterov:\n"
@@ -170,12 +171,12 @@ MUTATIONS: Tuple[Mutation, ...] = (
         patches=(
             # Muon reads the loss-scaled gradient (no factor), and its update is scaled by the factor instead.
             Patch(MUON_OPTIMIZER,
-                  "                    self._muon_group_step(group, prepared.get(index), grad_factor, copies)\n",
+                  "                    executor._muon_group_step(group, prepared.get(index), grad_factor, copies)\n",
                   "                    muon_lr = group['lr']\n"
                   "                    if grad_factor is not None:\n"
                   "                        group['lr'] = muon_lr * float(grad_factor)\n"
                   "                    try:\n"
-                  "                        self._muon_group_step(group, None, None, copies)\n"
+                  "                        executor._muon_group_step(group, None, None, copies)\n"
                   "                    finally:\n"
                   "                        group['lr'] = muon_lr\n"),
         ),

@@ -47,7 +47,7 @@ def test_whole_group_path_matches_per_shape_path_bit_for_bit(nesterov, ns_method
         for p in group["params"]:
             by_shape.setdefault(p.shape, []).append(p)
         # Step 0 has no momenta yet (per-shape path, which packs them); from step 1 on the whole-group path runs.
-        assert (flat_opt._flat_operands(group["params"], by_shape) is not None) == (step > 0)
+        assert (flat_opt._executor._flat_operands(group["params"], by_shape) is not None) == (step > 0)
         for optimizer in (flat_opt, separate_opt):
             optimizer.prepare_updates()
             with count_newton_schulz_calls() as calls:
@@ -73,7 +73,7 @@ def test_gradients_out_of_order_take_the_per_shape_path():
         by_shape = {}
         for p in group["params"]:
             by_shape.setdefault(p.shape, []).append(p)
-        assert optimizer._flat_operands(group["params"], by_shape) is None
+        assert optimizer._executor._flat_operands(group["params"], by_shape) is None
         optimizer.step()
 
 

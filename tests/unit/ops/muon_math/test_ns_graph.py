@@ -41,13 +41,13 @@ def test_graph_replay_gives_the_bits_of_the_eager_paths():
     graphed, graphed_params, _ = run(lent=True, graph=True)
     eager, eager_params, _ = run(lent=True, graph=False)
     plain, plain_params, _ = run(lent=False, graph=True)
-    assert graphed.__dict__["_graphs"]._captured, "no graph was captured"
-    assert not eager.__dict__["_graphs"]._captured
+    assert graphed._executor.graphs._captured, "no graph was captured"
+    assert not eager._executor.graphs._captured
     for p, q, r in zip(graphed_params, eager_params, plain_params):
         assert torch.equal(p, q) and torch.equal(p, r)
         assert torch.equal(graphed.state[p]["momentum_buffer"], plain.state[r]["momentum_buffer"])
     # Everything large lives in the lent buffer; the pool holds only the per-matrix norms and cuBLAS's needs.
-    assert graphed.__dict__["_step_workspace"].fallback_bytes == 0
+    assert graphed._executor.workspace.fallback_bytes == 0
     assert graphed.graph_pool_bytes < 64 * 2**20
 
 
@@ -56,7 +56,7 @@ def test_graph_replay_of_the_symmetric_iteration_gives_the_bits_of_its_eager_pat
     where it lies (cuBLASLt called through ctypes on the capturing stream): the replay must be those bits."""
     graphed, graphed_params, _ = run(lent=True, graph=True, ns_method="gram_sym")
     eager, eager_params, _ = run(lent=True, graph=False, ns_method="gram_sym")
-    assert graphed.__dict__["_graphs"]._captured, "no graph was captured"
+    assert graphed._executor.graphs._captured, "no graph was captured"
     for p, q in zip(graphed_params, eager_params):
         assert torch.equal(p, q)
         assert torch.equal(graphed.state[p]["momentum_buffer"], eager.state[q]["momentum_buffer"])
@@ -66,7 +66,7 @@ def test_no_graph_while_the_entries_are_wrapped():
     optimizer, _, calls = run(lent=True, graph=True, count=True)
     # In a lent workspace every step, the first included, runs (and counts) one call after the verdict.
     assert calls == [1] * 5
-    assert not optimizer.__dict__["_graphs"]._captured
+    assert not optimizer._executor.graphs._captured
 
 
 def _steps_with_lent_buffer(lent_numel: int, steps: int = 8):
@@ -89,7 +89,7 @@ def _steps_with_lent_buffer(lent_numel: int, steps: int = 8):
             p.grad = None
         torch.cuda.synchronize(device)
         held_after.append(torch.cuda.memory_allocated(device))
-    return optimizer.__dict__["_graphs"], held_after
+    return optimizer._executor.graphs, held_after
 
 
 def test_a_call_that_fits_is_captured_once_and_replayed():

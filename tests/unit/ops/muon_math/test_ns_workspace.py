@@ -140,8 +140,8 @@ def test_optimizer_in_a_lent_workspace_gives_the_same_bits(nesterov, room, ns_me
             p.grad, q.grad = grad.view(p.shape), grad.view(p.shape).clone()
         lent.fill_(float("nan"))  # the lender's contents are dead: nothing may read them
         computed_in_step = []
-        in_workspace = lent_opt._muon_updates_in_workspace
-        lent_opt._muon_updates_in_workspace = _recording(in_workspace, computed_in_step)
+        in_workspace = lent_opt._executor._muon_updates_in_workspace
+        lent_opt._executor._muon_updates_in_workspace = _recording(in_workspace, computed_in_step)
         for optimizer in (lent_opt, plain_opt):
             optimizer.prepare_updates()
             with count_newton_schulz_calls() as calls:
@@ -149,13 +149,13 @@ def test_optimizer_in_a_lent_workspace_gives_the_same_bits(nesterov, room, ns_me
             # Lent a workspace, every step (the first too: it packs the momenta) runs Newton-Schulz in the step;
             # the other optimizer took what was prepared before it.
             assert sum(calls.values()) == (0 if optimizer is plain_opt else 1)
-        del lent_opt._muon_updates_in_workspace
+        del lent_opt._executor._muon_updates_in_workspace
         assert computed_in_step == [True]
         for p, q in zip(lent_params, plain_params):
             assert torch.equal(p, q)
             assert torch.equal(lent_opt.state[p]["momentum_buffer"], plain_opt.state[q]["momentum_buffer"])
         assert not torch.isnan(lent).all(), "the lent buffer was not used"
-        assert lent_opt.__dict__["_step_workspace"].fallback_bytes == 0, "step memory outlived the step"
+        assert lent_opt._executor.workspace.fallback_bytes == 0, "step memory outlived the step"
 
 
 def _recording(method, record):
@@ -175,7 +175,7 @@ def test_prepared_updates_are_left_to_the_step_when_a_workspace_is_lent():
         optimizer.prepare_updates()
         # Nothing is computed before the step when the group can step in the workspace: from the first step on,
         # since the step packs the momenta it creates.
-        assert 0 not in optimizer._prepared
+        assert 0 not in optimizer._executor.prepared
         optimizer.step()
 
 
@@ -237,7 +237,7 @@ def test_what_did_not_fit_is_freed_after_each_step():
     under ZeRO-3, whose lent buffers are 1/N of the model, held while the forward builds activations."""
     optimizer, params, numels = optimizer_and_params(torch.Generator().manual_seed(5), [(48, 16)] * 2, True)
     optimizer.lend_step_workspace([torch.zeros(64)])  # room for almost nothing
-    workspace = optimizer.__dict__["_step_workspace"]
+    workspace = optimizer._executor.workspace
     held_at_release = []
     release = workspace.release
 

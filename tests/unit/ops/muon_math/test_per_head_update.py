@@ -152,14 +152,14 @@ def test_flat_group_with_heads_takes_the_workspace_path_with_the_same_bits():
     assert flat_opt.param_groups[0]["params"] == flat, "the flat run is already in the optimizer's order"
     flat_opt.lend_step_workspace([torch.empty(master.numel() * 8)])
     in_workspace = []
-    workspace_step = flat_opt._muon_updates_in_workspace
+    workspace_step = flat_opt._executor._muon_updates_in_workspace
 
     def counting(group, *args):
         updates = workspace_step(group, *args)
         in_workspace.append(updates is not None)
         return updates
 
-    flat_opt._muon_updates_in_workspace = counting
+    flat_opt._executor._muon_updates_in_workspace = counting
     for step in range(3):
         grads = torch.randn(master.numel(), generator=generator)
         for p, n, grad in zip(flat, order, grads.split(numels)):
@@ -170,7 +170,7 @@ def test_flat_group_with_heads_takes_the_workspace_path_with_the_same_bits():
         for p, n in zip(flat, order):
             assert torch.equal(p, separate[n]), f"step {step}: {n}"
     assert in_workspace == [True, True, True]  # the first step too: it packs the momenta it creates
-    assert isinstance(flat_opt.__dict__["_step_workspace"], NSWorkspace)
+    assert isinstance(flat_opt._executor.workspace, NSWorkspace)
 
 
 def test_optimizer_refuses_bad_heads_and_adjust_lr_fn():

@@ -334,7 +334,7 @@ class TestMuonWorkSplit(DistributedTest):
         # done once for the group.
         assert original_muon.flat_view(muon_groups[0]["params"]) is not None
         whole_group_steps = []
-        workspace_step = basic._muon_updates_in_workspace
+        workspace_step = basic._executor._muon_updates_in_workspace
 
         def counting(*args, **kwargs):
             updates = workspace_step(*args, **kwargs)
@@ -342,7 +342,7 @@ class TestMuonWorkSplit(DistributedTest):
                 whole_group_steps.append(engine.global_steps)
             return updates
 
-        basic._muon_updates_in_workspace = counting
+        basic._executor._muon_updates_in_workspace = counting
         rank = dist.get_rank()
         for step in range(3):
             generator = torch.Generator().manual_seed(step)
@@ -367,7 +367,7 @@ class TestStepWorkspace(DistributedTest):
         engine, _, _, _ = deepspeed.initialize(model=TinyTransformer(layers=2), config=muon_config(stage, "bf16"))
         zero, basic = engine.optimizer, engine.optimizer.optimizer
         lent = list(zero.bit16_groups_flat)
-        workspace = basic.__dict__["_step_workspace"]
+        workspace = basic._executor.workspace
         assert workspace is not None and workspace.capacity == sum(t.numel() * t.element_size() for t in lent)
         step_of_basic = basic.step
         rank = dist.get_rank()
