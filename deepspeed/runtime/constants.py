@@ -19,6 +19,8 @@ MAX_GRAD_NORM = "max_grad_norm"
 
 # Muon's value sets (optimizer.params); deepspeed/runtime/optimizer_params.py holds the rules for every key.
 MUON_NS_METHODS = ("standard", "gram", "gram_sym", "auto")
+# Newton-Schulz coefficient schedules (deepspeed/runtime/zero/muon/ns_coefficients.py).
+MUON_NS_COEFFICIENTS = ("jordan", "polar_express")
 MUON_NS_DTYPES = ("fp32", "bf16", "fp16")
 MUON_ADJUST_LR_FNS = ("original", "match_rms_adamw")
 # Which parameters Muon takes (optimizer.params.param_split; deepspeed/runtime/zero/muon/param_split.py).

@@ -18,6 +18,7 @@ from deepspeed.runtime.constants import (
     ADAMW_OPTIMIZER,
     MUON_ADJUST_LR_FNS,
     MUON_NS_DTYPES,
+    MUON_NS_COEFFICIENTS,
     MUON_NS_METHODS,
     MUON_OPTIMIZER,
     MUON_PARAM_SPLITS,
@@ -125,6 +126,9 @@ class MuonParams(_ParamRules):
                            description="Nesterov momentum (true).")
     ns_method: str = Field(None, json_schema_extra=_rule((MUON_GROUP, ), choices=MUON_NS_METHODS),
                            description="Newton-Schulz variant: standard, gram, gram_sym or auto (auto, by shape).")
+    ns_coefficients: str = Field(None, json_schema_extra=_rule((MUON_GROUP, ), choices=MUON_NS_COEFFICIENTS),
+                                 description="Newton-Schulz coefficient schedule: jordan (Keller Jordan's quintic at "
+                                 "every step) or polar_express (per-step optimal quintics) (jordan).")
     ns_steps: int = Field(None, ge=NS_STEPS_MIN, le=NS_STEPS_MAX, json_schema_extra=_rule((MUON_GROUP, )),
                           description="Newton-Schulz iterations, an integer in [1, 100] (5).")
     ns_dtype: str | None = Field(None, json_schema_extra=_rule((MUON_GROUP, ), choices=MUON_NS_DTYPES),

@@ -256,7 +256,7 @@ class MuonStepExecutor:
         params, by_key, grads = operands
         momenta = flat_view(self._packed_momenta(params))
         workspace: NSWorkspace = self.workspace
-        method, steps = group["ns_method"], group["ns_steps"]
+        method, steps, coefficients = group["ns_method"], group["ns_steps"], group["ns_coefficients"]
         dtype = resolve_ns_dtype(grads, group["ns_dtype"])
 
         def carved_input() -> tuple[Tensor, list[Tensor]]:
@@ -266,9 +266,11 @@ class MuonStepExecutor:
             return flat, _batch_views(flat, by_key)
 
         def orthogonalise() -> list[Tensor]:
-            return NS_FUNCTIONS[method](carved_input()[1], steps=steps, dtype=dtype, workspace=workspace)
+            return NS_FUNCTIONS[method](carved_input()[1], steps=steps, dtype=dtype, workspace=workspace,
+                                        coefficients=coefficients)
 
-        key = (method, steps, dtype, tuple((batch_key, len(batch)) for batch_key, batch in by_key.items()))
+        key = (method, steps, coefficients, dtype,
+               tuple((batch_key, len(batch)) for batch_key, batch in by_key.items()))
         plans = self.fallback_plans
         # A graph only for a call that needed nothing beyond the lent buffers when it last ran: memory allocated for
         # the step lands wherever the allocator has room after the backward, rarely at the addresses a graph
@@ -334,7 +336,8 @@ class MuonStepExecutor:
             return []
 
         def orthogonalise(batches: list[Tensor]) -> list[Tensor]:
-            return NS_FUNCTIONS[group["ns_method"]](batches, steps=group["ns_steps"], dtype=group["ns_dtype"])
+            return NS_FUNCTIONS[group["ns_method"]](batches, steps=group["ns_steps"], dtype=group["ns_dtype"],
+                                                    coefficients=group["ns_coefficients"])
 
         if self._host is None:
             return orthogonalise(directions)

@@ -21,6 +21,7 @@ from deepspeed.runtime.zero.muon.original_muon import (
     check_ns_method,
 )
 from deepspeed.runtime.zero.muon.executor import MuonStepExecutor, _batch_key, _logical_shape
+from deepspeed.runtime.zero.muon.ns_coefficients import DEFAULT_NS_COEFFICIENTS, check_ns_coefficients
 from deepspeed.runtime.zero.step_contract import ZeroStepContract
 
 MUON_DEFAULTS: dict[str, Any] = {
@@ -28,6 +29,7 @@ MUON_DEFAULTS: dict[str, Any] = {
     "momentum": 0.95,
     "weight_decay": 0.0,
     "ns_method": "auto",
+    "ns_coefficients": DEFAULT_NS_COEFFICIENTS,
     "ns_steps": 5,
     "nesterov": True,
     "ns_dtype": None,
@@ -60,7 +62,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer, ZeroStepContract):
     """Muon (momentum + Newton-Schulz) on groups with ``use_muon=True``, Adam on the others.
 
     Muon groups accept ``lr`` (0.02), ``momentum`` (0.95), ``weight_decay`` (0), ``ns_method``
-    ("auto": per shape, see ``ns_by_shape``), ``ns_steps`` (5), ``nesterov`` (True), ``ns_dtype`` (None: see
+    ("auto": per shape, see ``ns_by_shape``), ``ns_coefficients`` ("jordan" or "polar_express", see
+    ``ns_coefficients``), ``ns_steps`` (5), ``nesterov`` (True), ``ns_dtype`` (None: see
     :func:`~deepspeed.runtime.zero.muon.original_muon.resolve_ns_dtype`), ``ns_cuda_graph`` (False; True:
     replay Newton-Schulz from a CUDA graph when it runs in a lent workspace, see :meth:`lend_step_workspace`) and
     ``adjust_lr_fn`` ("original" or "match_rms_adamw", torch.optim.Muon's: how an orthogonalised update is scaled
@@ -89,7 +92,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer, ZeroStepContract):
 
     Raises:
         ValueError: a group without ``use_muon``, an unknown group key, a Muon param with fewer than
-            two dims or a head count its rows are not divisible by, an unknown ``ns_method`` or
+            two dims or a head count its rows are not divisible by, an unknown ``ns_method``, ``ns_coefficients`` or
             ``adjust_lr_fn``, ``ns_steps`` that is not an integer >= 1, ``momentum`` outside [0, 1), or an
             ``ns_dtype`` that is not a torch.dtype. (Config values are checked earlier, with the config key in the
             message: deepspeed/runtime/optimizer_params.py.)
@@ -131,6 +134,10 @@ class MuonWithAuxAdam(torch.optim.Optimizer, ZeroStepContract):
         if is_muon:
             group["params"] = self._sorted_muon_params(index, group["params"])
             check_ns_method(group["ns_method"])
+            try:
+                check_ns_coefficients(group["ns_coefficients"])
+            except ValueError as error:
+                raise ValueError(f"MuonWithAuxAdam param group {index}: {error}") from None
             if not isinstance(group["ns_cuda_graph"], bool):
                 raise ValueError(f"MuonWithAuxAdam param group {index}: ns_cuda_graph must be true or false, "
                                  f"got {group['ns_cuda_graph']!r}")
@@ -348,10 +355,10 @@ def muon_param_groups(
     params with ``requires_grad``; an empty group is omitted. Which key configures which group is
     :class:`~deepspeed.runtime.optimizer_params.MuonParams`' table: ``lr`` and ``weight_decay`` apply to
     both groups; ``muon_lr`` / ``adam_lr`` override ``lr`` for one; ``momentum``, ``ns_method``,
-    ``ns_steps``, ``nesterov``, ``ns_dtype`` ('fp32', 'bf16', 'fp16'), ``ns_cuda_graph`` and ``adjust_lr_fn``
-    ('original', 'match_rms_adamw') are Muon's; ``betas`` and ``eps`` are Adam's. Upstream silently drops
-    ``nesterov`` and ``ns_steps``; we honour them. ``per_head_muon`` is validated and left to the caller, who tags
-    the model with it (``per_head.tag_attention_heads``) before building the optimizer.
+    ``ns_coefficients``, ``ns_steps``, ``nesterov``, ``ns_dtype`` ('fp32', 'bf16', 'fp16'), ``ns_cuda_graph`` and
+    ``adjust_lr_fn`` ('original', 'match_rms_adamw') are Muon's; ``betas`` and ``eps`` are Adam's. Upstream
+    silently drops ``nesterov`` and ``ns_steps``; we honour them. ``per_head_muon`` is validated and left to the
+    caller, who tags the model with it (``per_head.tag_attention_heads``) before building the optimizer.
 
     Args:
         named_params: (name, param) pairs, e.g. ``model.named_parameters()``.

@@ -10,11 +10,8 @@ import torch
 from torch import Tensor
 
 from deepspeed.runtime.zero.muon.matrix_scale import scale_matrices
+from deepspeed.runtime.zero.muon.ns_coefficients import NS_COEFFICIENTS  # noqa: F401  (re-exported)
 from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
-
-# Quintic coefficients from Keller Jordan's Muon: they push singular values in (0, 1] into roughly
-# [0.68, 1.13] within five steps, trading exact orthogonality for speed.
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_NORM_EPS = 1e-7
 
 

@@ -33,24 +33,34 @@ from deepspeed.runtime.zero.muon.ns_common import (  # noqa: F401  (NS_NORM_EPS:
     resolve_ns_dtype,
 )
 from deepspeed.runtime.zero.muon.ns_by_shape import method_for_shape
+from deepspeed.runtime.zero.muon.ns_coefficients import (
+    DEFAULT_NS_COEFFICIENTS,
+    Coefficients,
+    check_ns_coefficients,
+    coefficient_schedule,
+)
 from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
 from deepspeed.runtime.zero.muon.symmetric_gram import zeropower_via_symmetric_gram
 
 # Iteration indices (0-based) at which the Gram iteration rebuilds X = Q X and R = X X^T from
-# scratch. R is propagated by multiplication rather than recomputed from X, so rounding in the first,
-# most expansive steps (slope ~3.4 near zero) compounds: in bf16, without a restart, a nearly low-rank
+# scratch, per coefficient schedule. R is propagated by multiplication rather than recomputed from X, so rounding in
+# the first, most expansive steps (slope ~3.4 near zero) compounds: in bf16, without a restart, a nearly low-rank
 # 128 x 512 gradient came out with singular values near 100-460 instead of <= 1.14. One restart
 # brings the error back to the standard iteration's; in fp32 it changes the result only at rounding level.
-GRAM_RESTART_ITERATIONS = frozenset({2})
+# Polar Express's first steps are steeper still (slope ~8): with the one restart, bf16 singular values reached 1.52
+# on a uniform spectrum; restarting before the third and the fourth step keeps them at the standard iteration's
+# (<= 1.16 over the spectra of benchmarks/ns_methods_accuracy.py; before the second and fourth: the same).
+GRAM_RESTART_ITERATIONS = {"jordan": frozenset({2}), "polar_express": frozenset({2, 3})}
 # Past the usual five steps a single restart is not enough: in bf16, nearly low-rank and fast-decaying inputs reach
 # singular values of 1e4 at 7 steps and NaN at 10. From this iteration on every step re-anchors R to X (the standard
 # iteration's cost; five steps or fewer are unchanged, bit for bit).
 GRAM_RESTART_EVERY_STEP_FROM = 5
 
 
-def gram_restarts_at(k: int) -> bool:
-    """Whether the Gram iteration rebuilds X = Q X and R = X X^T before its (0-based) iteration `k`."""
-    return k in GRAM_RESTART_ITERATIONS or k >= GRAM_RESTART_EVERY_STEP_FROM
+def gram_restarts_at(k: int, coefficients: str = DEFAULT_NS_COEFFICIENTS) -> bool:
+    """Whether the Gram iteration under the schedule ``coefficients`` rebuilds X = Q X and R = X X^T before its
+    (0-based) iteration `k`."""
+    return k in GRAM_RESTART_ITERATIONS[coefficients] or k >= GRAM_RESTART_EVERY_STEP_FROM
 
 # How an orthogonalised update is scaled, by the shape of the matrix Newton-Schulz saw (torch.optim.Muon's
 # ``adjust_lr_fn``): "original" is Keller Jordan's sqrt(max(1, rows / cols)), which gives every shape the same
@@ -93,22 +103,24 @@ def head_rows(rows: int, num_heads: int) -> int:
     return rows // num_heads
 
 
-def _standard_iterations(X: Tensor, steps: int, workspace: NSWorkspace | None = None, tall: bool = False) -> Tensor:
-    """X <- a X + (b A + c A^2) X with A = X X^T; the scalars ride in ``baddbmm`` (three launches per step).
+def _standard_iterations(X: Tensor, schedule: Sequence[Coefficients], workspace: NSWorkspace | None = None,
+                         tall: bool = False) -> Tensor:
+    """X <- a X + (b A + c A^2) X with A = X X^T, one step per (a, b, c) of ``schedule``; the scalars ride in
+    ``baddbmm`` (three launches per step).
 
     Every product is written into memory taken once (A, B, and X's next value ping-ponging with X's memory), from
     the workspace when given: the same products, so the same bits as fresh tensors. With ``tall`` (the input was
     transposed into the wide orientation) the last product is written transposed, X^T <- a X^T + X^T B^T, so the
     result comes back contiguous in the matrix's own layout: whoever applies it reads it in one contiguous pass.
     """
-    a, b, c = NS_COEFFICIENTS
+    steps = len(schedule)
     if steps == 0:
         return X.mT if tall else X
     empty = _allocator(workspace, X)
     count, rows, _ = X.shape
     A, B = empty((count, rows, rows)), empty((count, rows, rows))
     spare = empty(X.shape)
-    for step in range(steps):
+    for step, (a, b, c) in enumerate(schedule):
         torch.bmm(X, X.mT, out=A)
         torch.baddbmm(A, A, A, beta=b, alpha=c, out=B)
         if tall and step + 1 == steps:
@@ -119,7 +131,8 @@ def _standard_iterations(X: Tensor, steps: int, workspace: NSWorkspace | None = 
 
 
 def zeropower_via_newtonschulz5(G: Tensor | Sequence[Tensor], steps: int = 5, dtype: torch.dtype | None = None,
-                                workspace: NSWorkspace | None = None) -> Tensor | list[Tensor]:
+                                workspace: NSWorkspace | None = None,
+                                coefficients: str = DEFAULT_NS_COEFFICIENTS) -> Tensor | list[Tensor]:
     """Approximately orthogonalise ``G`` (U S V^T -> U S' V^T, S' ~ 1) with the quintic Newton-Schulz iteration.
 
     Each step is X <- a X + (b A + c A^2) X with A = X X^T, computed on the wide orientation so A is
@@ -132,21 +145,25 @@ def zeropower_via_newtonschulz5(G: Tensor | Sequence[Tensor], steps: int = 5, dt
         dtype: compute dtype; ``None`` applies :func:`resolve_ns_dtype`.
         workspace: where the large tensors live (see ``ns_workspace``); then ``G`` must be in the compute dtype
             and is normalised in place, and the results are views of the workspace.
+        coefficients: the coefficient schedule's name (see ``ns_coefficients``).
 
     Returns:
         The orthogonalised tensor, same shape as ``G``, in the compute dtype (a list for a list).
 
     Raises:
-        ValueError: if ``G`` has fewer than two dimensions, or is not in the compute dtype with a workspace.
+        ValueError: if ``G`` has fewer than two dimensions, or is not in the compute dtype with a workspace, or
+            for an unknown ``coefficients``.
     """
+    schedule = coefficient_schedule(coefficients, steps)
     if not isinstance(G, Tensor):
-        return [zeropower_via_newtonschulz5(one, steps, dtype, workspace) for one in G]
+        return [zeropower_via_newtonschulz5(one, steps, dtype, workspace, coefficients) for one in G]
     X, is_transposed = _normalized_wide(G, dtype, workspace)
-    return _restored_layout(_standard_iterations(X, steps, workspace, tall=is_transposed), G)
+    return _restored_layout(_standard_iterations(X, schedule, workspace, tall=is_transposed), G)
 
 
 def zeropower_via_gram_newtonschulz(G: Tensor | Sequence[Tensor], steps: int = 5, dtype: torch.dtype | None = None,
-                                    workspace: NSWorkspace | None = None) -> Tensor | list[Tensor]:
+                                    workspace: NSWorkspace | None = None,
+                                    coefficients: str = DEFAULT_NS_COEFFICIENTS) -> Tensor | list[Tensor]:
     """Newton-Schulz computed on the Gram matrix R = X X^T; equals :func:`zeropower_via_newtonschulz5` to rounding.
 
     Every standard step multiplies X on the left by P_k = a I + b A_k + c A_k^2, a polynomial in
@@ -171,35 +188,37 @@ def zeropower_via_gram_newtonschulz(G: Tensor | Sequence[Tensor], steps: int = 5
         G: a matrix or a batch of matrices (ndim >= 2), or a list of them. Never modified.
         steps: number of iterations (the same count as the standard iteration it reproduces).
         dtype: compute dtype; ``None`` applies :func:`resolve_ns_dtype`.
-        workspace: as :func:`zeropower_via_newtonschulz5`.
+        workspace, coefficients: as :func:`zeropower_via_newtonschulz5`.
 
     Returns:
         The orthogonalised tensor, same shape as ``G``, in the compute dtype (a list for a list, in order).
 
     Raises:
-        ValueError: if a tensor has fewer than two dimensions, or is not in the compute dtype with a workspace.
+        ValueError: as :func:`zeropower_via_newtonschulz5`.
     """
+    schedule = coefficient_schedule(coefficients, steps)
     if isinstance(G, Tensor):
-        return zeropower_via_gram_newtonschulz([G], steps, dtype, workspace)[0]
+        return zeropower_via_gram_newtonschulz([G], steps, dtype, workspace, coefficients)[0]
     prepared = [_normalized_wide(one, dtype, workspace) for one in G]
     results: list[Tensor | None] = [None] * len(prepared)
     joint: dict[tuple, list[int]] = {}
     for index, (X, is_transposed) in enumerate(prepared):
         rows, cols = X.shape[-2:]
         if rows == cols:
-            results[index] = _restored_layout(_standard_iterations(X, steps, workspace, tall=is_transposed), G[index])
+            results[index] = _restored_layout(_standard_iterations(X, schedule, workspace, tall=is_transposed),
+                                              G[index])
         else:
             joint.setdefault((rows, X.dtype, X.device), []).append(index)
     for indices in joint.values():
-        outputs = _gram_iterations([prepared[i][0] for i in indices], steps, workspace,
-                                   tall=[prepared[i][1] for i in indices])
+        outputs = _gram_iterations([prepared[i][0] for i in indices], schedule, workspace,
+                                   tall=[prepared[i][1] for i in indices], restarts=coefficients)
         for index, X in zip(indices, outputs):
             results[index] = _restored_layout(X, G[index])
     return results
 
 
-def _gram_iterations(Xs: list[Tensor], steps: int, workspace: NSWorkspace | None = None,
-                     tall: Sequence[bool] | None = None) -> list[Tensor]:
+def _gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients], workspace: NSWorkspace | None = None,
+                     tall: Sequence[bool] | None = None, restarts: str = DEFAULT_NS_COEFFICIENTS) -> list[Tensor]:
     """The Gram iteration for 3-D batches of wide matrices that share the small side m.
 
     Each batch keeps its own X (different widths); R, Z, Q and the products among them are m x m and are
@@ -211,8 +230,9 @@ def _gram_iterations(Xs: list[Tensor], steps: int, workspace: NSWorkspace | None
 
     ``tall[i]``: batch i was transposed into the wide orientation; its result comes back in the matrix's own
     layout, contiguous, because the last product is written transposed ((Q X)^T = X^T Q^T).
+    ``restarts``: the schedule whose restart iterations apply (:func:`gram_restarts_at`).
     """
-    a, b, c = NS_COEFFICIENTS
+    steps = len(schedule)
     tall, sizes, empty, R, PR, free, spares = _gram_buffers(Xs, tall, workspace)
 
     def gram_matrices(Xs: list[Tensor]) -> None:
@@ -232,14 +252,14 @@ def _gram_iterations(Xs: list[Tensor], steps: int, workspace: NSWorkspace | None
 
     gram_matrices(Xs)
     Q = None
-    for k in range(steps):
-        if gram_restarts_at(k) and Q is not None:
+    for k, (a, b, c) in enumerate(schedule):
+        if gram_restarts_at(k, restarts) and Q is not None:
             Xs = left_multiplied(Q, Xs)
             gram_matrices(Xs)
             free.append(Q)
             Q = None
         Z = torch.baddbmm(R, R, R, beta=b, alpha=c, out=free.pop())
-        is_last_before_rebuild = k + 1 == steps or gram_restarts_at(k + 1)
+        is_last_before_rebuild = k + 1 == steps or gram_restarts_at(k + 1, restarts)
         if not is_last_before_rebuild:
             torch.baddbmm(R, Z, R, beta=a, out=PR)
             torch.baddbmm(PR, Z, PR, beta=a, out=R)
@@ -258,12 +278,13 @@ def _gram_iterations(Xs: list[Tensor], steps: int, workspace: NSWorkspace | None
 
 
 def zeropower_by_shape(G: Tensor | Sequence[Tensor], steps: int = 5, dtype: torch.dtype | None = None,
-                       workspace: NSWorkspace | None = None) -> Tensor | list[Tensor]:
+                       workspace: NSWorkspace | None = None,
+                       coefficients: str = DEFAULT_NS_COEFFICIENTS) -> Tensor | list[Tensor]:
     """Approximately orthogonalise ``G`` as :func:`zeropower_via_newtonschulz5` does, each tensor with
     :func:`~.ns_by_shape.method_for_shape`'s method (arguments, results and errors as there; a list is split by method
     and each part runs as one call, in order, so a workspace carves deterministically)."""
     if isinstance(G, Tensor):
-        return zeropower_by_shape([G], steps, dtype, workspace)[0]
+        return zeropower_by_shape([G], steps, dtype, workspace, coefficients)[0]
     for one in G:
         if one.ndim < 2:
             raise ValueError(f"Newton-Schulz needs a matrix (or a batch of matrices), got shape {tuple(one.shape)}")
@@ -271,7 +292,8 @@ def zeropower_by_shape(G: Tensor | Sequence[Tensor], steps: int = 5, dtype: torc
     for method, function in (("gram", zeropower_via_gram_newtonschulz), ("gram_sym", zeropower_via_symmetric_gram)):
         indices = [index for index, one in enumerate(G) if method_for_shape(one.shape) == method]
         if indices:
-            for index, result in zip(indices, function([G[i] for i in indices], steps, dtype, workspace)):
+            outputs = function([G[i] for i in indices], steps, dtype, workspace, coefficients)
+            for index, result in zip(indices, outputs):
                 results[index] = result
     return results
 
@@ -327,6 +349,7 @@ def muon_update(
     ns_dtype: torch.dtype | None = None,
     num_heads: int = 1,
     adjust_lr_fn: str = "original",
+    ns_coefficients: str = DEFAULT_NS_COEFFICIENTS,
 ) -> Tensor:
     """Fold ``grad`` into ``momentum`` and return the orthogonalised Muon update.
 
@@ -352,6 +375,7 @@ def muon_update(
         ns_dtype: Newton-Schulz compute dtype; ``None`` applies :func:`resolve_ns_dtype`.
         num_heads: equal row blocks orthogonalised separately (1: the whole matrix).
         adjust_lr_fn: one of :data:`ADJUST_LR_FNS`.
+        ns_coefficients: the Newton-Schulz coefficient schedule (see ``ns_coefficients``).
 
     Returns:
         A new fp32 tensor with ``grad``'s shape.
@@ -363,6 +387,7 @@ def muon_update(
             low-precision gradients is upstream issue #7746).
     """
     check_ns_method(ns_method)
+    check_ns_coefficients(ns_coefficients)
     if grad.ndim < 2:
         raise ValueError(f"if use muon, then tensor dim > 1, got {grad.size()}")
     check_adjust_lr_fn(adjust_lr_fn)
@@ -382,7 +407,7 @@ def muon_update(
     if num_heads != 1:
         # Row blocks are contiguous in a row-major matrix: a view, one batched call for all heads.
         direction = direction.reshape(*direction.shape[:-2], num_heads, block_rows, direction.size(-1))
-    update = NS_FUNCTIONS[ns_method](direction, steps=ns_steps, dtype=ns_dtype)
+    update = NS_FUNCTIONS[ns_method](direction, steps=ns_steps, dtype=ns_dtype, coefficients=ns_coefficients)
     scale = update_scale(direction.size(-2), direction.size(-1), adjust_lr_fn)
     return (update.float() * scale).reshape(grad.shape)
 
@@ -525,13 +550,15 @@ def muon_update_batch(
     ns_dtype: torch.dtype | None = None,
     num_heads: int = 1,
     adjust_lr_fn: str = "original",
+    ns_coefficients: str = DEFAULT_NS_COEFFICIENTS,
 ) -> list[Tensor]:
     """:func:`muon_update` for several matrices of one shape, with one batched Newton-Schulz call.
 
     Args:
         grads: 2-D or 4-D gradients, all of one shape; never written.
         momenta: fp32 buffers shaped like the gradients; updated in place.
-        beta, ns_steps, nesterov, ns_method, ns_dtype, num_heads, adjust_lr_fn: as :func:`muon_update`.
+        beta, ns_steps, nesterov, ns_method, ns_dtype, num_heads, adjust_lr_fn, ns_coefficients: as
+            :func:`muon_update`.
 
     Returns:
         One new fp32 update per gradient, in order (scaled like :func:`muon_update`'s).
@@ -542,9 +569,10 @@ def muon_update_batch(
     if not grads:
         return []
     check_ns_method(ns_method)
+    check_ns_coefficients(ns_coefficients)
     direction, scale = momentum_directions(grads, momenta, beta, nesterov, num_heads=num_heads,
                                            adjust_lr_fn=adjust_lr_fn)
-    update = NS_FUNCTIONS[ns_method](direction, steps=ns_steps, dtype=ns_dtype)
+    update = NS_FUNCTIONS[ns_method](direction, steps=ns_steps, dtype=ns_dtype, coefficients=ns_coefficients)
     return list((update.float() * scale).reshape(len(grads), *grads[0].shape).unbind(0))
 
 

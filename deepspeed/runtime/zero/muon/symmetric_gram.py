@@ -36,8 +36,8 @@ from torch import Tensor
 
 from deepspeed.runtime.zero.muon.addend_gemm import gemm_with_addend, separate_addend_supported
 from deepspeed.runtime.zero.muon.matrix_scale import scale_fp16, scale_matrices
+from deepspeed.runtime.zero.muon.ns_coefficients import DEFAULT_NS_COEFFICIENTS, Coefficients, coefficient_schedule
 from deepspeed.runtime.zero.muon.ns_common import (
-    NS_COEFFICIENTS,
     NS_NORM_EPS,
     _allocator,
     _gram_buffers,
@@ -168,18 +168,19 @@ def symmetric_left_product(S: Tensor, X: Tensor, out: Tensor, beta: float | None
     return out
 
 
-def _symmetric_standard_iterations(X: Tensor, steps: int, workspace: NSWorkspace | None = None,
+def _symmetric_standard_iterations(X: Tensor, schedule: Sequence[Coefficients], workspace: NSWorkspace | None = None,
                                    tall: bool = False) -> Tensor:
-    """The standard iteration X <- a X + (b A + c A^2) X, A = X X^T, with A and A^2 computed on their upper
-    blocks (both are Gram products, so their halves are those of the whole product)."""
-    a, b, c = NS_COEFFICIENTS
+    """The standard iteration X <- a X + (b A + c A^2) X, A = X X^T, one step per (a, b, c) of ``schedule``, with A
+    and A^2 computed on their upper blocks (both are Gram products, so their halves are those of the whole
+    product)."""
+    steps = len(schedule)
     if steps == 0:
         return X.mT if tall else X
     empty = _allocator(workspace, X)
     count, rows, _ = X.shape
     A, B = empty((count, rows, rows)), empty((count, rows, rows))
     spare = empty(X.shape)
-    for step in range(steps):
+    for step, (a, b, c) in enumerate(schedule):
         symmetric_gram(X, A)
         symmetric_product(A, A, B, addend=A, beta=b, alpha=c)
         last = step + 1 == steps
@@ -221,7 +222,8 @@ def _in_compute_dtype(result: Tensor, compute_dtype: torch.dtype) -> Tensor:
 
 
 def zeropower_via_symmetric_gram(G: Tensor | Sequence[Tensor], steps: int = 5, dtype: torch.dtype | None = None,
-                                 workspace: NSWorkspace | None = None) -> Tensor | list[Tensor]:
+                                 workspace: NSWorkspace | None = None,
+                                 coefficients: str = DEFAULT_NS_COEFFICIENTS) -> Tensor | list[Tensor]:
     """Approximately orthogonalise ``G`` as :func:`~.original_muon.zeropower_via_newtonschulz5` does, computing
     half of every symmetric product (see the module docstring for the cost and the precision).
 
@@ -234,15 +236,18 @@ def zeropower_via_symmetric_gram(G: Tensor | Sequence[Tensor], steps: int = 5, d
         dtype: compute dtype; ``None`` applies :func:`~.ns_common.resolve_ns_dtype`.
         workspace: where the large tensors live (see ``ns_workspace``); then ``G`` must be in the compute dtype
             and is normalised in place, and the results are views of the workspace.
+        coefficients: the coefficient schedule's name (see ``ns_coefficients``).
 
     Returns:
         The orthogonalised tensor, same shape as ``G``, in the compute dtype (a list for a list, in order).
 
     Raises:
-        ValueError: if a tensor has fewer than two dimensions, or is not in the compute dtype with a workspace.
+        ValueError: if a tensor has fewer than two dimensions, or is not in the compute dtype with a workspace, or
+            for an unknown ``coefficients``.
     """
+    schedule = coefficient_schedule(coefficients, steps)
     if isinstance(G, Tensor):
-        return zeropower_via_symmetric_gram([G], steps, dtype, workspace)[0]
+        return zeropower_via_symmetric_gram([G], steps, dtype, workspace, coefficients)[0]
     for one in G:
         if one.ndim < 2:
             raise ValueError(f"Newton-Schulz needs a matrix (or a batch of matrices), got shape {tuple(one.shape)}")
@@ -252,21 +257,22 @@ def zeropower_via_symmetric_gram(G: Tensor | Sequence[Tensor], steps: int = 5, d
     for index, one in enumerate(G):
         if min(one.shape[-2:]) < MIN_GRAM_ROWS or one.size(-2) == one.size(-1):
             X, transposed = _normalized_wide(one, dtype, workspace)
-            results[index] = _restored_layout(_symmetric_standard_iterations(X, steps, workspace, tall=transposed),
+            results[index] = _restored_layout(_symmetric_standard_iterations(X, schedule, workspace, tall=transposed),
                                               one)
             continue
         prepared[index] = _scaled_wide(one, dtype, workspace)
         X = prepared[index][0]
         joint.setdefault((X.size(-2), X.dtype, X.device), []).append(index)
     for indices in joint.values():
-        outputs = _symmetric_gram_iterations([prepared[i][0] for i in indices], steps, workspace,
+        outputs = _symmetric_gram_iterations([prepared[i][0] for i in indices], schedule, workspace,
                                              tall=[prepared[i][1] for i in indices])
         for index, X in zip(indices, outputs):
             results[index] = _restored_layout(_in_compute_dtype(X, prepared[index][2]), G[index])
     return results
 
 
-def _symmetric_gram_iterations(Xs: list[Tensor], steps: int, workspace: NSWorkspace | None = None,
+def _symmetric_gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients],
+                               workspace: NSWorkspace | None = None,
                                tall: Sequence[bool] | None = None) -> list[Tensor]:
     """The Gram iteration on upper-stored m x m matrices, for scaled wide batches sharing the small side m.
 
@@ -285,8 +291,7 @@ def _symmetric_gram_iterations(Xs: list[Tensor], steps: int, workspace: NSWorksp
     Memory is taken once and reused by role, from the workspace when given: R and P R, three m x m buffers that
     the factors and Q (or W) rotate through, and per batch a spare X that ping-pongs with X's own memory.
     """
-    a, b, c = NS_COEFFICIENTS
-    b, c = b / FP16_SCALE, c / FP16_SCALE**2
+    steps = len(schedule)
     tall, sizes, empty, R, PR, free, spares = _gram_buffers(Xs, tall, workspace)
 
     def gram_matrices(Xs: list[Tensor]) -> None:
@@ -313,7 +318,8 @@ def _symmetric_gram_iterations(Xs: list[Tensor], steps: int, workspace: NSWorksp
 
     gram_matrices(Xs)
     Q, alpha, restarted = None, None, False
-    for k in range(steps):
+    for k, (a, b, c) in enumerate(schedule):
+        b, c = b / FP16_SCALE, c / FP16_SCALE**2
         if _restarts_at(k) and Q is not None:
             Xs = left_multiplied(Q, Xs, alpha)
             gram_matrices(Xs)

@@ -5,16 +5,29 @@ import math
 import torch
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+# The Polar Express paper's five quintics for Muon (Amsel, Persson, Musco, Gower 2025; l = 1e-3, cushion and safety
+# factor 0.02), as published with it.
+POLAR_EXPRESS_5 = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
 
 
-def newton_schulz_fp64(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """The textbook quintic on the wide orientation, in fp64."""
+def newton_schulz_fp64(G: torch.Tensor, steps: int = 5, coefficients: str = "jordan") -> torch.Tensor:
+    """The textbook quintic on the wide orientation, in fp64; "polar_express" takes the published five steps."""
     if G.size(-2) > G.size(-1):
-        return newton_schulz_fp64(G.mT, steps).mT
-    a, b, c = NS_COEFFICIENTS
+        return newton_schulz_fp64(G.mT, steps, coefficients).mT
+    if coefficients == "polar_express":
+        assert steps == 5, "the reference holds the published five-step schedule only"
+        schedule = POLAR_EXPRESS_5
+    else:
+        schedule = [NS_COEFFICIENTS] * steps
     X = G.double()
     X = X / (torch.linalg.matrix_norm(X, keepdim=True) + 1e-7)
-    for _ in range(steps):
+    for a, b, c in schedule:
         A = X @ X.mT
         X = a * X + (b * A + c * A @ A) @ X
     return X
@@ -28,7 +41,8 @@ def shape_factor(rows, cols, adjust_lr_fn="original"):
     return 0.2 * math.sqrt(max(rows, cols))
 
 
-def muon_update_fp64(grad, momentum, beta, nesterov=True, ns_steps=5, num_heads=1, adjust_lr_fn="original"):
+def muon_update_fp64(grad, momentum, beta, nesterov=True, ns_steps=5, num_heads=1, adjust_lr_fn="original",
+                     coefficients="jordan"):
     """Returns (update, new_momentum) in fp64 without touching the inputs.
 
     With num_heads > 1, each head's block of rows (rows / num_heads consecutive rows) is orthogonalised and scaled
@@ -43,5 +57,5 @@ def muon_update_fp64(grad, momentum, beta, nesterov=True, ns_steps=5, num_heads=
     blocks = []
     for head in range(num_heads):
         block = matrix[..., head * head_rows:(head + 1) * head_rows, :]
-        blocks.append(newton_schulz_fp64(block, ns_steps) * shape_factor(head_rows, cols, adjust_lr_fn))
+        blocks.append(newton_schulz_fp64(block, ns_steps, coefficients) * shape_factor(head_rows, cols, adjust_lr_fn))
     return torch.cat(blocks, dim=-2).reshape(grad.shape), m

@@ -19,13 +19,15 @@ def random(*shape, seed, dtype=torch.float32):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
+@pytest.mark.parametrize("coefficients", ["jordan", "polar_express"])
 @pytest.mark.parametrize("ns_method", ["standard", "gram", "gram_sym"])
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("shape", [(48, 160), (160, 48), (64, 64), (16, 8, 3, 3), (2, 24, 40), (64, 160)], ids=str)
-def test_matches_fp64_reference(shape, nesterov, ns_method):
+def test_matches_fp64_reference(shape, nesterov, ns_method, coefficients):
     grad, momentum = random(*shape, seed=0), random(*shape, seed=1) * 0.1
-    expected_update, expected_momentum = muon_update_fp64(grad, momentum, 0.9, nesterov)
-    update = muon_update(grad, momentum, beta=0.9, nesterov=nesterov, ns_method=ns_method)
+    expected_update, expected_momentum = muon_update_fp64(grad, momentum, 0.9, nesterov, coefficients=coefficients)
+    update = muon_update(grad, momentum, beta=0.9, nesterov=nesterov, ns_method=ns_method,
+                         ns_coefficients=coefficients)
     assert update.dtype == torch.float32 and update.shape == grad.shape
     torch.testing.assert_close(momentum.double(), expected_momentum, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(update.double(), expected_update, rtol=0, atol=1e-5)

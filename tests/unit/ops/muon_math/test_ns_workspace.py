@@ -79,15 +79,16 @@ def test_workspace_refuses_buffers_it_cannot_carve():
         NSWorkspace([torch.zeros(8)[::2]])
 
 
+@pytest.mark.parametrize("coefficients", ["jordan", "polar_express"])
 @pytest.mark.parametrize("steps", [0, 1, 2, 3, 5, 6])
 @pytest.mark.parametrize("method, dtype", [("gram", torch.float32), ("standard", torch.float32),
                                            ("gram_sym", torch.float32), ("gram_sym", torch.bfloat16)])
-def test_newton_schulz_in_a_workspace_gives_the_same_bits(method, dtype, steps):
+def test_newton_schulz_in_a_workspace_gives_the_same_bits(method, dtype, steps, coefficients):
     """In bf16 the symmetric Gram iteration writes its fp16 input over the bf16 one and its bf16 result over the
     fp16 one, in the same bytes."""
     generator = torch.Generator().manual_seed(steps)
     inputs = [torch.randn(shape, generator=generator).to(dtype) for shape in BATCH_SHAPES]
-    expected = NS[method]([x.clone() for x in inputs], steps=steps, dtype=dtype)
+    expected = NS[method]([x.clone() for x in inputs], steps=steps, dtype=dtype, coefficients=coefficients)
     # Room for everything: the input region first, as the optimizer carves it, then Newton-Schulz's tensors.
     workspace = NSWorkspace([torch.full((400_000,), float("nan"))])
     flat = workspace.empty((sum(x.numel() for x in inputs),), dtype)
@@ -96,7 +97,7 @@ def test_newton_schulz_in_a_workspace_gives_the_same_bits(method, dtype, steps):
         views.append(flat[start:start + x.numel()].view(x.shape))
         views[-1].copy_(x)
         start += x.numel()
-    results = NS[method](views, steps=steps, dtype=dtype, workspace=workspace)
+    results = NS[method](views, steps=steps, dtype=dtype, workspace=workspace, coefficients=coefficients)
     for result, reference in zip(results, expected):
         assert result.dtype == dtype and torch.equal(result, reference)
         assert workspace.contains(result)  # nothing was allocated for the results
@@ -109,12 +110,13 @@ def test_newton_schulz_in_a_workspace_needs_the_compute_dtype():
                                         workspace=NSWorkspace([]))
 
 
-def optimizer_and_params(generator, shapes, nesterov, ns_method="gram"):
+def optimizer_and_params(generator, shapes, nesterov, ns_method="gram", coefficients="jordan"):
     numels = [torch.Size(shape).numel() for shape in shapes]
     master = torch.randn(sum(numels), generator=generator)
     params = [torch.nn.Parameter(piece.view(shape)) for piece, shape in zip(master.split(numels), shapes)]
     optimizer = MuonWithAuxAdam([{"params": params, "use_muon": True, "lr": 0.05, "momentum": 0.9,
-                                  "nesterov": nesterov, "weight_decay": 0.1, "ns_method": ns_method}])
+                                  "nesterov": nesterov, "weight_decay": 0.1, "ns_method": ns_method,
+                                  "ns_coefficients": coefficients}])
     return optimizer, params, numels
 
 
@@ -124,14 +126,16 @@ OPTIMIZER_SHAPES = {"gram": [(48, 16)] * 2 + [(24, 24)] + [(16, 40)] * 3,
                     "gram_sym": [(160, 64)] * 2 + [(64, 96)] + [(64, 64)] + [(16, 40)] * 2}
 
 
+@pytest.mark.parametrize("coefficients", ["jordan", "polar_express"])
 @pytest.mark.parametrize("ns_method", ["gram", "gram_sym"])
 @pytest.mark.parametrize("room", ["all", "some"])
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_optimizer_in_a_lent_workspace_gives_the_same_bits(nesterov, room, ns_method):
+def test_optimizer_in_a_lent_workspace_gives_the_same_bits(nesterov, room, ns_method, coefficients):
     shapes = OPTIMIZER_SHAPES[ns_method]
     lent_opt, lent_params, numels = optimizer_and_params(torch.Generator().manual_seed(0), shapes, nesterov,
-                                                         ns_method)
-    plain_opt, plain_params, _ = optimizer_and_params(torch.Generator().manual_seed(0), shapes, nesterov, ns_method)
+                                                         ns_method, coefficients)
+    plain_opt, plain_params, _ = optimizer_and_params(torch.Generator().manual_seed(0), shapes, nesterov, ns_method,
+                                                      coefficients)
     lent = torch.zeros(600_000 if room == "all" else 3_000, dtype=torch.bfloat16)
     lent_opt.lend_step_workspace([lent])
     for step in range(4):

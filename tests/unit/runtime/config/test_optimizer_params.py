@@ -19,6 +19,7 @@ from deepspeed.runtime.zero.muon.original_muon import NS_FUNCTIONS
 
 VALID_MUON = {
     "lr": 0.02, "muon_lr": 0.02, "adam_lr": 3e-4, "momentum": 0.95, "nesterov": True, "ns_method": "gram",
+    "ns_coefficients": "polar_express",
     "ns_steps": 5, "ns_dtype": "fp32", "ns_cuda_graph": True, "weight_decay": 0.01, "betas": [0.9, 0.95],
     "eps": 1e-10, "adjust_lr_fn": "original", "per_head_muon": False, "param_split": "hidden",
 }
@@ -27,7 +28,8 @@ VALID_ADAM = {
     "torch_adam": False,
 }
 CORRUPTIONS = [
-    "abc", "16", "", "gram", "standard", "gram_sym", "bf16", "original", "match_rms_adamw", "hidden", "upstream",
+    "abc", "16", "", "gram", "standard", "gram_sym", "jordan", "polar_express",
+    "bf16", "original", "match_rms_adamw", "hidden", "upstream",
     3.5, 1.0, 0.999, 0.5, 0, 0.0, 1, 5, 100, 101, -1, -0.5, 1e-12, 1e30, -1e30, True, False, None, {}, {"a": 1},
     [], [0.9], [0.9, 0.95],
     [0, 0.5], [0.9, 1.0], [True, 0.9], ["0.9", "0.95"], [0.9, 0.95, 0.99], [-0.1, 0.9],
@@ -53,6 +55,7 @@ RULES = {
     "adam_w_mode": lambda v: isinstance(v, bool),
     "torch_adam": lambda v: isinstance(v, bool),
     "ns_method": lambda v: isinstance(v, str) and v in ("standard", "gram", "gram_sym"),
+    "ns_coefficients": lambda v: isinstance(v, str) and v in ("jordan", "polar_express"),
     "ns_dtype": lambda v: v is None or (isinstance(v, str) and v in ("fp32", "bf16", "fp16")),
     "betas": lambda v: isinstance(v, list) and len(v) == 2 and all(_number(b) and 0 <= b < 1 for b in v),
     "adjust_lr_fn": lambda v: v is None or (isinstance(v, str) and v in ("original", "match_rms_adamw")),
