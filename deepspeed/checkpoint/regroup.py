@@ -19,6 +19,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 import torch
 
 from deepspeed.runtime.zero.flat_layout import GroupLayout
+from deepspeed.runtime.zero.muon.normuon import muon_state_shape
 
 
 @dataclass
@@ -218,7 +219,8 @@ def group_state_for_rank(layout: GroupLayout, rank: int, states: Mapping[int, Pa
         result = []
         for index in layout.owned_params(rank):
             state = _state(states, index)
-            entry = {key: value.reshape(shapes[index]).clone() for key, value in state.tensors.items()}
+            entry = {key: value.reshape(muon_state_shape(key, shapes[index])).clone()
+                     for key, value in state.tensors.items()}
             entry.update({key: _copy(value) for key, value in state.scalars.items()})
             result.append(entry)
         return result

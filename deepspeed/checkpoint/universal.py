@@ -27,6 +27,7 @@ from deepspeed.checkpoint.files import (MODEL_FILE, UNIVERSAL_CHECKPOINT_INFO, C
                                                 load_file, temporary_name, write_file)
 from deepspeed.checkpoint.zero_state import FullGroup, FullZeroState, full_state_from_ranks
 from deepspeed.checkpoint.regroup import ParamState
+from deepspeed.runtime.zero.muon.normuon import muon_state_shape
 
 UNIVERSAL_FORMAT = 1
 ZERO_DIR = "zero"
@@ -188,7 +189,14 @@ def read_universal(tag_dir: str, param_shapes: Sequence[dict],
             for key in meta["state_keys"][g][names[index]]:
                 path = os.path.join(folder, f"{key}.pt")
                 value = _read_value(path)
-                if torch.is_tensor(value) and value.dim() > 0:
+                per_row = muon_state_shape(key, sizes[index])
+                if per_row != sizes[index]:
+                    # NorMuon's one value per row: whole on the matrix's owner, never cut (regroup.py's scalars).
+                    if not torch.is_tensor(value) or value.numel() != per_row.numel():
+                        raise CheckpointError(f"checkpoint file {path}: holds {_described(value)}, expected "
+                                              f"{per_row.numel()} values (one per row of {names[index]})")
+                    states[index].scalars[key] = value.reshape(per_row)
+                elif torch.is_tensor(value) and value.dim() > 0:
                     states[index].tensors[key] = _read_tensor(path, sizes[index], None, value)
                 else:
                     states[index].scalars[key] = value
@@ -210,7 +218,10 @@ def _read_tensor(path: str, shape: torch.Size, dtype: Optional[torch.dtype], val
     """A whole parameter's tensor from `path`, flat; its shape (and `dtype`, when given) checked."""
     value = _read_value(path) if value is None else value
     if not torch.is_tensor(value) or value.shape != shape or (dtype is not None and value.dtype != dtype):
-        described = (value.dtype, tuple(value.shape)) if torch.is_tensor(value) else type(value).__name__
-        raise CheckpointError(f"checkpoint file {path}: holds {described}, expected "
+        raise CheckpointError(f"checkpoint file {path}: holds {_described(value)}, expected "
                               f"{(dtype or 'a tensor', tuple(shape))}")
     return value.reshape(-1)
+
+
+def _described(value) -> object:
+    return (value.dtype, tuple(value.shape)) if torch.is_tensor(value) else type(value).__name__

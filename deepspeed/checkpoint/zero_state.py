@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from deepspeed.runtime.zero.flat_layout import GroupLayout
+from deepspeed.runtime.zero.muon.normuon import muon_state_shape
 from deepspeed.runtime.zero.muon.per_head import head_count
 from deepspeed.checkpoint.regroup import (ParamState, basic_param_indices, full_group_state, full_params,
                                             group_state_for_rank, needed_params, partition_of)
@@ -142,16 +143,19 @@ def _validate_base_optimizer_state(basic: torch.optim.Optimizer, state: dict, pa
         if saved.get("use_muon") != now.get("use_muon"):
             raise _mismatch(path, f"use_muon of optimizer group {index}", saved.get("use_muon"), now.get("use_muon"))
         if now.get("use_muon"):
-            # torch's load would carry the saved value over silently; it rescales every Muon update.
-            saved_fn, current_fn = saved.get("adjust_lr_fn", "original"), now.get("adjust_lr_fn", "original")
-            if saved_fn != current_fn:
-                raise _mismatch(path, f"optimizer.params.adjust_lr_fn of optimizer group {index}", repr(saved_fn),
-                                repr(current_fn))
+            # torch's load would carry the saved value over silently; each changes what every Muon update is (the
+            # scale of the update; NorMuon's normalisation and its state).
+            for option, default in (("adjust_lr_fn", "original"), ("normuon", False)):
+                saved_value, current = saved.get(option, default), now.get(option, default)
+                if saved_value != current:
+                    raise _mismatch(path, f"optimizer.params.{option} of optimizer group {index}", repr(saved_value),
+                                    repr(current))
         for saved_id, param in zip(saved["params"], now["params"]):
             for key, value in state["state"].get(saved_id, {}).items():
-                if key != "step" and torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:
+                expected = muon_state_shape(key, param.shape) if now.get("use_muon") else param.shape
+                if key != "step" and torch.is_tensor(value) and value.dim() > 0 and value.shape != expected:
                     raise _mismatch(path, f"shape of optimizer state '{key}' in group {index}", tuple(value.shape),
-                                    tuple(param.shape))
+                                    tuple(expected))
 
 
 def load_zero_state(optimizer, state: dict, path: str) -> None:

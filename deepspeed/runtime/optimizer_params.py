@@ -10,7 +10,7 @@ Adding a key is one field line; a Muon field also says which param group it conf
 import math
 from typing import Any, ClassVar
 
-from pydantic import ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel, validate_config
 from deepspeed.runtime.constants import (
@@ -136,6 +136,13 @@ class MuonParams(_ParamRules):
                                  "by device (null).")
     ns_cuda_graph: bool = Field(None, json_schema_extra=_rule((MUON_GROUP, )),
                                 description="Replay Newton-Schulz from a CUDA graph on a GPU (false).")
+    normuon: bool = Field(None, json_schema_extra=_rule((MUON_GROUP, )),
+                          description="NorMuon: normalise each row of the orthogonalised update by its running "
+                          "second moment, then rescale to Muon's norm (false).")
+    normuon_beta2: float = Field(None, ge=0, lt=1, json_schema_extra=_rule((MUON_GROUP, )),
+                                 description="NorMuon's second-moment decay, in [0, 1) (0.95).")
+    normuon_eps: float = Field(None, gt=0, json_schema_extra=_rule((MUON_GROUP, )),
+                               description="NorMuon's epsilon, added to the root of the second moment, > 0 (1e-8).")
     betas: tuple[float, float] = Field(None, json_schema_extra=_rule((ADAM_GROUP, )),
                                        description="Adam group's moment decay rates, each in [0, 1) ([0.9, 0.95]).")
     eps: float = Field(None, gt=0, json_schema_extra=_rule((ADAM_GROUP, )),
@@ -151,6 +158,15 @@ class MuonParams(_ParamRules):
     per_head_muon: bool = Field(None, json_schema_extra=_rule(),
                                 description="Orthogonalise each head's rows of the attention q/k/v projections on "
                                 "their own (false); the engine tags the model with it (docs/muon.md).")
+
+    @model_validator(mode="after")
+    def _normuon_options_need_normuon(self) -> "MuonParams":
+        # Without NorMuon these keys would change nothing: a config that sets them meant to turn it on.
+        for key in ("normuon_beta2", "normuon_eps"):
+            if getattr(self, key) is not None and self.normuon is not True:
+                raise ValueError(f"{self.key_path(key)} is set but {self.key_path('normuon')} is {self.normuon!r} "
+                                 "(NorMuon off), so it would be ignored; set normuon to true or remove the key")
+        return self
 
     @classmethod
     def _check_keys(cls, data: dict[str, Any]) -> None:

@@ -59,11 +59,12 @@ def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, opti
 
     `value` shaped like the parameter sets element-wise state (created where it does not exist yet, in `value`'s
     dtype); a 0-dim tensor sets a per-parameter value such as Adam's `step`, shared by the parameters of one flat
-    partition. A fresh optimizer needs every key it keeps (e.g. `step`, `exp_avg`, `exp_avg_sq`) set before it
-    steps.
+    partition; a Muon matrix's NorMuon `neuron_second_moment` takes one value per row. A fresh optimizer
+    needs every key it keeps (e.g. `step`, `exp_avg`, `exp_avg_sq`) set before it steps.
 
     Raises:
-        ValueError: `value` has neither 0 dims nor the parameter's number of elements.
+        ValueError: `value` has neither 0 dims nor the parameter's number of elements (for a per-row state: the
+            parameter's number of rows).
     """
     optimizer = _optimizer_of(param)
     if optimizer is not None:

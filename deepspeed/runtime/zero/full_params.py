@@ -8,6 +8,7 @@ import torch
 
 import deepspeed.comm as dist
 from deepspeed.runtime.zero.flat_layout import full_shape
+from deepspeed.runtime.zero.muon.normuon import muon_state_shape
 from deepspeed.runtime.zero.param_groups import is_muon_group
 
 
@@ -65,6 +66,9 @@ class FullParamAccess:
         group, index = self._check_param(param)
         failure = f"{key} not found in optimizer state fragment"
         if is_muon_group(self.optimizer.param_groups[group]):
+            shape = muon_state_shape(key, full_shape(param))
+            if shape != full_shape(param):
+                return self._gather_owned(param, lambda: self._muon_state(group, index, key), shape, failure)
             return self._gather_full(param, lambda g, start, n, frag: self._muon_state(g, index, key).reshape(-1),
                                      failure)
         return self._gather_full(param, lambda g, start, n, _: self._flat_state(g, key)[start:start + n], failure)
@@ -83,6 +87,28 @@ class FullParamAccess:
             raise ValueError(f"{key} not found in optimizer state fragment")
         return state[key]
 
+    def _gather_owned(self, param: torch.Tensor, read_whole, shape: torch.Size, failure: str) -> torch.Tensor:
+        """A Muon matrix's state tensor of `shape` (not the parameter's: NorMuon's one value per row), read whole on
+        the rank that owns the matrix, then one SUM all-reduce; a failure to read rides along as in `_gather_full`."""
+        group, index = self._check_param(param)
+        buffer = torch.zeros(shape.numel() + 1, dtype=torch.float32, device=self.device)
+        error = None
+        if self._muon_master(group, index) is not None:
+            try:
+                value = read_whole()
+                if value.numel() != shape.numel():
+                    raise ValueError(f"{failure}: it holds {value.numel()} elements, expected {shape.numel()}")
+                buffer[:-1].copy_(value.reshape(-1))
+            except ValueError as exc:
+                error = exc
+                buffer[-1] = 1.0
+        if self.layouts[group].num_partitions > 1:
+            dist.all_reduce(buffer, group=self.dp_process_group)
+        if buffer[-1].item() > 0:
+            raise error or ValueError(f"{failure} (on the rank that owns "
+                                      f"{self.param_names.get(param, '<unnamed>')})")
+        return buffer[:-1].view(shape)
+
     def _muon_master(self, group: int, index: int) -> Optional[torch.Tensor]:
         """The basic optimizer's view of Muon matrix `index` of `group` (None when another rank owns it)."""
         return self._masters.view_at(group, self.layouts[group].param_offsets[index] - self._partition_base(group))
@@ -93,7 +119,9 @@ class FullParamAccess:
         A tensor with the parameter's number of elements is element-wise state: this rank's fragment of it is
         written, into a new zero tensor in `value`'s dtype where the state does not exist yet. A 0-dim tensor
         (Adam's `step`) is stored as given in the state that holds this parameter's fragment: for a Muon matrix
-        its own, for other groups this rank's flat partition, which other parameters share.
+        its own, for other groups this rank's flat partition, which other parameters share. A Muon matrix's state of
+        another shape than the parameter's (NorMuon's `neuron_second_moment`, one value per row) is kept whole by
+        the rank that owns the matrix.
 
         Raises:
             ValueError: `value` has neither 0 dims nor the parameter's number of elements, or the existing state
@@ -102,11 +130,21 @@ class FullParamAccess:
         group, index = self._check_param(param)
         value = value.detach()
         numel = full_shape(param).numel()
+        muon = is_muon_group(self.optimizer.param_groups[group])
+        shape = muon_state_shape(key, full_shape(param)) if muon else full_shape(param)
+        if shape != full_shape(param):
+            # Not element-wise (NorMuon's one value per row): the owner of the matrix keeps it whole.
+            if value.numel() != shape.numel():
+                raise ValueError(f"optimizer state '{key}' of {self.param_names.get(param, '<unnamed>')} needs "
+                                 f"{shape.numel()} elements (shape {tuple(shape)}), got shape {tuple(value.shape)}")
+            hp = self._muon_master(group, index)
+            if hp is not None:
+                self.optimizer.state[hp][key] = value.reshape(shape).to(hp.device, copy=True)
+            return
         if value.dim() != 0 and value.numel() != numel:
             raise ValueError(f"optimizer state '{key}' of {self.param_names.get(param, '<unnamed>')} needs a 0-dim "
                              f"tensor or {numel} elements, got shape {tuple(value.shape)}")
         layout = self.layouts[group]
-        muon = is_muon_group(self.optimizer.param_groups[group])
         base = self._partition_base(group)
         for fragment in layout.fragments(self._owner_rank(group)):
             if fragment.param_index != index:

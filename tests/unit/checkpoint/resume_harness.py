@@ -18,6 +18,11 @@ MICRO = 2
 POISON = float("inf")
 
 
+# The Muon configurations the checkpoint tests save and load: plain Muon, and NorMuon (whose per-row second moment is
+# state of another shape than the parameter's) with the Polar Express schedule.
+MUON_VARIANTS = {"muon": {}, "normuon": {"normuon": True, "ns_coefficients": "polar_express"}}
+
+
 def checkpoint_config(stage, dtype, optimizer="adamw", gas=1, scheduler=True):
     """A small config whose every applied step has a different, non-zero lr (except WarmupCosineLR's first).
 
@@ -29,7 +34,8 @@ def checkpoint_config(stage, dtype, optimizer="adamw", gas=1, scheduler=True):
         sched = {"type": "WarmupLR", "params": {"warmup_min_lr": 5e-3, "warmup_max_lr": 1e-2, "warmup_num_steps": 10,
                                                 "warmup_type": "linear"}}
     else:
-        optim = {"type": "muon", "params": {"lr": 0.02, "adam_lr": 1e-2, "ns_dtype": "fp32", "weight_decay": 0.01}}
+        optim = {"type": "muon", "params": {"lr": 0.02, "adam_lr": 1e-2, "ns_dtype": "fp32", "weight_decay": 0.01,
+                                            **MUON_VARIANTS[optimizer]}}
         sched = {"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "warmup_num_steps": 2,
                                                       "warmup_min_ratio": 0.5}}
     config = {
@@ -61,8 +67,14 @@ def batches_for(engine, steps, seed=1234):
     return global_batches(steps, global_batch, HIDDEN, seed=seed)
 
 
-def state_keys(param):
-    return ["momentum_buffer"] if getattr(param, "use_muon", False) else ["exp_avg", "exp_avg_sq"]
+def state_keys(param, normuon=False):
+    if not getattr(param, "use_muon", False):
+        return ["exp_avg", "exp_avg_sq"]
+    return ["momentum_buffer", "neuron_second_moment"] if normuon else ["momentum_buffer"]
+
+
+def uses_normuon(engine):
+    return any(group.get("normuon", False) for group in engine.optimizer.optimizer.param_groups)
 
 
 def full_snapshot(engine):
@@ -77,7 +89,8 @@ def full_snapshot(engine):
         "params": weights,
         "masters": [safe_get_full_fp32_param(p).cpu().clone() for p in params],
         "states": {f"{i}.{key}": safe_get_full_optimizer_state(p, key).cpu().clone()
-                   for i, p in enumerate(params) for key in state_keys(p)} if _any_rank_has_state(engine) else None,
+                   for i, p in enumerate(params) for key in state_keys(p, uses_normuon(engine))}
+        if _any_rank_has_state(engine) else None,
         "local_states": local_optimizer_state(engine),
         "local_devices": [{key: str(value.device) for key, value in state.items() if torch.is_tensor(value)}
                           for state in _live_states(engine)],

@@ -301,6 +301,22 @@ class TestRefusedLoads(DistributedTest):
                 assert_identical(got[key], saved[key], f"stage 1 -> {stage}: {key}")
 
 
+    def test_normuon_on_or_off_against_the_checkpoint(self, class_tmpdir):
+        """NorMuon's switch is part of what a checkpoint's Muon state means: a resume that changes it is refused by
+        name, both ways, with the engine left as it was (torch's load would carry the saved switch over silently)."""
+        for saved, loading in (("normuon", "muon"), ("muon", "normuon")):
+            directory = os.path.join(str(class_tmpdir), f"{saved}-to-{loading}")
+            _trained(checkpoint_config(1, "bf16", saved)).save_checkpoint(directory, tag="t")
+            optim_path = os.path.join(directory, "t", _optim_file(dist.get_rank(), True))
+            engine = new_engine(checkpoint_config(1, "bf16", loading), seed=1)
+            before = full_snapshot(engine)
+            error = _raises_everywhere(lambda engine=engine, directory=directory: engine.load_checkpoint(directory),
+                                       optim_path,
+                                       "optimizer.params.normuon", "differs")
+            assert isinstance(error, CheckpointError)
+            assert_identical(full_snapshot(engine), before, f"engine after a refused load ({saved} -> {loading})")
+
+
 class TestPartialLoads(DistributedTest):
     world_size = 2
 

@@ -24,7 +24,7 @@ from deepspeed.checkpoint.ds_to_universal import convert
 from deepspeed.checkpoint.engine_io import CheckpointError
 from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 from unit.checkpoint.resume_harness import (HIDDEN, MICRO, assert_identical, checkpoint_config, full_snapshot,
-                                            new_engine, state_keys, train)
+                                            new_engine, state_keys, train, uses_normuon)
 from unit.common import DistributedFixture, DistributedTest
 from unit.runtime.engine_harness import global_batches
 
@@ -41,11 +41,12 @@ SAVED_AT_TWO = {
     (1, "muon", "fp16"): (1, ),
     (0, "muon", "fp16"): (2, ),
     (2, "muon", "fp32"): (2, ),
+    (2, "normuon", "bf16"): (2, 3),
 }
 # Saved at 1 and at 3 ranks, loaded at 2.
 SAVED_ELSEWHERE = {(2, "muon", "bf16"): (2, 0), (1, "adamw", "fp16"): (2, )}
 # With optimizer offload (fp32 masters and state on the host), saved at 2 ranks and loaded with offload at 1 and 3.
-OFFLOADED_AT_TWO = {(2, "muon", "bf16"): (2, 3), (3, "adamw", "fp16"): (3, 1)}
+OFFLOADED_AT_TWO = {(2, "muon", "bf16"): (2, 3), (3, "adamw", "fp16"): (3, 1), (1, "normuon", "fp16"): (2, )}
 OFFLOAD = {"device": "cpu", "pin_memory": True}
 
 
@@ -123,7 +124,7 @@ def _set_through_public_setters(engine, reference):
     """The oracle: the saved state written into a fresh engine without the checkpoint code."""
     for index, param in enumerate(engine.module.parameters()):
         safe_set_full_fp32_param(param, reference["masters"][index])
-        for key in state_keys(param):
+        for key in state_keys(param, uses_normuon(engine)):
             safe_set_full_optimizer_state(param, reference["states"][f"{index}.{key}"], key)
         if "exp_avg" in state_keys(param):
             safe_set_full_optimizer_state(param, reference["step"], "step")

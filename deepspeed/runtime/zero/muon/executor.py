@@ -10,7 +10,7 @@ overflow verdict and committed after it. Every path gives the same bits.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from deepspeed.runtime.zero.muon.fused_momentum import fold_and_direction
 from deepspeed.runtime.zero.muon.fused_update import apply_update
 from deepspeed.runtime.zero.muon.host_step import HostStep
 from deepspeed.runtime.zero.muon.ns_graph import GraphedCalls
+from deepspeed.runtime.zero.muon.normuon import NEURON_SECOND_MOMENT, neuron_normalised
 from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
 from deepspeed.runtime.zero.muon.original_muon import (NS_FUNCTIONS, adam_update, flat_view, fold_momenta,
                                                       momentum_directions, resolve_ns_dtype, stacked_view,
@@ -355,7 +356,9 @@ class MuonStepExecutor:
             self._fold(updates, beta)
         if self._host is not None:
             self._host.wait_for_updates(group)
-        for (params, _, scale), update in zip(updates.batches, updates.updates):
+        # Here, after the verdict: NorMuon's second moments are written only by a step that is taken.
+        applied = self._neuron_normalised(group, updates) if group.get("normuon", False) else updates.updates
+        for (params, _, scale), update in zip(updates.batches, applied):
             if update.shape[1:] != params[0].shape:  # 4-D kernels were orthogonalised as (out, -1)
                 update = update.reshape(len(params), *params[0].shape)
             batch_copies = [copies[id(p)] for p in params] if copies else None
@@ -378,6 +381,18 @@ class MuonStepExecutor:
             for param, copy in zip(params, batch_copies or ()):
                 copy.view(-1).copy_(param.view(-1))
 
+    def _neuron_normalised(self, group: dict[str, Any], updates: _MuonUpdates) -> list[Tensor]:
+        """NorMuon: each batch's orthogonalised update normalised per row (``normuon.neuron_normalised``), the
+        params' second moments (one fp32 value per row, packed into one run) updated in place."""
+        moments = iter(self._packed_state([p for params, _, _ in updates.batches for p in params],
+                                          NEURON_SECOND_MOMENT, lambda p: p.shape[:1]))
+        normalised = []
+        for (params, _, _), update in zip(updates.batches, updates.updates):
+            # A batch's rows, head by head: (count * heads, rows / heads) over the params' packed moments.
+            batch_moments = flat_view([next(moments) for _ in params]).view(update.shape[:2])
+            normalised.append(neuron_normalised(update, batch_moments, group["normuon_beta2"], group["normuon_eps"]))
+        return normalised
+
     def _fold(self, updates: _MuonUpdates, beta: float) -> None:
         if updates.flat is not None:
             grads, momenta = updates.flat
@@ -399,24 +414,39 @@ class MuonStepExecutor:
         missing.
 
         fp32 even for bf16/fp16 params: low-precision momentum loses small gradients (and a dtype that changes
-        on resume broke upstream, #7746). Buffers that are not one run (loaded from a checkpoint, or created one
-        by one) are moved into one allocation once, with their values, so each later step reads and folds the
-        momenta of each shape, or of the whole group, as one tensor.
+        on resume broke upstream, #7746).
+        """
+        return self._packed_state(params, "momentum_buffer", lambda p: p.shape)
+
+    def _packed_state(self, params: list[Tensor], key: str, shape_of: Callable[[Tensor], Sequence[int]]
+                      ) -> list[Tensor]:
+        """The params' fp32 state ``key`` (shaped ``shape_of(param)``), back to back in ``params``' order, created as
+        zeros where missing.
+
+        Buffers that are not one run (loaded from a checkpoint, or created one by one) are moved into one allocation
+        once, with their values, so each later step reads the state of each shape, or of the whole group, as one
+        tensor. A loaded buffer keeps its values whatever shape it was saved in (a regrouped checkpoint may flatten
+        it).
         """
         if not params:
             return []
         states = [self.state[p] for p in params]
-        momenta = [state.get("momentum_buffer") for state in states]
-        if all(m is not None for m in momenta) and flat_view(momenta) is not None:
-            return momenta
-        packed = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)
+        values = [state.get(key) for state in states]
+        shapes = [torch.Size(shape_of(p)) for p in params]
+        if (all(v is not None and v.shape == shape for v, shape in zip(values, shapes))
+                and flat_view(values) is not None):
+            return values
+        packed = torch.zeros(sum(shape.numel() for shape in shapes), dtype=torch.float32, device=params[0].device)
         slots, start = [], 0
-        for p, state, momentum in zip(params, states, momenta):
-            slot = packed[start:start + p.numel()].view(p.shape)
-            start += p.numel()
-            if momentum is not None:
-                slot.copy_(momentum)
-            state["momentum_buffer"] = slot
+        for state, value, shape in zip(states, values, shapes):
+            slot = packed[start:start + shape.numel()].view(shape)
+            start += shape.numel()
+            if value is not None:
+                if value.numel() != shape.numel():
+                    raise ValueError(f"MuonWithAuxAdam: optimizer state '{key}' holds {value.numel()} elements, its "
+                                     f"parameter needs {shape.numel()}")
+                slot.copy_(value.reshape(shape))
+            state[key] = slot
             slots.append(slot)
         return slots
 

@@ -21,6 +21,7 @@ from deepspeed.runtime.zero.muon.original_muon import (
     check_ns_method,
 )
 from deepspeed.runtime.zero.muon.executor import MuonStepExecutor, _batch_key, _logical_shape
+from deepspeed.runtime.zero.muon.normuon import NORMUON_BETA2, NORMUON_EPS
 from deepspeed.runtime.zero.muon.ns_coefficients import DEFAULT_NS_COEFFICIENTS, check_ns_coefficients
 from deepspeed.runtime.zero.step_contract import ZeroStepContract
 
@@ -35,6 +36,9 @@ MUON_DEFAULTS: dict[str, Any] = {
     "ns_dtype": None,
     "ns_cuda_graph": False,
     "adjust_lr_fn": "original",
+    "normuon": False,
+    "normuon_beta2": NORMUON_BETA2,
+    "normuon_eps": NORMUON_EPS,
 }
 ADAM_DEFAULTS: dict[str, Any] = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-10, "weight_decay": 0.0}
 
@@ -67,7 +71,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer, ZeroStepContract):
     :func:`~deepspeed.runtime.zero.muon.original_muon.resolve_ns_dtype`), ``ns_cuda_graph`` (False; True:
     replay Newton-Schulz from a CUDA graph when it runs in a lent workspace, see :meth:`lend_step_workspace`) and
     ``adjust_lr_fn`` ("original" or "match_rms_adamw", torch.optim.Muon's: how an orthogonalised update is scaled
-    by its shape, see :func:`~deepspeed.runtime.zero.muon.original_muon.update_scale`; None means "original").
+    by its shape, see :func:`~deepspeed.runtime.zero.muon.original_muon.update_scale`; None means "original"), and
+    ``normuon`` (False; True: NorMuon, the update normalised per row by a second moment, ``normuon_beta2`` (0.95)
+    and ``normuon_eps`` (1e-8), see ``normuon.py``).
     A Muon param whose ``muon_num_heads`` or ``muon_head_dim`` attribute asks for it is orthogonalised per head:
     its rows split into that many equal blocks, each orthogonalised and scaled on its own (see ``per_head.py``).
     Their params are reordered by size, largest first (stable), as upstream does, since ZeRO flattens them in that
@@ -76,7 +82,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer, ZeroStepContract):
     Weight decay is decoupled in both. Every group may also carry ``name``. Empty groups are allowed
     (under ZeRO a rank may own no Muon matrix).
 
-    State per param: Muon ``momentum_buffer`` (fp32 whatever the param dtype); Adam ``exp_avg``,
+    State per param: Muon ``momentum_buffer`` (fp32 whatever the param dtype) and, with ``normuon``,
+    ``neuron_second_moment`` (fp32, one value per row); Adam ``exp_avg``,
     ``exp_avg_sq`` (fp32) and ``step``, a CPU float32 tensor as in ``torch.optim.Adam``, so it round
     trips through ``torch.load(weights_only=True)`` and never forces a device sync.
 
@@ -93,7 +100,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer, ZeroStepContract):
     Raises:
         ValueError: a group without ``use_muon``, an unknown group key, a Muon param with fewer than
             two dims or a head count its rows are not divisible by, an unknown ``ns_method``, ``ns_coefficients`` or
-            ``adjust_lr_fn``, ``ns_steps`` that is not an integer >= 1, ``momentum`` outside [0, 1), or an
+            ``adjust_lr_fn``, ``ns_steps`` that is not an integer >= 1, ``momentum`` or ``normuon_beta2`` outside
+            [0, 1), a ``normuon`` that is not a bool, a ``normuon_eps`` that is not > 0, or an
             ``ns_dtype`` that is not a torch.dtype. (Config values are checked earlier, with the config key in the
             message: deepspeed/runtime/optimizer_params.py.)
     """
@@ -146,10 +154,17 @@ class MuonWithAuxAdam(torch.optim.Optimizer, ZeroStepContract):
                 # Fewer than one iteration would apply the raw momentum: no orthogonalisation, no error.
                 raise ValueError(f"MuonWithAuxAdam param group {index}: ns_steps must be an integer >= 1, got "
                                  f"{steps!r}")
-            beta = group["momentum"]
-            if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < 1:
-                raise ValueError(f"MuonWithAuxAdam param group {index}: momentum must be a number in [0, 1), got "
-                                 f"{beta!r}")
+            for key in ("momentum", "normuon_beta2"):
+                beta = group[key]
+                if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0 <= beta < 1:
+                    raise ValueError(f"MuonWithAuxAdam param group {index}: {key} must be a number in [0, 1), got "
+                                     f"{beta!r}")
+            if not isinstance(group["normuon"], bool):
+                raise ValueError(f"MuonWithAuxAdam param group {index}: normuon must be true or false, got "
+                                 f"{group['normuon']!r}")
+            eps = group["normuon_eps"]
+            if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+                raise ValueError(f"MuonWithAuxAdam param group {index}: normuon_eps must be a number > 0, got {eps!r}")
             if group["ns_dtype"] is not None and not isinstance(group["ns_dtype"], torch.dtype):
                 raise ValueError(
                     f"MuonWithAuxAdam param group {index}: ns_dtype must be a torch.dtype or None, "
@@ -356,7 +371,8 @@ def muon_param_groups(
     :class:`~deepspeed.runtime.optimizer_params.MuonParams`' table: ``lr`` and ``weight_decay`` apply to
     both groups; ``muon_lr`` / ``adam_lr`` override ``lr`` for one; ``momentum``, ``ns_method``,
     ``ns_coefficients``, ``ns_steps``, ``nesterov``, ``ns_dtype`` ('fp32', 'bf16', 'fp16'), ``ns_cuda_graph`` and
-    ``adjust_lr_fn`` ('original', 'match_rms_adamw') are Muon's; ``betas`` and ``eps`` are Adam's. Upstream
+    ``adjust_lr_fn`` ('original', 'match_rms_adamw'), ``normuon``, ``normuon_beta2`` and ``normuon_eps`` are
+    Muon's; ``betas`` and ``eps`` are Adam's. Upstream
     silently drops ``nesterov`` and ``ns_steps``; we honour them. ``per_head_muon`` is validated and left to the
     caller, who tags the model with it (``per_head.tag_attention_heads``) before building the optimizer.
 

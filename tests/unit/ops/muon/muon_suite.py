@@ -92,6 +92,13 @@ def local_micro_batch(batch: Batch, engine, dtype: torch.dtype) -> Batch:
 
 
 # ---------------------------------------------------------------------------------------------- config
+# Muon options beyond upstream's, run through the suite's resume, long-run and overflow cases: NorMuon (a per-row
+# second moment, state of another shape than the parameter) with the Polar Express schedule. Its state keys are
+# what optimizer_state reads for it.
+VARIANTS = {"normuon-polar-express": {"normuon": True, "ns_coefficients": "polar_express"}}
+VARIANT_STATE_KEYS = {"normuon-polar-express": ("momentum_buffer", "neuron_second_moment")}
+
+
 def muon_config(stage: int, dtype: str, micro: int = 8, lr: float = 0.05, adam_lr: float = 0.01,
                 clip: Optional[float] = None, fp16: Optional[dict] = None, **muon_params) -> dict:
     """A Muon config; fp16 defaults to dynamic loss scaling at its default initial scale (2**16).
@@ -165,13 +172,14 @@ def model_parameters(engine) -> Dict[str, torch.Tensor]:
         return {name: param.detach().cpu().clone() for name, param in named}
 
 
-def optimizer_state(engine) -> Dict[Tuple[str, str], torch.Tensor]:
-    """Muon momentum of every matrix and Adam moments of every other parameter, on CPU (a collective)."""
+def optimizer_state(engine, muon_keys: Sequence[str] = ("momentum_buffer", )) -> Dict[Tuple[str, str], torch.Tensor]:
+    """Muon state (`muon_keys`: the momentum, and NorMuon's "neuron_second_moment" where it is on) of every matrix and
+    Adam moments of every other parameter, on CPU (a collective)."""
     states = {}
     for name, param in engine.module.named_parameters():
         # ZeRO-3 keeps a placeholder in `param`; `ds_shape` is the parameter's shape there.
         is_matrix = len(getattr(param, "ds_shape", param.shape)) >= 2
-        keys = ("momentum_buffer", ) if is_matrix else ("exp_avg", "exp_avg_sq")
+        keys = tuple(muon_keys) if is_matrix else ("exp_avg", "exp_avg_sq")
         for key in keys:
             states[(name, key)] = safe_get_full_optimizer_state(param, key).detach().cpu().clone()
     return states

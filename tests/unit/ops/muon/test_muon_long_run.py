@@ -17,7 +17,7 @@ import pytest
 
 from unit.common import DistributedTest
 
-from muon_suite import (all_finite, assert_identical, dataset_loss, fp32_masters, global_batches, initialize,
+from muon_suite import (VARIANTS, all_finite, assert_identical, dataset_loss, fp32_masters, global_batches, initialize,
                         make_model, model_parameters, moved_parameters, muon_config, train)
 
 STEPS = 48
@@ -32,9 +32,18 @@ class TestMuonLongRun(DistributedTest):
     @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
     @pytest.mark.parametrize("stage", [1, 2])
     def test_trains_through_overflow(self, stage, dtype):
+        self._long_run(stage, dtype)
+
+    # The Muon options upstream lacks (not part of the upstream PR).
+    @pytest.mark.parametrize("variant", sorted(VARIANTS))
+    @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+    def test_variant_trains_through_overflow(self, dtype, variant):
+        self._long_run(2, dtype, **VARIANTS[variant])
+
+    def _long_run(self, stage, dtype, **muon_params):
         batches = global_batches(STEPS, GLOBAL_BATCH)
         # Default dynamic loss scale (fp16: 2**16, hysteresis 2) and default gradient_clipping (1.0).
-        engine = initialize(make_model(), muon_config(stage, dtype, micro=GLOBAL_BATCH // 2))
+        engine = initialize(make_model(), muon_config(stage, dtype, micro=GLOBAL_BATCH // 2, **muon_params))
         initial_loss = dataset_loss(engine, dtype)
 
         train(engine, batches[:FORCED_OVERFLOW_STEP], dtype)

@@ -16,8 +16,8 @@ import pytest
 import deepspeed.comm as dist
 from unit.common import DistributedTest
 
-from muon_suite import (assert_identical, fp32_masters, gather_floats, global_batches, initialize, make_model,
-                        model_parameters, muon_config, optimizer_state, train)
+from muon_suite import (VARIANT_STATE_KEYS, VARIANTS, assert_identical, fp32_masters, gather_floats, global_batches,
+                        initialize, make_model, model_parameters, muon_config, optimizer_state, train)
 
 GLOBAL_BATCH = 16
 CLEAN_STEPS = 2
@@ -38,16 +38,24 @@ class TestOverflowSeenByOneRank(DistributedTest):
     @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
     @pytest.mark.parametrize("stage", [1, 2])
     def test_every_rank_skips(self, stage, dtype):
+        self._every_rank_skips(stage, dtype)
+
+    @pytest.mark.parametrize("variant", sorted(VARIANTS))
+    def test_every_rank_skips_with_variant(self, variant):
+        # NorMuon's second moments, written after the verdict, must come through every skipped step untouched too.
+        self._every_rank_skips(2, "bf16", VARIANT_STATE_KEYS[variant], **VARIANTS[variant])
+
+    def _every_rank_skips(self, stage, dtype, muon_keys=("momentum_buffer", ), **muon_params):
         batches = global_batches(STEPS, GLOBAL_BATCH)
         # A scale without natural overflows, so the poisoned steps are the only skipped ones.
         engine = initialize(make_model(), muon_config(stage, dtype, micro=GLOBAL_BATCH // 2,
-                                                      fp16={"initial_scale_power": 8}))
+                                                      fp16={"initial_scale_power": 8}, **muon_params))
         train(engine, batches[:CLEAN_STEPS], dtype)
         assert engine.skipped_steps == 0
 
         named = list(engine.module.named_parameters())
         for poisoned, (name, param) in enumerate(named, start=1):
-            masters, state = fp32_masters(engine), optimizer_state(engine)
+            masters, state = fp32_masters(engine), optimizer_state(engine, muon_keys)
             # One element of one gradient, on rank 0 only.
             handle = param.register_hook(poison_one_element) if dist.get_rank() == 0 else None
             train(engine, [batches[CLEAN_STEPS]], dtype)
@@ -60,7 +68,8 @@ class TestOverflowSeenByOneRank(DistributedTest):
                 f"{name}: ranks disagree (applied, skipped, scale, steps): {verdicts}")
             assert verdicts[0][:2] == [0.0, poisoned], f"{name}: the step was not skipped: {verdicts[0]}"
             assert_identical(masters, fp32_masters(engine), f"fp32 masters across the step skipped for {name}")
-            assert_identical(state, optimizer_state(engine), f"optimizer state across the step skipped for {name}")
+            assert_identical(state, optimizer_state(engine, muon_keys),
+                             f"optimizer state across the step skipped for {name}")
 
         train(engine, batches[CLEAN_STEPS + 1:], dtype)
         assert engine.skipped_steps == len(named) and engine.was_step_applied()

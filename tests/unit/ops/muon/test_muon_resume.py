@@ -30,13 +30,13 @@ LOSS_TOLERANCE = 1e-3
 CHANGE_TOLERANCE = 1e-5
 
 
-def train_and_save(stage, dtype, save_dir):
+def train_and_save(stage, dtype, save_dir, **muon_params):
     """The saved run: 6 steps through a forced overflow (fp16: also the natural ones at 2**16), saved as tag "mid".
 
     Returns the engine (to go on uninterrupted), its config and the 12 global batches.
     """
     batches = global_batches(STEPS, GLOBAL_BATCH)
-    config = muon_config(stage, dtype, micro=GLOBAL_BATCH // 2)
+    config = muon_config(stage, dtype, micro=GLOBAL_BATCH // 2, **muon_params)
     engine = initialize(make_model(seed=0), config)
     train(engine, batches[:SAVE_AT], dtype, poison_steps=[FORCED_OVERFLOW_STEP])
     assert engine.skipped_steps >= 1

@@ -6,14 +6,16 @@ skipped_steps, the loss scaler's state (scale, hysteresis), the Muon momentum (r
 ``safe_get_full_optimizer_state(p, "momentum_buffer")``) and Adam's moments and step counts all have to come
 back for the losses, masters, weights and optimizer state to match bit for bit. Upstream 0.19.8 resumes close
 to but not exactly on the uninterrupted run in bf16, and its momentum cannot be read at 2 ranks
-(docs/upstream-pr.md).
+(docs/upstream-pr.md). The same holds for the Muon options upstream lacks (muon_suite.VARIANTS: NorMuon, whose
+per-row second moment is read back too, with the Polar Express schedule).
 """
 
 import pytest
 
 from unit.common import DistributedTest
 
-from muon_suite import assert_identical, fp32_masters, initialize, make_model, model_parameters, optimizer_state, train
+from muon_suite import (VARIANT_STATE_KEYS, VARIANTS, assert_identical, fp32_masters, initialize, make_model,
+                        model_parameters, optimizer_state, train)
 # The saved run is the upstream PR's (test_muon_resume.py); this file checks more of what comes back.
 from test_muon_resume import SAVE_AT, train_and_save
 
@@ -24,7 +26,16 @@ class TestMuonResume(DistributedTest):
     @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
     @pytest.mark.parametrize("stage", [0, 1, 2])
     def test_resumed_run_equals_uninterrupted(self, stage, dtype, tmpdir):
-        engine, config, batches = train_and_save(stage, dtype, str(tmpdir))
+        self._resume(stage, dtype, tmpdir)
+
+    @pytest.mark.parametrize("variant", sorted(VARIANTS))
+    @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+    @pytest.mark.parametrize("stage", [0, 2])
+    def test_variant_resumed_run_equals_uninterrupted(self, stage, dtype, variant, tmpdir):
+        self._resume(stage, dtype, tmpdir, VARIANT_STATE_KEYS[variant], **VARIANTS[variant])
+
+    def _resume(self, stage, dtype, tmpdir, muon_keys=("momentum_buffer", ), **muon_params):
+        engine, config, batches = train_and_save(stage, dtype, str(tmpdir), **muon_params)
         saved_counters = (engine.global_steps, engine.skipped_steps)
         expected_losses = train(engine, batches[SAVE_AT:], dtype)
         assert engine.was_step_applied(), f"the uninterrupted run still skips steps ({engine.skipped_steps} skipped)"
@@ -42,4 +53,4 @@ class TestMuonResume(DistributedTest):
             assert resumed.optimizer.cur_scale == engine.optimizer.cur_scale
         assert_identical(fp32_masters(resumed), fp32_masters(engine), "fp32 masters")
         assert_identical(model_parameters(resumed), model_parameters(engine), "model parameters")
-        assert_identical(optimizer_state(resumed), optimizer_state(engine), "optimizer state")
+        assert_identical(optimizer_state(resumed, muon_keys), optimizer_state(engine, muon_keys), "optimizer state")

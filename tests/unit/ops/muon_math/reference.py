@@ -59,3 +59,18 @@ def muon_update_fp64(grad, momentum, beta, nesterov=True, ns_steps=5, num_heads=
         block = matrix[..., head * head_rows:(head + 1) * head_rows, :]
         blocks.append(newton_schulz_fp64(block, ns_steps, coefficients) * shape_factor(head_rows, cols, adjust_lr_fn))
     return torch.cat(blocks, dim=-2).reshape(grad.shape), m
+
+
+def normuon_fp64(orthogonalised, second_moment, beta2=0.95, eps=1e-8):
+    """NorMuon's normalisation (Li et al. 2025, Algorithm 1) of one orthogonalised rows x cols block, in fp64.
+
+    v <- beta2 v + (1 - beta2) mean_cols(O * O); Ô = O / (sqrt(v) + eps); returned with Frobenius norm
+    sqrt(min(rows, cols)) (the norm of the polar factor: the caller's shape factor then applies as for Muon; with
+    match_rms_adamw's 0.2 sqrt(max(rows, cols)) that is the paper's 0.2 sqrt(rows cols) Ô / ||Ô||_F). Returns
+    (normalised, new second moment) without touching the inputs.
+    """
+    o = orthogonalised.double()
+    v = beta2 * second_moment.double() + (1 - beta2) * (o * o).mean(dim=-1)
+    o_hat = o / (v.sqrt() + eps).unsqueeze(-1)
+    rows, cols = o.shape[-2:]
+    return o_hat * (math.sqrt(min(rows, cols)) / torch.linalg.matrix_norm(o_hat)), v

@@ -114,7 +114,8 @@ def test_gram_iterations_stay_bounded_in_bf16_under_polar_express(method, seed):
     low_rank = torch.randn(128, 8, generator=generator) @ torch.randn(8, 512, generator=generator)
     for G in (uniform_spectrum(256, 1024, generator), uniform_spectrum(1024, 256, generator),
               low_rank + 1e-3 * torch.randn(128, 512, generator=generator)):
-        got = torch.linalg.svdvals(NS_FUNCTIONS[method](G, dtype=torch.bfloat16, coefficients="polar_express").double())
+        got = torch.linalg.svdvals(
+            NS_FUNCTIONS[method](G, dtype=torch.bfloat16, coefficients="polar_express").double())
         standard = torch.linalg.svdvals(
             NS_FUNCTIONS["standard"](G, dtype=torch.bfloat16, coefficients="polar_express").double())
         assert torch.isfinite(got).all()

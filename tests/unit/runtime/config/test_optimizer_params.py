@@ -22,6 +22,7 @@ VALID_MUON = {
     "ns_coefficients": "polar_express",
     "ns_steps": 5, "ns_dtype": "fp32", "ns_cuda_graph": True, "weight_decay": 0.01, "betas": [0.9, 0.95],
     "eps": 1e-10, "adjust_lr_fn": "original", "per_head_muon": False, "param_split": "hidden",
+    "normuon": True, "normuon_beta2": 0.95, "normuon_eps": 1e-8,
 }
 VALID_ADAM = {
     "lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False, "adam_w_mode": True,
@@ -61,6 +62,10 @@ RULES = {
     "adjust_lr_fn": lambda v: v is None or (isinstance(v, str) and v in ("original", "match_rms_adamw")),
     "per_head_muon": lambda v: isinstance(v, bool),
     "param_split": lambda v: isinstance(v, str) and v in ("hidden", "upstream"),
+    # normuon_beta2 and normuon_eps are set in VALID_MUON, and are allowed only with normuon true.
+    "normuon": lambda v: v is True,
+    "normuon_beta2": lambda v: _number(v) and 0 <= v < 1,
+    "normuon_eps": lambda v: _number(v) and v > 0,
 }
 
 

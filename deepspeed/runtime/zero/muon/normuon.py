@@ -1,0 +1,66 @@
+"""NorMuon: Muon's orthogonalised update normalised per output neuron (Li et al., 2025, "NorMuon: Making Muon more
+efficient and scalable", arXiv:2510.05491, Algorithm 1).
+
+Newton-Schulz makes an update's singular values alike, but not its rows: some output neurons still get much larger
+steps than others. NorMuon keeps, per row of each Muon matrix, an exponential average of the mean square of that
+row of the orthogonalised update O,
+
+    v <- beta2 * v + (1 - beta2) * mean_cols(O * O)
+
+divides each row by sqrt(v) + eps, and rescales the result Ô so that its Frobenius norm is the polar factor's of its
+shape, sqrt(min(rows, cols)). The caller then scales it as it scales Muon's update (``update_scale``), so a learning
+rate means what it means for Muon; under ``adjust_lr_fn: "match_rms_adamw"`` (0.2 sqrt(max(rows, cols))) the applied
+update is the paper's 0.2 * lr * sqrt(rows * cols) * Ô / ||Ô||_F.
+
+A pure function of tensors: the second moment is state the caller keeps (fp32, one value per row of the parameter)
+and writes only when the step is taken.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+# The paper's defaults.
+NORMUON_BETA2 = 0.95
+NORMUON_EPS = 1e-8
+
+# The optimizer state key of a Muon parameter's per-row second moment.
+NEURON_SECOND_MOMENT = "neuron_second_moment"
+
+
+def muon_state_shape(key: str, param_shape: torch.Size) -> torch.Size:
+    """The shape of a Muon parameter's optimizer state ``key``: one value per row for the second moment, else the
+    parameter's (the momentum)."""
+    return torch.Size(param_shape[:1]) if key == NEURON_SECOND_MOMENT else torch.Size(param_shape)
+
+
+def neuron_normalised(update: Tensor, second_moment: Tensor, beta2: float = NORMUON_BETA2,
+                      eps: float = NORMUON_EPS) -> Tensor:
+    """Fold the rows' mean squares of ``update`` into ``second_moment`` (in place) and return the normalised update.
+
+    Args:
+        update: orthogonalised blocks, (blocks, rows, cols), any float dtype (Newton-Schulz's); never written.
+        second_moment: fp32, (blocks, rows): each block row's average; updated in place.
+        beta2: the average's decay, in [0, 1).
+        eps: added to sqrt(second_moment) before dividing, > 0.
+
+    Returns:
+        A new fp32 tensor shaped like ``update``, each block with Frobenius norm sqrt(min(rows, cols)) (zero where the
+        block is zero).
+
+    Raises:
+        ValueError: shapes or dtypes that do not match.
+    """
+    if update.dim() != 3 or second_moment.shape != update.shape[:2] or second_moment.dtype != torch.float32:
+        raise ValueError(f"NorMuon needs (blocks, rows, cols) updates and an fp32 (blocks, rows) second moment, got "
+                         f"{tuple(update.shape)} and {second_moment.dtype} {tuple(second_moment.shape)}")
+    rows, cols = update.shape[1:]
+    normalised = update.float().square().mean(-1)
+    second_moment.lerp_(normalised, 1 - beta2)
+    normalised = update.float() / second_moment.sqrt().add_(eps).unsqueeze(-1)
+    norm = torch.linalg.vector_norm(normalised, dim=(-2, -1), keepdim=True)
+    # A zero block (a zero gradient) stays zero rather than 0/0.
+    return normalised.mul_(math.sqrt(min(rows, cols))).div_(norm.clamp_min_(torch.finfo(torch.float32).tiny))
