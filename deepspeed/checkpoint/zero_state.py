@@ -144,8 +144,9 @@ def _validate_base_optimizer_state(basic: torch.optim.Optimizer, state: dict, pa
             raise _mismatch(path, f"use_muon of optimizer group {index}", saved.get("use_muon"), now.get("use_muon"))
         if now.get("use_muon"):
             # torch's load would carry the saved value over silently; each changes what every Muon update is (the
-            # scale of the update; NorMuon's normalisation and its state).
-            for option, default in (("adjust_lr_fn", "original"), ("normuon", False)):
+            # scale of the update; NorMuon's normalisation and its state; the momentum's rounding).
+            for option, default in (("adjust_lr_fn", "original"), ("normuon", False),
+                                    ("momentum_dtype", torch.float32)):
                 saved_value, current = saved.get(option, default), now.get(option, default)
                 if saved_value != current:
                     raise _mismatch(path, f"optimizer.params.{option} of optimizer group {index}", repr(saved_value),

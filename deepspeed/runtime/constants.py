@@ -22,6 +22,8 @@ MUON_NS_METHODS = ("standard", "gram", "gram_sym", "auto")
 # Newton-Schulz coefficient schedules (deepspeed/runtime/zero/muon/ns_coefficients.py).
 MUON_NS_COEFFICIENTS = ("jordan", "polar_express")
 MUON_NS_DTYPES = ("fp32", "bf16", "fp16")
+# The dtypes Muon's momentum may be kept in (optimizer.params.momentum_dtype).
+MUON_MOMENTUM_DTYPES = ("fp32", "bf16")
 MUON_ADJUST_LR_FNS = ("original", "match_rms_adamw")
 # Which parameters Muon takes (optimizer.params.param_split; deepspeed/runtime/zero/muon/param_split.py).
 MUON_PARAM_SPLITS = ("hidden", "upstream")

@@ -19,6 +19,7 @@ from deepspeed.runtime.constants import (
     MUON_ADJUST_LR_FNS,
     MUON_NS_DTYPES,
     MUON_NS_COEFFICIENTS,
+    MUON_MOMENTUM_DTYPES,
     MUON_NS_METHODS,
     MUON_OPTIMIZER,
     MUON_PARAM_SPLITS,
@@ -136,6 +137,9 @@ class MuonParams(_ParamRules):
                                  "by device (null).")
     ns_cuda_graph: bool = Field(None, json_schema_extra=_rule((MUON_GROUP, )),
                                 description="Replay Newton-Schulz from a CUDA graph on a GPU (false).")
+    momentum_dtype: str = Field(None, json_schema_extra=_rule((MUON_GROUP, ), choices=MUON_MOMENTUM_DTYPES),
+                                description="The dtype Muon's momentum is kept in: fp32, or bf16 to halve its memory "
+                                "(every fold computed in fp32, stored rounded) (fp32).")
     normuon: bool = Field(None, json_schema_extra=_rule((MUON_GROUP, )),
                           description="NorMuon: normalise each row of the orthogonalised update by its running "
                           "second moment, then rescale to Muon's norm (false).")

@@ -117,7 +117,8 @@ class FullParamAccess:
         """Write this rank's part of `param`'s optimizer state `key` from the full `value` (no collective).
 
         A tensor with the parameter's number of elements is element-wise state: this rank's fragment of it is
-        written, into a new zero tensor in `value`'s dtype where the state does not exist yet. A 0-dim tensor
+        written, into a new zero tensor where the state does not exist yet (in `value`'s dtype; a Muon momentum in
+        its group's `momentum_dtype`). A 0-dim tensor
         (Adam's `step`) is stored as given in the state that holds this parameter's fragment: for a Muon matrix
         its own, for other groups this rank's flat partition, which other parameters share. A Muon matrix's state of
         another shape than the parameter's (NorMuon's `neuron_second_moment`, one value per row) is kept whole by
@@ -155,7 +156,11 @@ class FullParamAccess:
                 state[key] = value.clone()
                 continue
             if key not in state:
-                state[key] = torch.zeros(hp.shape, dtype=value.dtype, device=hp.device)
+                # A Muon momentum in the dtype its group keeps it in (momentum_dtype), other state in value's.
+                dtype = value.dtype
+                if muon and key == "momentum_buffer":
+                    dtype = self.optimizer.param_groups[group].get("momentum_dtype", torch.float32)
+                state[key] = torch.zeros(hp.shape, dtype=dtype, device=hp.device)
             if state[key].numel() != hp.numel():
                 raise ValueError(f"optimizer state '{key}' holds {state[key].numel()} elements, its parameter "
                                  f"{hp.numel()}")

@@ -19,7 +19,8 @@ def test_every_mode_trains_and_the_report_is_written(tmp_path):
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-4000:]
     results = json.loads((tmp_path / "convergence.json").read_text())
-    assert set(results["modes"]) == {"adamw", "muon", "muon-standard"}
+    assert set(results["modes"]) == {"adamw", "muon", "muon-standard", "muon-polar-express", "normuon",
+                                     "muon-bf16-momentum"}
     assert results["meta"]["data"]["val_bytes"] > 0 and results["meta"]["provenance"]["commit"]
     for mode, run in results["modes"].items():
         assert "evaluations" in run, f"{mode}: {run}"

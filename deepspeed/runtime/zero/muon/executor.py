@@ -187,7 +187,7 @@ class MuonStepExecutor:
         """
         params, by_key = _with_grads_by_key(group)
         if fold:
-            self._packed_momenta([p for batch in by_key.values() for p in batch])
+            self._packed_momenta([p for batch in by_key.values() for p in batch], _momentum_dtype(group))
         flat = self._flat_operands(params, by_key)
         if flat is not None:
             return self._flat_muon_updates(group, by_key, flat, grad_factor, fold, wait)
@@ -196,8 +196,10 @@ class MuonStepExecutor:
             grads = [p.grad for p in key_params]
             # state.get, not state[p]: the defaultdict would record an empty state for a param never stepped.
             momenta = [self.state.get(p, {}).get("momentum_buffer") for p in key_params]
-            if any(m is None for m in momenta):
-                momenta = [torch.zeros_like(p, dtype=torch.float32) if m is None else m
+            dtype = _momentum_dtype(group)
+            if any(m is None or m.dtype != dtype for m in momenta):
+                # What the step will fold into (_packed_state): zeros where missing, the group's dtype.
+                momenta = [torch.zeros_like(p, dtype=dtype) if m is None else m.to(dtype)
                            for p, m in zip(key_params, momenta)]
             if self._host is not None:
                 direction, scale = self._host.directions(grads, momenta, group, num_heads=num_heads,
@@ -255,7 +257,7 @@ class MuonStepExecutor:
         if operands is None:
             return None
         params, by_key, grads = operands
-        momenta = flat_view(self._packed_momenta(params))
+        momenta = flat_view(self._packed_momenta(params, _momentum_dtype(group)))
         workspace: NSWorkspace = self.workspace
         method, steps, coefficients = group["ns_method"], group["ns_steps"], group["ns_coefficients"]
         dtype = resolve_ns_dtype(grads, group["ns_dtype"])
@@ -309,7 +311,9 @@ class MuonStepExecutor:
         if any(m is None for m in momenta):
             return None
         flat_grads, flat_momenta = flat_view(grads), flat_view(momenta)
-        if flat_grads is None or flat_momenta is None or flat_momenta.dtype != torch.float32:
+        # bf16 momenta (momentum_dtype) only on the host, whose op reads and writes them; torch's lerp needs fp32.
+        if (flat_grads is None or flat_momenta is None
+                or (flat_momenta.dtype != torch.float32 and self._host is None)):
             return None
         return flat_grads, flat_momenta
 
@@ -353,7 +357,7 @@ class MuonStepExecutor:
         # same bits) costs one pass, keeping them would hold a second fp32 copy of every momentum from the prepare
         # to the commit. (An update computed inside the step wrote them already.)
         if not updates.folded:
-            self._fold(updates, beta)
+            self._fold(updates, beta, _momentum_dtype(group))
         if self._host is not None:
             self._host.wait_for_updates(group)
         # Here, after the verdict: NorMuon's second moments are written only by a step that is taken.
@@ -393,7 +397,7 @@ class MuonStepExecutor:
             normalised.append(neuron_normalised(update, batch_moments, group["normuon_beta2"], group["normuon_eps"]))
         return normalised
 
-    def _fold(self, updates: _MuonUpdates, beta: float) -> None:
+    def _fold(self, updates: _MuonUpdates, beta: float, momentum_dtype: torch.dtype) -> None:
         if updates.flat is not None:
             grads, momenta = updates.flat
             if self._host is not None:
@@ -401,7 +405,8 @@ class MuonStepExecutor:
             else:
                 momenta.lerp_(grads, 1 - beta)
         else:
-            packed = iter(self._packed_momenta([p for params, _, _ in updates.batches for p in params]))
+            packed = iter(self._packed_momenta([p for params, _, _ in updates.batches for p in params],
+                                               momentum_dtype))
             for params, grads, _ in updates.batches:
                 momenta = [next(packed) for _ in params]
                 if self._host is not None:
@@ -409,34 +414,34 @@ class MuonStepExecutor:
                 else:
                     fold_momenta(grads, momenta, beta=beta)
 
-    def _packed_momenta(self, params: list[Tensor]) -> list[Tensor]:
-        """The params' momentum buffers, laid out back to back in ``params``' order and created as zeros where
-        missing.
+    def _packed_momenta(self, params: list[Tensor], dtype: torch.dtype = torch.float32) -> list[Tensor]:
+        """The params' momentum buffers in ``dtype`` (the group's ``momentum_dtype``), laid out back to back in
+        ``params``' order and created as zeros where missing.
 
-        fp32 even for bf16/fp16 params: low-precision momentum loses small gradients (and a dtype that changes
-        on resume broke upstream, #7746).
+        fp32 by default even for bf16/fp16 params: low-precision momentum loses small gradients (and a dtype that
+        changes on resume broke upstream, #7746); bf16 only when the config asks for it.
         """
-        return self._packed_state(params, "momentum_buffer", lambda p: p.shape)
+        return self._packed_state(params, "momentum_buffer", lambda p: p.shape, dtype)
 
-    def _packed_state(self, params: list[Tensor], key: str, shape_of: Callable[[Tensor], Sequence[int]]
-                      ) -> list[Tensor]:
-        """The params' fp32 state ``key`` (shaped ``shape_of(param)``), back to back in ``params``' order, created as
-        zeros where missing.
+    def _packed_state(self, params: list[Tensor], key: str, shape_of: Callable[[Tensor], Sequence[int]],
+                      dtype: torch.dtype = torch.float32) -> list[Tensor]:
+        """The params' state ``key`` in ``dtype`` (shaped ``shape_of(param)``), back to back in ``params``' order,
+        created as zeros where missing.
 
         Buffers that are not one run (loaded from a checkpoint, or created one by one) are moved into one allocation
         once, with their values, so each later step reads the state of each shape, or of the whole group, as one
         tensor. A loaded buffer keeps its values whatever shape it was saved in (a regrouped checkpoint may flatten
-        it).
+        it); one of another dtype (set through safe_set_full_optimizer_state) is converted to ``dtype``.
         """
         if not params:
             return []
         states = [self.state[p] for p in params]
         values = [state.get(key) for state in states]
         shapes = [torch.Size(shape_of(p)) for p in params]
-        if (all(v is not None and v.shape == shape for v, shape in zip(values, shapes))
+        if (all(v is not None and v.shape == shape and v.dtype == dtype for v, shape in zip(values, shapes))
                 and flat_view(values) is not None):
             return values
-        packed = torch.zeros(sum(shape.numel() for shape in shapes), dtype=torch.float32, device=params[0].device)
+        packed = torch.zeros(sum(shape.numel() for shape in shapes), dtype=dtype, device=params[0].device)
         slots, start = [], 0
         for state, value, shape in zip(states, values, shapes):
             slot = packed[start:start + shape.numel()].view(shape)
@@ -526,6 +531,11 @@ def _recorded_batches(by_key: dict[BatchKey, list[Tensor]], views: list[Tensor],
     (``update_scale``: by default sqrt(max(1, rows / cols)))."""
     return [(params, [p.grad for p in params], update_scale(view.size(-2), view.size(-1), adjust_lr_fn))
             for params, view in zip(by_key.values(), views)]
+
+
+def _momentum_dtype(group: dict[str, Any]) -> torch.dtype:
+    """The dtype the group keeps its momenta in (``momentum_dtype``; fp32 for a group built without it)."""
+    return group.get("momentum_dtype", torch.float32)
 
 
 def _scale_of(grad_factor: Tensor | None) -> float | None:

@@ -49,7 +49,9 @@ def fold_and_direction(grads: Tensor, momenta: Tensor, direction: Tensor, beta: 
     """momenta <- lerp(momenta, g, 1 - beta) in place; direction <- lerp(g, momenta, beta) (Nesterov) or the new
     momenta, cast to ``direction``'s dtype; g is ``grads`` in fp32, times ``factor`` when given.
 
-    ``momenta`` is fp32 and contiguous; ``grads`` and ``direction`` (any float dtypes) have its element count;
+    ``momenta`` is contiguous, fp32 or bf16 (``momentum_dtype``: the new momentum computed in fp32 and stored
+    rounded, the direction from the fp32 value; the torch passes only); ``grads`` and ``direction`` (any float
+    dtypes) have its element count;
     ``factor`` is a 0-d fp32 tensor (the step's unscale-and-clip factor, read on the device). ``grads`` is only
     read. Bit for bit the torch passes this replaces: the gradients unscaled into fp32 a chunk at a time
     (``unscaled_chunks``: a copy to fp32, then ``mul_``), then the two ``lerp`` passes per chunk; those run where
@@ -61,7 +63,13 @@ def fold_and_direction(grads: Tensor, momenta: Tensor, direction: Tensor, beta: 
     momenta, direction = momenta.view(-1), direction.view(-1)
     for start, end, chunk in unscaled_chunks(grads, grad_factor):
         chunk_momenta = momenta[start:end]
-        chunk_momenta.lerp_(chunk, 1 - beta)
+        if chunk_momenta.dtype != torch.float32:
+            # bf16 momenta (momentum_dtype): the new momentum in fp32, stored rounded; the direction takes fp32.
+            new_momenta = torch.lerp(chunk_momenta.float(), chunk, 1 - beta)
+            chunk_momenta.copy_(new_momenta)
+            chunk_momenta = new_momenta
+        else:
+            chunk_momenta.lerp_(chunk, 1 - beta)
         if nesterov:
             torch.lerp(chunk, chunk_momenta, beta, out=direction[start:end])
         else:

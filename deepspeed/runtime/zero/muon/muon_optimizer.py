@@ -18,6 +18,7 @@ from deepspeed.runtime.constants import MUON_OPTIMIZER
 from deepspeed.runtime.optimizer_params import MuonParams, validate_optimizer_params
 from deepspeed.runtime.zero.muon.original_muon import (
     ADJUST_LR_FNS,
+    MOMENTUM_DTYPES,
     check_ns_method,
 )
 from deepspeed.runtime.zero.muon.executor import MuonStepExecutor, _batch_key, _logical_shape
@@ -36,6 +37,7 @@ MUON_DEFAULTS: dict[str, Any] = {
     "ns_dtype": None,
     "ns_cuda_graph": False,
     "adjust_lr_fn": "original",
+    "momentum_dtype": torch.float32,
     "normuon": False,
     "normuon_beta2": NORMUON_BETA2,
     "normuon_eps": NORMUON_EPS,
@@ -71,9 +73,10 @@ class MuonWithAuxAdam(torch.optim.Optimizer, ZeroStepContract):
     :func:`~deepspeed.runtime.zero.muon.original_muon.resolve_ns_dtype`), ``ns_cuda_graph`` (False; True:
     replay Newton-Schulz from a CUDA graph when it runs in a lent workspace, see :meth:`lend_step_workspace`) and
     ``adjust_lr_fn`` ("original" or "match_rms_adamw", torch.optim.Muon's: how an orthogonalised update is scaled
-    by its shape, see :func:`~deepspeed.runtime.zero.muon.original_muon.update_scale`; None means "original"), and
-    ``normuon`` (False; True: NorMuon, the update normalised per row by a second moment, ``normuon_beta2`` (0.95)
-    and ``normuon_eps`` (1e-8), see ``normuon.py``).
+    by its shape, see :func:`~deepspeed.runtime.zero.muon.original_muon.update_scale`; None means "original"),
+    ``momentum_dtype`` (torch.float32; torch.bfloat16 halves the momentum's memory), and ``normuon`` (False; True:
+    NorMuon, the update normalised per row by a second moment, ``normuon_beta2`` (0.95) and ``normuon_eps`` (1e-8),
+    see ``normuon.py``).
     A Muon param whose ``muon_num_heads`` or ``muon_head_dim`` attribute asks for it is orthogonalised per head:
     its rows split into that many equal blocks, each orthogonalised and scaled on its own (see ``per_head.py``).
     Their params are reordered by size, largest first (stable), as upstream does, since ZeRO flattens them in that
@@ -82,7 +85,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer, ZeroStepContract):
     Weight decay is decoupled in both. Every group may also carry ``name``. Empty groups are allowed
     (under ZeRO a rank may own no Muon matrix).
 
-    State per param: Muon ``momentum_buffer`` (fp32 whatever the param dtype) and, with ``normuon``,
+    State per param: Muon ``momentum_buffer`` (fp32 whatever the param dtype, or bf16 with ``momentum_dtype``
+    torch.bfloat16: every fold computed in fp32, stored rounded) and, with ``normuon``,
     ``neuron_second_moment`` (fp32, one value per row); Adam ``exp_avg``,
     ``exp_avg_sq`` (fp32) and ``step``, a CPU float32 tensor as in ``torch.optim.Adam``, so it round
     trips through ``torch.load(weights_only=True)`` and never forces a device sync.
@@ -165,6 +169,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer, ZeroStepContract):
             eps = group["normuon_eps"]
             if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
                 raise ValueError(f"MuonWithAuxAdam param group {index}: normuon_eps must be a number > 0, got {eps!r}")
+            if group["momentum_dtype"] not in MOMENTUM_DTYPES:
+                raise ValueError(f"MuonWithAuxAdam param group {index}: momentum_dtype must be torch.float32 or "
+                                 f"torch.bfloat16, got {group['momentum_dtype']!r}")
             if group["ns_dtype"] is not None and not isinstance(group["ns_dtype"], torch.dtype):
                 raise ValueError(
                     f"MuonWithAuxAdam param group {index}: ns_dtype must be a torch.dtype or None, "
@@ -371,10 +378,10 @@ def muon_param_groups(
     :class:`~deepspeed.runtime.optimizer_params.MuonParams`' table: ``lr`` and ``weight_decay`` apply to
     both groups; ``muon_lr`` / ``adam_lr`` override ``lr`` for one; ``momentum``, ``ns_method``,
     ``ns_coefficients``, ``ns_steps``, ``nesterov``, ``ns_dtype`` ('fp32', 'bf16', 'fp16'), ``ns_cuda_graph`` and
-    ``adjust_lr_fn`` ('original', 'match_rms_adamw'), ``normuon``, ``normuon_beta2`` and ``normuon_eps`` are
-    Muon's; ``betas`` and ``eps`` are Adam's. Upstream
-    silently drops ``nesterov`` and ``ns_steps``; we honour them. ``per_head_muon`` is validated and left to the
-    caller, who tags the model with it (``per_head.tag_attention_heads``) before building the optimizer.
+    ``adjust_lr_fn`` ('original', 'match_rms_adamw'), ``momentum_dtype`` ('fp32', 'bf16'), ``normuon``,
+    ``normuon_beta2`` and ``normuon_eps`` are Muon's; ``betas`` and ``eps`` are Adam's. Upstream silently drops
+    ``nesterov`` and ``ns_steps``; we honour them. ``per_head_muon`` is validated and left to the caller, who tags
+    the model with it (``per_head.tag_attention_heads``) before building the optimizer.
 
     Args:
         named_params: (name, param) pairs, e.g. ``model.named_parameters()``.
@@ -399,6 +406,8 @@ def muon_param_groups(
     muon_group.update(muon_options)
     if muon_group.get("ns_dtype") is not None:
         muon_group["ns_dtype"] = _NS_DTYPES[muon_group["ns_dtype"]]
+    if "momentum_dtype" in muon_group:
+        muon_group["momentum_dtype"] = _NS_DTYPES[muon_group["momentum_dtype"]]
     adam_group = {"params": [p for _, p in trainable if not p.use_muon], "use_muon": False, "name": ADAM_GROUP_NAME}
     adam_group.update(adam_options)
     return [group for group in (muon_group, adam_group) if group["params"]]

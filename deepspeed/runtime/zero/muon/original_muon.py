@@ -68,6 +68,10 @@ def gram_restarts_at(k: int, coefficients: str = DEFAULT_NS_COEFFICIENTS) -> boo
 # typical AdamW update (about 0.2), so a learning rate tuned for AdamW carries over.
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
 
+# The dtypes Muon's momentum may be kept in (``momentum_dtype``): fp32, or bf16 to halve its memory. Every fold is
+# computed in fp32 either way; bf16 only stores the result rounded.
+MOMENTUM_DTYPES = (torch.float32, torch.bfloat16)
+
 
 def update_scale(rows: int, cols: int, adjust_lr_fn: str = "original") -> float:
     """The factor an orthogonalised rows x cols update is multiplied by (see :data:`ADJUST_LR_FNS`).
@@ -465,9 +469,11 @@ def _validated_batch(grads: Sequence[Tensor], momenta: Sequence[Tensor]) -> torc
         if grad.shape != shape:
             raise ValueError(f"a Muon batch needs gradients of one shape, got {tuple(shape)} and "
                              f"{tuple(grad.shape)}")
-        if momentum.dtype != torch.float32 or momentum.shape != shape:
-            raise ValueError(f"Muon momentum must be a float32 tensor shaped like the gradient {tuple(shape)}, "
-                             f"got {momentum.dtype} {tuple(momentum.shape)}")
+        if momentum.dtype not in MOMENTUM_DTYPES or momentum.shape != shape:
+            raise ValueError(f"Muon momentum must be a float32 or bfloat16 tensor shaped like the gradient "
+                             f"{tuple(shape)}, got {momentum.dtype} {tuple(momentum.shape)}")
+    if len({momentum.dtype for momentum in momenta}) > 1:
+        raise ValueError("a Muon batch needs momenta of one dtype")
     return shape
 
 
@@ -482,13 +488,23 @@ def fold_momenta(grads: Sequence[Tensor], momenta: Sequence[Tensor], beta: float
     _fold_stacked(_stacked([grad.float() for grad in grads]), momenta, beta)
 
 
-def _fold_stacked(grad32: Tensor, momenta: Sequence[Tensor], beta: float) -> None:
-    """:func:`fold_momenta` on gradients already stacked (and validated) as one fp32 batch."""
+def _fold_stacked(grad32: Tensor, momenta: Sequence[Tensor], beta: float) -> Tensor:
+    """:func:`fold_momenta` on gradients already stacked (and validated) as one fp32 batch; returns the new momenta
+    in fp32, stacked (before their rounding into bf16 momenta)."""
     stacked = stacked_view(momenta)
+    if momenta[0].dtype != torch.float32:
+        # Computed in fp32, stored rounded to the momentum dtype; the direction takes the fp32 values.
+        new = torch.lerp(_stacked(momenta).float(), grad32, 1 - beta)
+        if stacked is not None:
+            stacked.copy_(new)
+        else:
+            torch._foreach_copy_(list(momenta), list(new.unbind(0)))
+        return new
     if stacked is not None:
         stacked.lerp_(grad32, 1 - beta)
-    else:
-        torch._foreach_lerp_(list(momenta), list(grad32.unbind(0)), 1 - beta)
+        return stacked
+    torch._foreach_lerp_(list(momenta), list(grad32.unbind(0)), 1 - beta)
+    return _stacked(momenta)
 
 
 def momentum_directions(
@@ -508,7 +524,8 @@ def momentum_directions(
 
     Args:
         grads: 2-D or 4-D gradients, all of one shape; never written.
-        momenta: fp32 buffers shaped like the gradients.
+        momenta: buffers shaped like the gradients, all fp32 or all bf16 (``momentum_dtype``: the new momentum is
+            computed in fp32, stored rounded, and the direction takes the fp32 value).
         beta, nesterov: as :func:`muon_update`.
         fold: write the new momenta into ``momenta`` (in place). With False nothing is written: the new
             momenta are computed out of place, bit for bit what :func:`fold_momenta` will write later. This is
@@ -531,10 +548,9 @@ def momentum_directions(
     # grad32 may be a view of the gradients: below it is only read, and lerp (not lerp_) allocates.
     grad32 = _stacked([grad.float() for grad in grads])
     if fold:
-        _fold_stacked(grad32, momenta, beta)
-        momentum32 = _stacked(momenta)
+        momentum32 = _fold_stacked(grad32, momenta, beta)
     else:
-        momentum32 = torch.lerp(_stacked(momenta), grad32, 1 - beta)
+        momentum32 = torch.lerp(_stacked(momenta).float(), grad32, 1 - beta)
     direction = grad32.lerp(momentum32, beta) if nesterov else momentum32
     direction = direction.reshape(len(grads) * num_heads, block_rows, -1)
     return direction, update_scale(direction.size(-2), direction.size(-1), adjust_lr_fn)

@@ -2,8 +2,8 @@
 
 Checked against a float64 implementation of the paper's Algorithm 1 (reference.py), step by step with per-head,
 4-D and tall/wide matrices; every path of the optimizer (one run or not, prepared or not, on the host, in a lent
-workspace) gives the same bits; the second moments are written only by a step that is taken; and a state_dict round
-trip continues exactly.
+workspace) gives the same bits, also with bf16 momenta (momentum_dtype); the second moments are written only by a
+step that is taken; and a state_dict round trip continues exactly.
 """
 
 import copy
@@ -123,8 +123,9 @@ def test_steps_match_the_float64_reference(adjust_lr_fn):
 
 
 def _optimizer(params, **extra):
+    options = {"normuon": True, **extra}
     return MuonWithAuxAdam([{"params": params, "use_muon": True, "lr": 0.02, "momentum": 0.9, "weight_decay": 0.1,
-                             "normuon": True, "ns_method": "gram", **extra}])
+                             "ns_method": "gram", **options}])
 
 
 def _flat_params(flat):
@@ -163,13 +164,20 @@ PATHS = ["separate", "flat", "flat-prepared", "separate-prepared", "host-flat", 
          "workspace"]
 
 
+# NorMuon, bf16 momenta (momentum_dtype, whose fold each path computes in fp32 and stores rounded), and both.
+OPTIONS = {"normuon": {}, "bf16-momentum": {"normuon": False, "momentum_dtype": torch.bfloat16},
+           "normuon-bf16-momentum": {"momentum_dtype": torch.bfloat16}}
+
+
+@pytest.mark.parametrize("options", sorted(OPTIONS))
 @pytest.mark.parametrize("path", PATHS)
-def test_every_path_gives_the_same_bits(path):
+def test_every_path_gives_the_same_bits(path, options):
     runs = {}
+    extra = OPTIONS[options]
     for name in ("separate", path):
         flat = "flat" in name or name == "workspace"
         params = _flat_params(flat)
-        optimizer = _optimizer(params)
+        optimizer = _optimizer(params, **extra)
         if name.startswith("host"):
             optimizer.run_on_host("cpu")
         if name == "workspace":
@@ -182,7 +190,7 @@ def test_every_path_gives_the_same_bits(path):
             if step == 1:
                 # A checkpoint round trip in the middle: the state comes back as separate tensors.
                 state = copy.deepcopy(optimizer.state_dict())
-                optimizer = _optimizer(params)
+                optimizer = _optimizer(params, **extra)
                 if name.startswith("host"):
                     optimizer.run_on_host("cpu")
                 if name == "workspace":
@@ -190,12 +198,16 @@ def test_every_path_gives_the_same_bits(path):
                 optimizer.load_state_dict(state)
         runs[name] = (params, optimizer)
     (base_params, base_opt), (params, optimizer) = runs["separate"], runs[path]
+    keys = ["momentum_buffer"] + ([NEURON_SECOND_MOMENT] if optimizer.param_groups[0]["normuon"] else [])
     for p, q in zip(params, base_params):
         assert torch.equal(p, q)
-        for key in ("momentum_buffer", NEURON_SECOND_MOMENT):
+        for key in keys:
             assert torch.equal(optimizer.state[p][key], base_opt.state[q][key])
+            assert optimizer.state[p][key].dtype == base_opt.state[q][key].dtype
+        assert optimizer.state[p]["momentum_buffer"].dtype == extra.get("momentum_dtype", torch.float32)
     if "flat" in path or path == "workspace":
-        assert flat_view([optimizer.state[p][NEURON_SECOND_MOMENT] for p in params]) is not None
+        for key in keys:
+            assert flat_view([optimizer.state[p][key] for p in params]) is not None
 
 
 def test_a_prepared_or_discarded_step_leaves_the_second_moments_alone():

@@ -22,7 +22,7 @@ VALID_MUON = {
     "ns_coefficients": "polar_express",
     "ns_steps": 5, "ns_dtype": "fp32", "ns_cuda_graph": True, "weight_decay": 0.01, "betas": [0.9, 0.95],
     "eps": 1e-10, "adjust_lr_fn": "original", "per_head_muon": False, "param_split": "hidden",
-    "normuon": True, "normuon_beta2": 0.95, "normuon_eps": 1e-8,
+    "normuon": True, "normuon_beta2": 0.95, "normuon_eps": 1e-8, "momentum_dtype": "bf16",
 }
 VALID_ADAM = {
     "lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False, "adam_w_mode": True,
@@ -66,6 +66,7 @@ RULES = {
     "normuon": lambda v: v is True,
     "normuon_beta2": lambda v: _number(v) and 0 <= v < 1,
     "normuon_eps": lambda v: _number(v) and v > 0,
+    "momentum_dtype": lambda v: isinstance(v, str) and v in ("fp32", "bf16"),
 }
 
 
