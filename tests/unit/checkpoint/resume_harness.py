@@ -18,9 +18,12 @@ MICRO = 2
 POISON = float("inf")
 
 
-# The Muon configurations the checkpoint tests save and load: plain Muon, and NorMuon (whose per-row second moment is
-# state of another shape than the parameter's) with the Polar Express schedule.
-MUON_VARIANTS = {"muon": {}, "normuon": {"normuon": True, "ns_coefficients": "polar_express"}}
+# The Muon configurations the checkpoint tests save and load: plain Muon, and this fork's options together: NorMuon
+# (whose per-row second moment is state of another shape than the parameter's), the Polar Express schedule and the
+# momentum kept in bf16.
+MUON_VARIANTS = {"muon": {}, "muon-options": {"normuon": True, "ns_coefficients": "polar_express",
+                                              "momentum_dtype": "bf16"},
+                 "bf16-momentum": {"momentum_dtype": "bf16"}}
 
 
 def checkpoint_config(stage, dtype, optimizer="adamw", gas=1, scheduler=True):

@@ -301,18 +301,19 @@ class TestRefusedLoads(DistributedTest):
                 assert_identical(got[key], saved[key], f"stage 1 -> {stage}: {key}")
 
 
-    def test_normuon_on_or_off_against_the_checkpoint(self, class_tmpdir):
-        """NorMuon's switch is part of what a checkpoint's Muon state means: a resume that changes it is refused by
-        name, both ways, with the engine left as it was (torch's load would carry the saved switch over silently)."""
-        for saved, loading in (("normuon", "muon"), ("muon", "normuon")):
+    def test_muon_options_against_the_checkpoint(self, class_tmpdir):
+        """NorMuon's switch and the momentum dtype are part of what a checkpoint's Muon state means: a resume that
+        changes them is refused by name, both ways, with the engine left as it was (torch's load would carry the
+        saved options over silently)."""
+        for saved, loading, key in (("muon-options", "muon", "normuon"), ("muon", "muon-options", "normuon"),
+                                    ("bf16-momentum", "muon", "momentum_dtype")):
             directory = os.path.join(str(class_tmpdir), f"{saved}-to-{loading}")
             _trained(checkpoint_config(1, "bf16", saved)).save_checkpoint(directory, tag="t")
             optim_path = os.path.join(directory, "t", _optim_file(dist.get_rank(), True))
             engine = new_engine(checkpoint_config(1, "bf16", loading), seed=1)
             before = full_snapshot(engine)
             error = _raises_everywhere(lambda engine=engine, directory=directory: engine.load_checkpoint(directory),
-                                       optim_path,
-                                       "optimizer.params.normuon", "differs")
+                                       optim_path, f"optimizer.params.{key}", "differs")
             assert isinstance(error, CheckpointError)
             assert_identical(full_snapshot(engine), before, f"engine after a refused load ({saved} -> {loading})")
 

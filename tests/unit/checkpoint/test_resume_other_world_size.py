@@ -41,12 +41,12 @@ SAVED_AT_TWO = {
     (1, "muon", "fp16"): (1, ),
     (0, "muon", "fp16"): (2, ),
     (2, "muon", "fp32"): (2, ),
-    (2, "normuon", "bf16"): (2, 3),
+    (2, "muon-options", "bf16"): (2, 3),
 }
 # Saved at 1 and at 3 ranks, loaded at 2.
 SAVED_ELSEWHERE = {(2, "muon", "bf16"): (2, 0), (1, "adamw", "fp16"): (2, )}
 # With optimizer offload (fp32 masters and state on the host), saved at 2 ranks and loaded with offload at 1 and 3.
-OFFLOADED_AT_TWO = {(2, "muon", "bf16"): (2, 3), (3, "adamw", "fp16"): (3, 1), (1, "normuon", "fp16"): (2, )}
+OFFLOADED_AT_TWO = {(2, "muon", "bf16"): (2, 3), (3, "adamw", "fp16"): (3, 1), (1, "muon-options", "fp16"): (2, )}
 OFFLOAD = {"device": "cpu", "pin_memory": True}
 
 

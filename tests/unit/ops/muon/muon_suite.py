@@ -93,10 +93,12 @@ def local_micro_batch(batch: Batch, engine, dtype: torch.dtype) -> Batch:
 
 # ---------------------------------------------------------------------------------------------- config
 # Muon options beyond upstream's, run through the suite's resume, long-run and overflow cases: NorMuon (a per-row
-# second moment, state of another shape than the parameter) with the Polar Express schedule. Its state keys are
-# what optimizer_state reads for it.
-VARIANTS = {"normuon-polar-express": {"normuon": True, "ns_coefficients": "polar_express"}}
-VARIANT_STATE_KEYS = {"normuon-polar-express": ("momentum_buffer", "neuron_second_moment")}
+# second moment, state of another shape than the parameter) with the Polar Express schedule, and the momentum kept
+# in bf16. Their state keys are what optimizer_state reads for them.
+VARIANTS = {"normuon-polar-express": {"normuon": True, "ns_coefficients": "polar_express"},
+            "bf16-momentum": {"momentum_dtype": "bf16"}}
+VARIANT_STATE_KEYS = {"normuon-polar-express": ("momentum_buffer", "neuron_second_moment"),
+                      "bf16-momentum": ("momentum_buffer", )}
 
 
 def muon_config(stage: int, dtype: str, micro: int = 8, lr: float = 0.05, adam_lr: float = 0.01,
