@@ -74,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="default: bf16 on a GPU, fp32 on the CPU")
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None)
     parser.add_argument("--zero-stage", type=int, default=2)
+    parser.add_argument("--params", default="", help="comma-separated MODE.KEY=VALUE (VALUE as JSON) overriding a "
+                        "mode's optimizer.params, e.g. muon.muon_lr=0.04,adamw.lr=3e-3 (a learning-rate sweep)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--tree", default="this", help="the tree this process runs (a release's: its version)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -105,10 +107,24 @@ def windows(data: torch.Tensor, starts: torch.Tensor, seq_len: int) -> tuple[tor
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
+def overrides(text: str) -> dict[str, dict]:
+    """--params as {mode: {key: value}}."""
+    result: dict[str, dict] = {}
+    for item in filter(None, text.split(",")):
+        target, _, value = item.partition("=")
+        mode, _, key = target.partition(".")
+        if mode not in MODES or not key or not value:
+            raise SystemExit(f"--params takes MODE.KEY=VALUE with MODE in {list(MODES)}, got {item!r}")
+        result.setdefault(mode, {})[key] = json.loads(value)
+    return result
+
+
 def config_for(mode: str, args, steps: int, dtype: str) -> dict:
     warmup = max(1, int(steps * args.warmup_fraction))
+    optimizer = json.loads(json.dumps(MODES[mode]))
+    optimizer["params"].update(overrides(args.params).get(mode, {}))
     config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
-              "gradient_clipping": 1.0, "steps_per_print": 10**9, "optimizer": json.loads(json.dumps(MODES[mode])),
+              "gradient_clipping": 1.0, "steps_per_print": 10**9, "optimizer": optimizer,
               "zero_optimization": {"stage": args.zero_stage},
               "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": steps,
                                                                  "warmup_num_steps": warmup}}}
@@ -263,6 +279,7 @@ def main(argv=None) -> int:
             "tokens": args.tokens, "batch": args.batch, "dtype": dtype, "device": device, "tree": args.tree,
             "deepspeed": deepspeed.__version__, "data": data, "provenance": provenance()}
     results = {"meta": meta, "modes": {}}
+    overrides(args.params)  # refused before anything trains
     for mode in args.modes.split(","):
         if mode not in MODES:
             raise SystemExit(f"unknown mode {mode!r}; modes: {list(MODES)}")
