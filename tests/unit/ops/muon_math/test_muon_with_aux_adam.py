@@ -315,9 +315,9 @@ def test_muon_param_groups_builds_upstream_groups():
 def test_muon_param_groups_errors():
     w = torch.nn.Parameter(torch.zeros(4, 4))
     with pytest.raises(
-        ValueError, match=r"optimizer.params key 'momentum_dtype' is not supported.*allowed keys:.*'ns_steps'"
+        ValueError, match=r"optimizer.params key 'foreach' is not supported.*allowed keys:.*'ns_steps'"
     ):
-        muon_param_groups([("w", w)], {"momentum_dtype": "fp32"})
+        muon_param_groups([("w", w)], {"foreach": True})
     with pytest.raises(ValueError, match=r"ns_dtype must be one of \['bf16', 'fp16', 'fp32'\]"):
         w.use_muon = True
         muon_param_groups([("w", w)], {"ns_dtype": "float64"})
