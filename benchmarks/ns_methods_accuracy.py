@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from deepspeed.runtime.zero.muon.ns_coefficients import coefficient_schedule  # noqa: E402
+from deepspeed.runtime.zero.muon.math.ns_coefficients import coefficient_schedule  # noqa: E402
 from deepspeed.runtime.zero.muon.original_muon import NS_FUNCTIONS  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from ns_timing import ns_flops  # noqa: E402
 
 from deepspeed.runtime.zero.muon.original_muon import NS_COEFFICIENTS, NS_FUNCTIONS  # noqa: E402
-from deepspeed.runtime.zero.muon.symmetric_gram import symmetric_product  # noqa: E402
+from deepspeed.runtime.zero.muon.math.symmetric_gram import symmetric_product  # noqa: E402
 
 METHODS = ("standard", "gram", "gram_sym", "auto")
 # Muon matrices per model (gpt_model.hidden_matrix_shapes on the benchmark's presets): shape -> count.

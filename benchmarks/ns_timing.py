@@ -19,9 +19,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.zero.muon import original_muon, symmetric_gram
+from deepspeed.runtime.zero.muon import original_muon
+from deepspeed.runtime.zero.muon.math import symmetric_gram
 from deepspeed.runtime.zero.flat_layout import assign_owners, newton_schulz_cost
-from deepspeed.runtime.zero.muon.ns_by_shape import method_for_shape
+from deepspeed.runtime.zero.muon.math.ns_by_shape import method_for_shape
 from deepspeed.runtime.zero.muon.original_muon import NS_FUNCTIONS, gram_restarts_at, resolve_ns_dtype
 
 TORCH_MUON_MODULE = "torch.optim._muon"

@@ -36,7 +36,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 def phases():
     import deepspeed.runtime.optimizer_step as optimizer_step
     import deepspeed.runtime.zero.stage_1_and_2 as stage_1_and_2
-    from deepspeed.runtime.zero.muon.host_step import HostStep
+    from deepspeed.runtime.zero.muon.executor.host_step import HostStep
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
     zero = stage_1_and_2.DeepSpeedZeroOptimizer

@@ -70,8 +70,8 @@ class PatchDrift(RuntimeError):
 
 STAGE = "deepspeed/runtime/zero/stage_1_and_2.py"
 MUON_OPTIMIZER = "deepspeed/runtime/zero/muon/muon_optimizer.py"
-MUON_EXECUTOR = "deepspeed/runtime/zero/muon/executor.py"
-MUON_MATH = "deepspeed/runtime/zero/muon/original_muon.py"
+MUON_EXECUTOR = "deepspeed/runtime/zero/muon/executor/step.py"
+MUON_MATH = "deepspeed/runtime/zero/muon/math/update.py"
 PARTITION_STATE = "deepspeed/checkpoint/zero_state.py"
 MASTER_VIEWS = "deepspeed/runtime/zero/master_views.py"
 FULL_PARAMS = "deepspeed/runtime/zero/full_params.py"

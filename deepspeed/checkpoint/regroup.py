@@ -19,7 +19,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 import torch
 
 from deepspeed.runtime.zero.flat_layout import GroupLayout
-from deepspeed.runtime.zero.muon.normuon import muon_state_shape
+from deepspeed.runtime.zero.muon.math.normuon import muon_state_shape
 
 
 @dataclass

@@ -27,7 +27,7 @@ from deepspeed.checkpoint.files import (MODEL_FILE, UNIVERSAL_CHECKPOINT_INFO, C
                                                 load_file, temporary_name, write_file)
 from deepspeed.checkpoint.zero_state import FullGroup, FullZeroState, full_state_from_ranks
 from deepspeed.checkpoint.regroup import ParamState
-from deepspeed.runtime.zero.muon.normuon import muon_state_shape
+from deepspeed.runtime.zero.muon.math.normuon import muon_state_shape
 
 UNIVERSAL_FORMAT = 1
 ZERO_DIR = "zero"

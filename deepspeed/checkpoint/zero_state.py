@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from deepspeed.runtime.zero.flat_layout import GroupLayout
-from deepspeed.runtime.zero.muon.normuon import muon_state_shape
+from deepspeed.runtime.zero.muon.math.normuon import muon_state_shape
 from deepspeed.runtime.zero.muon.per_head import head_count
 from deepspeed.checkpoint.regroup import (ParamState, basic_param_indices, full_group_state, full_params,
                                             group_state_for_rank, needed_params, partition_of)

@@ -19,7 +19,7 @@ MAX_GRAD_NORM = "max_grad_norm"
 
 # Muon's value sets (optimizer.params); deepspeed/runtime/optimizer_params.py holds the rules for every key.
 MUON_NS_METHODS = ("standard", "gram", "gram_sym", "auto")
-# Newton-Schulz coefficient schedules (deepspeed/runtime/zero/muon/ns_coefficients.py).
+# Newton-Schulz coefficient schedules (deepspeed/runtime/zero/muon/math/ns_coefficients.py).
 MUON_NS_COEFFICIENTS = ("jordan", "polar_express")
 MUON_NS_DTYPES = ("fp32", "bf16", "fp16")
 # The dtypes Muon's momentum may be kept in (optimizer.params.momentum_dtype).

@@ -237,3 +237,38 @@ def test_the_checkpoint_package_never_imports_the_engine():
     engine = {"deepspeed", "deepspeed.runtime.engine", "deepspeed.runtime.engine_setup"}
     assert {name: sorted(targets & engine) for name, targets in graph.items()
             if name.startswith("deepspeed.checkpoint") and targets & engine} == {}
+
+
+# ------------------------------------------------------------------------------------------- Muon's three parts
+MUON = "deepspeed.runtime.zero.muon"
+
+
+def muon_part_imports(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """What Muon's math imports from outside itself: only torch, the standard library and deepspeed's constants
+    are allowed, and never the kernels, the executor or the optimizer. The kernels import neither the executor nor
+    the optimizer."""
+    forbidden = {f"{MUON}.math": (f"{MUON}.", ),
+                 f"{MUON}.kernels": (f"{MUON}.executor", f"{MUON}.muon_optimizer", f"{MUON}.group_options")}
+    allowed_inside = {f"{MUON}.math": (f"{MUON}.math", ), f"{MUON}.kernels": (f"{MUON}.kernels", f"{MUON}.math")}
+    found = {}
+    for name, targets in graph.items():
+        for part, prefixes in forbidden.items():
+            if name == part or name.startswith(part + "."):
+                bad = sorted(t for t in targets if t.startswith(prefixes)
+                             and not t.startswith(allowed_inside[part]) and t != MUON)
+                if bad:
+                    found[name] = bad
+    return found
+
+
+def test_muon_math_imports_neither_kernels_nor_executor():
+    graph = import_graph()
+    assert any(name.startswith(f"{MUON}.math.") for name in graph), "no module of Muon's math was found"
+    assert muon_part_imports(graph) == {}
+
+
+def test_the_muon_part_check_sees_a_math_module_importing_a_kernel():
+    graph = {f"{MUON}.math.newton_schulz": {f"{MUON}.kernels.matrix_scale", f"{MUON}.math.ns_common"},
+             f"{MUON}.kernels.fused_update": {f"{MUON}.kernels.fused_momentum", f"{MUON}.executor.step"}}
+    assert muon_part_imports(graph) == {f"{MUON}.math.newton_schulz": [f"{MUON}.kernels.matrix_scale"],
+                                        f"{MUON}.kernels.fused_update": [f"{MUON}.executor.step"]}

@@ -8,7 +8,7 @@ import torch
 
 import deepspeed.comm as dist
 from deepspeed.runtime.zero.flat_layout import full_shape
-from deepspeed.runtime.zero.muon.normuon import muon_state_shape
+from deepspeed.runtime.zero.muon.math.normuon import muon_state_shape
 from deepspeed.runtime.zero.param_groups import is_muon_group
 
 

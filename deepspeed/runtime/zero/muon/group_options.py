@@ -15,9 +15,10 @@ import torch
 
 from deepspeed.runtime.constants import MUON_OPTIMIZER
 from deepspeed.runtime.optimizer_params import MuonParams, validate_optimizer_params
-from deepspeed.runtime.zero.muon.normuon import NORMUON_BETA2, NORMUON_EPS
-from deepspeed.runtime.zero.muon.ns_coefficients import DEFAULT_NS_COEFFICIENTS, check_ns_coefficients
-from deepspeed.runtime.zero.muon.original_muon import ADJUST_LR_FNS, MOMENTUM_DTYPES, check_ns_method
+from deepspeed.runtime.zero.muon.math.normuon import NORMUON_BETA2, NORMUON_EPS
+from deepspeed.runtime.zero.muon.math.ns_coefficients import DEFAULT_NS_COEFFICIENTS, check_ns_coefficients
+from deepspeed.runtime.zero.muon.math.newton_schulz import check_ns_method
+from deepspeed.runtime.zero.muon.math.update import ADJUST_LR_FNS, MOMENTUM_DTYPES
 
 MUON_DEFAULTS: dict[str, Any] = {
     "lr": 0.02,

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from deepspeed.runtime.zero.muon.executor import MuonStepExecutor, _batch_key, _logical_shape
+from deepspeed.runtime.zero.muon.executor.step import MuonStepExecutor, _batch_key, _logical_shape
 # The group options and the config's groups live in group_options.py; their names stay importable from here.
 from deepspeed.runtime.zero.muon.group_options import (  # noqa: F401
     ADAM_DEFAULTS, ADAM_GROUP_NAME, MISSING_USE_MUON_MESSAGE, MUON_DEFAULTS, MUON_GROUP_NAME, checked_group,

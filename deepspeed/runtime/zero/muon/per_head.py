@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from deepspeed.runtime.zero.muon.original_muon import head_rows
+from deepspeed.runtime.zero.muon.math.update import head_rows
 from deepspeed.utils.logging import log_dist
 
 NUM_HEADS_ATTRIBUTE = "muon_num_heads"

@@ -9,8 +9,8 @@ fp32-accumulation rounding, and leave the addend untouched.
 import pytest
 import torch
 
-from deepspeed.runtime.zero.muon import addend_gemm
-from deepspeed.runtime.zero.muon.addend_gemm import gemm_with_addend, separate_addend_supported
+from deepspeed.runtime.zero.muon.kernels import addend_gemm
+from deepspeed.runtime.zero.muon.kernels.addend_gemm import gemm_with_addend, separate_addend_supported
 
 
 def _operand(count, rows, cols, transposed, dtype, device, generator):
@@ -68,7 +68,7 @@ def test_cublaslt_on_the_blocks_of_an_upper_stored_matrix(count, m):
     """The layouts symmetric_product hands it: blocks of (count, m, m) buffers at an offset, row panels and
     transposed column panels (odd sizes: blocks at offsets of a few bytes, odd leading dimensions; one matrix: no
     batch stride); the lower block of the output is never written."""
-    from deepspeed.runtime.zero.muon.symmetric_gram import symmetric_product
+    from deepspeed.runtime.zero.muon.math.symmetric_gram import symmetric_product
 
     generator = torch.Generator().manual_seed(2)
     S = torch.randn(count, m, m, generator=generator) / m**0.5

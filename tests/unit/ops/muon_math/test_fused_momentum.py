@@ -8,8 +8,8 @@ settings, every direction dtype and a length that is not a multiple of the kerne
 import pytest
 import torch
 
-from deepspeed.runtime.zero.muon import fused_momentum
-from deepspeed.runtime.zero.muon.fused_momentum import fold_and_direction
+from deepspeed.runtime.zero.muon.kernels import fused_momentum
+from deepspeed.runtime.zero.muon.kernels.fused_momentum import fold_and_direction
 
 CASES = [(0.95, True, torch.bfloat16), (0.9, False, torch.float16), (0.3, True, torch.float32),
          (0.95, True, torch.float32), (0.6, True, torch.bfloat16)]

@@ -8,8 +8,9 @@ a length that is not a multiple of the kernel's block.
 import pytest
 import torch
 
-from deepspeed.runtime.zero.muon import fused_momentum, fused_update
-from deepspeed.runtime.zero.muon.fused_update import apply_update
+from deepspeed.runtime.zero.muon.kernels import fused_momentum
+from deepspeed.runtime.zero.muon.kernels import fused_update
+from deepspeed.runtime.zero.muon.kernels.fused_update import apply_update
 
 CASES = [(torch.bfloat16, None), (torch.bfloat16, 0.999), (torch.float16, 0.9), (torch.float32, None),
          (torch.float32, 0.95)]

@@ -4,8 +4,8 @@ transposed batches, in place and not, block-aligned and odd matrix sizes), torch
 import pytest
 import torch
 
-from deepspeed.runtime.zero.muon.fused_momentum import triton_available
-from deepspeed.runtime.zero.muon.matrix_scale import _fusable, scale_fp16, scale_matrices
+from deepspeed.runtime.zero.muon.kernels.fused_momentum import triton_available
+from deepspeed.runtime.zero.muon.kernels.matrix_scale import _fusable, scale_fp16, scale_matrices
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # (count, rows, cols): 64 x 128 is two kernel blocks per matrix; 7 x 300 splits blocks across matrices.
@@ -64,7 +64,7 @@ def test_the_kernel_is_what_runs_on_a_gpu():
 def test_a_kernel_that_cannot_run_is_tried_once_and_said_once(caplog):
     """A Triton install without a working compiler raises at the launch, before anything is written: the torch
     path takes over, the warning names the kernel and what runs instead, and the launch is not tried again."""
-    from deepspeed.runtime.zero.muon.fused_momentum import launched
+    from deepspeed.runtime.zero.muon.kernels.fused_momentum import launched
 
     failed, calls = [], []
 

@@ -9,7 +9,7 @@ from deepspeed.runtime.zero.muon.original_muon import (
     zeropower_via_gram_newtonschulz,
     zeropower_via_newtonschulz5,
 )
-from deepspeed.runtime.zero.muon.symmetric_gram import zeropower_via_symmetric_gram
+from deepspeed.runtime.zero.muon.math.symmetric_gram import zeropower_via_symmetric_gram
 
 ALL_METHODS = [zeropower_via_newtonschulz5, zeropower_via_gram_newtonschulz, zeropower_via_symmetric_gram]
 

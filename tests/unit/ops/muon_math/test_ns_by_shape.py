@@ -4,11 +4,11 @@ caller's order, in a workspace as without one."""
 import pytest
 import torch
 
-from deepspeed.runtime.zero.muon import ns_by_shape
-from deepspeed.runtime.zero.muon.ns_by_shape import SYMMETRIC_FROM_SIDE, method_for_shape
-from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
+from deepspeed.runtime.zero.muon.math import ns_by_shape
+from deepspeed.runtime.zero.muon.math.ns_by_shape import SYMMETRIC_FROM_SIDE, method_for_shape
+from deepspeed.runtime.zero.muon.executor.ns_workspace import NSWorkspace
 from deepspeed.runtime.zero.muon.original_muon import NS_FUNCTIONS, zeropower_by_shape, zeropower_via_gram_newtonschulz
-from deepspeed.runtime.zero.muon.symmetric_gram import zeropower_via_symmetric_gram
+from deepspeed.runtime.zero.muon.math.symmetric_gram import zeropower_via_symmetric_gram
 
 
 def test_the_rule_reads_the_smaller_side_only():

@@ -8,7 +8,7 @@ import torch
 from unit.ops.muon_math.reference import POLAR_EXPRESS_5, newton_schulz_fp64
 
 from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
-from deepspeed.runtime.zero.muon.ns_coefficients import (
+from deepspeed.runtime.zero.muon.math.ns_coefficients import (
     NS_COEFFICIENTS,
     coefficient_schedule,
     optimal_odd_quintic,

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam, muon_param_groups
-from deepspeed.runtime.zero.muon.ns_workspace import ALIGNMENT, NSWorkspace
+from deepspeed.runtime.zero.muon.executor.ns_workspace import ALIGNMENT, NSWorkspace
 from deepspeed.runtime.zero.muon.original_muon import (count_newton_schulz_calls, zeropower_via_gram_newtonschulz,
                                                        zeropower_via_newtonschulz5)
-from deepspeed.runtime.zero.muon.symmetric_gram import zeropower_via_symmetric_gram
+from deepspeed.runtime.zero.muon.math.symmetric_gram import zeropower_via_symmetric_gram
 
 # Tall, wide and square batches, two sharing the small side (the joint Gram batch); the last two share a small side
 # of 64, the symmetric Gram iteration's joint batch (smaller sides take its standard path).

@@ -12,7 +12,7 @@ from unit.ops.muon_math.reference import muon_update_fp64, shape_factor
 
 from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam, muon_param_groups
-from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
+from deepspeed.runtime.zero.muon.executor.ns_workspace import NSWorkspace
 from deepspeed.runtime.zero.muon.original_muon import (count_newton_schulz_calls, momentum_directions, muon_update,
                                                        update_scale)
 

@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from unit.ops.muon_math.reference import newton_schulz_fp64
 
 from deepspeed.runtime.zero.muon.original_muon import NS_FUNCTIONS
-from deepspeed.runtime.zero.muon.symmetric_gram import (
+from deepspeed.runtime.zero.muon.math.symmetric_gram import (
     MIN_GRAM_ROWS,
     symmetric_gram,
     symmetric_left_product,

@@ -23,7 +23,7 @@ from collections.abc import Callable, Hashable
 import torch
 from torch import Tensor
 
-from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
+from deepspeed.runtime.zero.muon.executor.ns_workspace import NSWorkspace
 
 logger = logging.getLogger(__name__)
 

@@ -9,10 +9,19 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from deepspeed.runtime.zero.muon.matrix_scale import scale_matrices
-from deepspeed.runtime.zero.muon.ns_coefficients import NS_COEFFICIENTS  # noqa: F401  (re-exported)
-from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
+from typing import Protocol
+
+from deepspeed.runtime.zero.muon.math.ns_coefficients import NS_COEFFICIENTS  # noqa: F401  (re-exported)
+from deepspeed.runtime.zero.muon.math.ns_ops import OPS
+
 NS_NORM_EPS = 1e-7
+
+
+class Workspace(Protocol):
+    """Memory a caller lends the iterations for their buffers and results (the executor's ``NSWorkspace``)."""
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+        """An uninitialised tensor of ``shape`` and ``dtype`` carved from the lent memory."""
 
 
 def resolve_ns_dtype(tensor: Tensor, dtype: torch.dtype | None = None) -> torch.dtype:
@@ -40,7 +49,7 @@ def _cuda_bf16_supported(index: int | None) -> bool:
         return torch.cuda.is_bf16_supported()
 
 
-def _wide_view(G: Tensor, dtype: torch.dtype | None, workspace: NSWorkspace | None
+def _wide_view(G: Tensor, dtype: torch.dtype | None, workspace: Workspace | None
                ) -> tuple[Tensor, bool, torch.dtype]:
     """``G`` in the compute dtype as a 3-D batch of wide matrices (rows <= cols; a tall batch is viewed transposed).
 
@@ -60,7 +69,7 @@ def _wide_view(G: Tensor, dtype: torch.dtype | None, workspace: NSWorkspace | No
     return (X.mT if transposed else X), transposed, compute_dtype
 
 
-def _normalized_wide(G: Tensor, dtype: torch.dtype | None, workspace: NSWorkspace | None = None
+def _normalized_wide(G: Tensor, dtype: torch.dtype | None, workspace: Workspace | None = None
                      ) -> tuple[Tensor, bool]:
     """Cast to the compute dtype, view as a batch of wide matrices (rows <= cols), scale to unit Frobenius norm.
 
@@ -71,17 +80,17 @@ def _normalized_wide(G: Tensor, dtype: torch.dtype | None, workspace: NSWorkspac
     X, is_transposed, _ = _wide_view(G, dtype, workspace)
     # A unit Frobenius norm bounds every singular value by 1, inside the quintic's convergence range.
     norm = X.norm(dim=(-2, -1), keepdim=True) + NS_NORM_EPS
-    return (scale_matrices(X, norm, X, divide=True) if workspace is not None else X / norm), is_transposed
+    return (OPS.scale_matrices(X, norm, X, divide=True) if workspace is not None else X / norm), is_transposed
 
 
-def _allocator(workspace: NSWorkspace | None, like: Tensor) -> Callable[[Sequence[int]], Tensor]:
+def _allocator(workspace: Workspace | None, like: Tensor) -> Callable[[Sequence[int]], Tensor]:
     """Memory for a new result of a given shape in ``like``'s dtype: from the workspace when there is one."""
     if workspace is None:
         return like.new_empty
     return functools.partial(workspace.empty, dtype=like.dtype)
 
 
-def _gram_buffers(Xs: Sequence[Tensor], tall: Sequence[bool] | None, workspace: NSWorkspace | None):
+def _gram_buffers(Xs: Sequence[Tensor], tall: Sequence[bool] | None, workspace: Workspace | None):
     """The memory both Gram iterations take once per call and reuse by role, in this order (a workspace carves
     deterministically, so the order is part of the addresses a captured graph replays at).
 

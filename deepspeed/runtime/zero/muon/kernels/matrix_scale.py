@@ -18,7 +18,7 @@ import functools
 import torch
 from torch import Tensor
 
-from deepspeed.runtime.zero.muon.fused_momentum import launched, triton_available
+from deepspeed.runtime.zero.muon.kernels.fused_momentum import launched, triton_available
 
 _BLOCK = 4096
 _FAILED: list[Exception] = []
@@ -69,6 +69,6 @@ def _launch(X: Tensor, out: Tensor, factor: Tensor | None, scalar: float, matrix
 
 @functools.cache
 def _kernel():
-    from deepspeed.runtime.zero.muon.matrix_scale_kernel import scale_kernel
+    from deepspeed.runtime.zero.muon.kernels.matrix_scale_kernel import scale_kernel
 
     return scale_kernel

@@ -1,4 +1,4 @@
-"""The Triton kernel behind :mod:`deepspeed.runtime.zero.muon.matrix_scale` (a module of its own because it
+"""The Triton kernel behind :mod:`deepspeed.runtime.zero.muon.kernels.matrix_scale` (a module of its own because it
 imports Triton at the top; ``matrix_scale`` imports it only on a CUDA machine with Triton installed)."""
 
 import triton

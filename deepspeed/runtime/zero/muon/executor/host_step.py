@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from deepspeed.runtime.zero.muon.original_muon import flat_view, resolve_ns_dtype, stacked_view, update_scale
+from deepspeed.runtime.zero.muon.math.ns_common import resolve_ns_dtype
+from deepspeed.runtime.zero.muon.math.update import flat_view, stacked_view, update_scale
 
 
 class HostStep:

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from deepspeed.runtime.unscaled_chunks import unscaled, unscaled_chunks
-from deepspeed.runtime.zero.muon.original_muon import adam_update
+from deepspeed.runtime.zero.muon.math.update import adam_update
 
 
 def fusable(p: Tensor, state: dict[str, Any]) -> bool:

@@ -16,16 +16,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from deepspeed.runtime.zero.muon.aux_adam import adam_in_chunks, fusable, fused_adamw, unscaled_gradients
-from deepspeed.runtime.zero.muon.fused_momentum import fold_and_direction
-from deepspeed.runtime.zero.muon.fused_update import apply_update
-from deepspeed.runtime.zero.muon.host_step import HostStep
-from deepspeed.runtime.zero.muon.ns_graph import GraphedCalls
-from deepspeed.runtime.zero.muon.normuon import NEURON_SECOND_MOMENT, neuron_normalised
-from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
-from deepspeed.runtime.zero.muon.original_muon import (NS_FUNCTIONS, adam_update, flat_view, fold_momenta,
-                                                      momentum_directions, resolve_ns_dtype, stacked_view,
-                                                      update_scale)
+from deepspeed.runtime.zero.muon.executor.aux_adam import adam_in_chunks, fusable, fused_adamw, unscaled_gradients
+from deepspeed.runtime.zero.muon.kernels.fused_momentum import fold_and_direction
+from deepspeed.runtime.zero.muon.kernels.fused_update import apply_update
+from deepspeed.runtime.zero.muon.executor.host_step import HostStep
+from deepspeed.runtime.zero.muon.executor.ns_graph import GraphedCalls
+from deepspeed.runtime.zero.muon.math.normuon import NEURON_SECOND_MOMENT, neuron_normalised
+from deepspeed.runtime.zero.muon.executor.ns_workspace import NSWorkspace
+from deepspeed.runtime.zero.muon.math.newton_schulz import NS_FUNCTIONS
+from deepspeed.runtime.zero.muon.math.ns_common import resolve_ns_dtype
+from deepspeed.runtime.zero.muon.math.update import (adam_update, flat_view, fold_momenta, momentum_directions,
+                                                     stacked_view, update_scale)
 from deepspeed.runtime.zero.muon.per_head import head_count
 
 # The entries as this module found them: a replaced entry (a test counting calls, a user's hook) must see every

@@ -127,6 +127,6 @@ _FAILED: list[Exception] = []
 
 @functools.cache
 def _kernel():
-    from deepspeed.runtime.zero.muon.fused_momentum_kernel import fold_and_direction_kernel
+    from deepspeed.runtime.zero.muon.kernels.fused_momentum_kernel import fold_and_direction_kernel
 
     return fold_and_direction_kernel

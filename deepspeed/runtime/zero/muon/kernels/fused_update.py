@@ -16,7 +16,7 @@ import functools
 import torch
 from torch import Tensor
 
-from deepspeed.runtime.zero.muon.fused_momentum import launched, triton_available
+from deepspeed.runtime.zero.muon.kernels.fused_momentum import launched, triton_available
 
 # Elements per Triton program, as the momentum kernel's.
 _BLOCK = 4096
@@ -54,6 +54,6 @@ def _fused(params: Tensor, update: Tensor, alpha: float, decay: float | None) ->
 
 @functools.cache
 def _kernel():
-    from deepspeed.runtime.zero.muon.fused_update_kernel import apply_update_kernel
+    from deepspeed.runtime.zero.muon.kernels.fused_update_kernel import apply_update_kernel
 
     return apply_update_kernel

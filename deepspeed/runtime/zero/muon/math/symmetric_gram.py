@@ -34,10 +34,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from deepspeed.runtime.zero.muon.addend_gemm import gemm_with_addend, separate_addend_supported
-from deepspeed.runtime.zero.muon.matrix_scale import scale_fp16, scale_matrices
-from deepspeed.runtime.zero.muon.ns_coefficients import DEFAULT_NS_COEFFICIENTS, Coefficients, coefficient_schedule
-from deepspeed.runtime.zero.muon.ns_common import (
+from deepspeed.runtime.zero.muon.math.ns_coefficients import (DEFAULT_NS_COEFFICIENTS, Coefficients,
+                                                              coefficient_schedule)
+from deepspeed.runtime.zero.muon.math.ns_common import (
     NS_NORM_EPS,
     _allocator,
     _gram_buffers,
@@ -46,8 +45,9 @@ from deepspeed.runtime.zero.muon.ns_common import (
     _restored_layout,
     _tall,
     _wide_view,
+    Workspace,
 )
-from deepspeed.runtime.zero.muon.ns_workspace import NSWorkspace
+from deepspeed.runtime.zero.muon.math.ns_ops import OPS
 
 # X = Q X and R = X X^T are re-formed from the iterate before iteration FIRST_RESTART (0-based) and every
 # RESTART_PERIOD iterations after it: five steps restart once, before the fourth. Three steps first, not two (see
@@ -116,11 +116,13 @@ def symmetric_product(A: Tensor, B: Tensor, out: Tensor, addend: Tensor | None =
     """The upper blocks of ``beta * addend + alpha * A B`` into ``out``, for upper-stored symmetric A, B (and
     addend) whose product is symmetric: three block products, each a row panel of A times a column panel of B.
 
-    An addend other than ``out`` is read where it lies (:func:`~.addend_gemm.gemm_with_addend`, cuBLASLt's separate
-    C and D) on a GPU that offers it; otherwise it is first copied into ``out`` whole, since ``baddbmm`` into a block
-    would copy the addend's block itself with a strided copy per block (measured at 3-4x the time of one contiguous
-    copy of the matrix). Either way the addend is added in the fp32 accumulator."""
-    if addend is not None and addend is not out and not separate_addend_supported(out):
+    An addend other than ``out`` is read where it lies (``ns_ops.OPS.gemm_with_addend``, the kernels'
+    ``addend_gemm``: cuBLASLt's separate C and D) on a GPU that offers it; otherwise it is first copied into
+    ``out`` whole, since ``baddbmm`` into a block would copy the addend's block itself with a strided copy per
+    block (measured at 3-4x the time of one contiguous copy of the matrix). Either way the addend is added in the
+    fp32 accumulator.
+    """
+    if addend is not None and addend is not out and not OPS.separate_addend_supported(out):
         out.copy_(addend)
         addend = out
     for row, col in _UPPER_BLOCKS:
@@ -132,7 +134,7 @@ def symmetric_product(A: Tensor, B: Tensor, out: Tensor, addend: Tensor | None =
             # than copying the block onto itself first.
             torch.baddbmm(target, rows, cols, beta=beta, alpha=alpha, out=target)
         else:
-            gemm_with_addend(target, _block(addend, row, col), rows, cols, beta=beta, alpha=alpha)
+            OPS.gemm_with_addend(target, _block(addend, row, col), rows, cols, beta=beta, alpha=alpha)
 
 
 def symmetric_left_product(S: Tensor, X: Tensor, out: Tensor, beta: float | None = None, tall: bool = False) -> Tensor:
@@ -150,7 +152,7 @@ def symmetric_left_product(S: Tensor, X: Tensor, out: Tensor, beta: float | None
     h = _half(S.size(-1))
     X_out = X.mT if tall else X  # X in the layout of ``out``
     # Read in place only where X's panels have out's layout (a unit last stride); else one whole copy, as below.
-    separate = beta is not None and X_out.stride(-1) == 1 and separate_addend_supported(out)
+    separate = beta is not None and X_out.stride(-1) == 1 and OPS.separate_addend_supported(out)
     if beta is not None and not separate:
         out.copy_(X_out)
     for row, rows in ((0, slice(None, h)), (1, slice(h, None))):
@@ -162,13 +164,13 @@ def symmetric_left_product(S: Tensor, X: Tensor, out: Tensor, beta: float | None
         if beta is None:
             torch.bmm(left, right, out=target)
         elif separate:
-            gemm_with_addend(target, addend, left, right, beta=beta)
+            OPS.gemm_with_addend(target, addend, left, right, beta=beta)
         else:
             torch.baddbmm(target, left, right, beta=beta, out=target)
     return out
 
 
-def _symmetric_standard_iterations(X: Tensor, schedule: Sequence[Coefficients], workspace: NSWorkspace | None = None,
+def _symmetric_standard_iterations(X: Tensor, schedule: Sequence[Coefficients], workspace: Workspace | None = None,
                                    tall: bool = False) -> Tensor:
     """The standard iteration X <- a X + (b A + c A^2) X, A = X X^T, one step per (a, b, c) of ``schedule``, with A
     and A^2 computed on their upper blocks (both are Gram products, so their halves are those of the whole
@@ -198,7 +200,7 @@ def inner_dtype(compute_dtype: torch.dtype) -> torch.dtype:
     return torch.float16 if compute_dtype in (torch.bfloat16, torch.float16) else compute_dtype
 
 
-def _scaled_wide(G: Tensor, dtype: torch.dtype | None, workspace: NSWorkspace | None
+def _scaled_wide(G: Tensor, dtype: torch.dtype | None, workspace: Workspace | None
                  ) -> tuple[Tensor, bool, torch.dtype]:
     """``G`` as a batch of wide matrices at Frobenius norm sqrt(FP16_SCALE), in :func:`inner_dtype`.
 
@@ -212,23 +214,23 @@ def _scaled_wide(G: Tensor, dtype: torch.dtype | None, workspace: NSWorkspace | 
     target_dtype = inner_dtype(compute_dtype)
     # A new tensor keeps X's layout (a tall matrix's wide view stays the transpose of contiguous memory).
     out = X.view(target_dtype) if workspace is not None else torch.empty_like(X, dtype=target_dtype)
-    return scale_matrices(X, factor, out), transposed, compute_dtype
+    return OPS.scale_matrices(X, factor, out), transposed, compute_dtype
 
 
 def _in_compute_dtype(result: Tensor, compute_dtype: torch.dtype) -> Tensor:
     """Undo the scaling and return to the compute dtype, in one pass over the result's own memory."""
     back = result.view(compute_dtype) if result.dtype != compute_dtype else result
-    return scale_fp16(result, 1 / math.sqrt(FP16_SCALE), back)
+    return OPS.scale_fp16(result, 1 / math.sqrt(FP16_SCALE), back)
 
 
 def zeropower_via_symmetric_gram(G: Tensor | Sequence[Tensor], steps: int = 5, dtype: torch.dtype | None = None,
-                                 workspace: NSWorkspace | None = None,
+                                 workspace: Workspace | None = None,
                                  coefficients: str = DEFAULT_NS_COEFFICIENTS) -> Tensor | list[Tensor]:
-    """Approximately orthogonalise ``G`` as :func:`~.original_muon.zeropower_via_newtonschulz5` does, computing
+    """Approximately orthogonalise ``G`` as :func:`~.newton_schulz.zeropower_via_newtonschulz5` does, computing
     half of every symmetric product (see the module docstring for the cost and the precision).
 
     Given a list, the wide matrices that share the small side m run their m x m iterations as one batch, as in
-    :func:`~.original_muon.zeropower_via_gram_newtonschulz`.
+    :func:`~.newton_schulz.zeropower_via_gram_newtonschulz`.
 
     Args:
         G: a matrix or a batch of matrices (ndim >= 2), or a list of them. Never modified without a workspace.
@@ -272,11 +274,11 @@ def zeropower_via_symmetric_gram(G: Tensor | Sequence[Tensor], steps: int = 5, d
 
 
 def _symmetric_gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients],
-                               workspace: NSWorkspace | None = None,
+                               workspace: Workspace | None = None,
                                tall: Sequence[bool] | None = None) -> list[Tensor]:
     """The Gram iteration on upper-stored m x m matrices, for scaled wide batches sharing the small side m.
 
-    As ``original_muon._gram_iterations``: R, the factors P_k = a I + Z_k (Z_k = b' R + c' R^2, with b and c
+    As ``newton_schulz._gram_iterations``: R, the factors P_k = a I + Z_k (Z_k = b' R + c' R^2, with b and c
     rescaled for R = FP16_SCALE X X^T) and their product Q are stacked over all batches, and Q X is formed at the
     restart and at the end. How Q is held differs by segment, for fp16's sake:
 

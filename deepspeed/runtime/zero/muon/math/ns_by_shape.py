@@ -9,7 +9,7 @@ choice is speed only.
 
 The choice is a fixed rule of the shape, not a timing taken while training: every rank, every run and every
 resumed run choose alike, so results stay reproducible and a resumed run continues bit for bit. The rule is here;
-``original_muon.zeropower_by_shape`` applies it.
+``newton_schulz.zeropower_by_shape`` applies it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,64 @@
+"""The few tensor operations the Newton-Schulz iterations need beyond torch's, with torch's own as the default.
+
+The iterations call them through :data:`OPS`. The kernels package (``muon/kernels``) installs its fused versions when
+it is imported (``install``), which every use of the Muon package does: the same results, fewer passes over memory on
+a GPU (each kernel module states how its results compare with torch's). The math itself so never imports a kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def scale_matrices(X: Tensor, factor: Tensor, out: Tensor, divide: bool = False) -> Tensor:
+    """``out = X / factor`` (``divide``) or ``X * factor``, ``factor`` of shape (count, 1, 1) for the 3-D batch ``X``;
+    ``out`` may be X's own memory. Returns ``out``."""
+    return (torch.div if divide else torch.mul)(X, factor, out=out)
+
+
+def scale_fp16(X: Tensor, scalar: float, out: Tensor) -> Tensor:
+    """``out = X * scalar`` (rounded to X's dtype, then to out's). Returns ``out``."""
+    return torch.mul(X, scalar, out=out)
+
+
+def separate_addend_supported(out: Tensor) -> bool:
+    """Whether :func:`gemm_with_addend` reads an addend where it lies for results like ``out`` (torch: never; its GEMM
+    reads C from the memory it writes)."""
+    return False
+
+
+def gemm_with_addend(out: Tensor, addend: Tensor, A: Tensor, B: Tensor, beta: float, alpha: float = 1.0) -> Tensor:
+    """``out = beta * addend + alpha * A @ B`` for batches of matrices: the addend copied into ``out``, then
+    ``baddbmm`` in place. Returns ``out``."""
+    out.copy_(addend)
+    return torch.baddbmm(out, A, B, beta=beta, alpha=alpha, out=out)
+
+
+@dataclass
+class NSOps:
+    """The operations :data:`OPS` holds: torch's by default (this module's functions)."""
+
+    scale_matrices: Callable[..., Tensor] = scale_matrices
+    scale_fp16: Callable[..., Tensor] = scale_fp16
+    separate_addend_supported: Callable[[Tensor], bool] = separate_addend_supported
+    gemm_with_addend: Callable[..., Tensor] = gemm_with_addend
+
+
+OPS = NSOps()
+
+
+def install(**operations: Callable) -> None:
+    """Replace entries of :data:`OPS` (by field name), e.g. with fused kernels that give the same results.
+
+    Raises:
+        ValueError: a name that is not an operation of :class:`NSOps`.
+    """
+    unknown = sorted(set(operations) - set(NSOps.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"not Newton-Schulz operations: {unknown}; known: {sorted(NSOps.__dataclass_fields__)}")
+    for name, function in operations.items():
+        setattr(OPS, name, function)
