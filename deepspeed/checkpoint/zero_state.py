@@ -157,6 +157,12 @@ def _validate_base_optimizer_state(basic: torch.optim.Optimizer, state: dict, pa
                 if key != "step" and torch.is_tensor(value) and value.dim() > 0 and value.shape != expected:
                     raise _mismatch(path, f"shape of optimizer state '{key}' in group {index}", tuple(value.shape),
                                     tuple(expected))
+                momentum_dtype = now.get("momentum_dtype", torch.float32)
+                if (now.get("use_muon") and key == "momentum_buffer" and torch.is_tensor(value)
+                        and value.dtype != momentum_dtype):
+                    # The optimizer keeps the momentum in its group's momentum_dtype and never converts it silently.
+                    raise _mismatch(path, f"dtype of optimizer state '{key}' in group {index}", value.dtype,
+                                    momentum_dtype)
 
 
 def load_zero_state(optimizer, state: dict, path: str) -> None:

@@ -104,3 +104,15 @@ def test_the_config_key_sets_the_group_and_other_dtypes_are_refused():
     assert "momentum_dtype" not in muon_param_groups(params, {})[0]
     with pytest.raises(ValueError, match="momentum_dtype must be torch.float32 or torch.bfloat16"):
         MuonWithAuxAdam([{"params": [params[0][1]], "use_muon": True, "momentum_dtype": torch.float16}])
+
+
+def test_a_momentum_in_another_dtype_than_its_group_keeps_is_refused():
+    params = _params()
+    optimizer = _optimizer(params, torch.bfloat16)
+    for p, g in zip(params, _grads(1)[0]):
+        p.grad = g
+    optimizer.step()
+    # State written around the optimizer (a checkpoint's dtypes are validated on load): never converted silently.
+    optimizer.state[params[0]]["momentum_buffer"] = optimizer.state[params[0]]["momentum_buffer"].float()
+    with pytest.raises(ValueError, match="'momentum_buffer' is torch.float32, its group keeps it in torch.bfloat16"):
+        optimizer.step()

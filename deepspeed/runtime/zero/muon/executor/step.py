@@ -197,10 +197,10 @@ class MuonStepExecutor:
             grads = [p.grad for p in key_params]
             # state.get, not state[p]: the defaultdict would record an empty state for a param never stepped.
             momenta = [self.state.get(p, {}).get("momentum_buffer") for p in key_params]
-            dtype = _momentum_dtype(group)
-            if any(m is None or m.dtype != dtype for m in momenta):
-                # What the step will fold into (_packed_state): zeros where missing, the group's dtype.
-                momenta = [torch.zeros_like(p, dtype=dtype) if m is None else m.to(dtype)
+            _check_dtype("momentum_buffer", momenta, _momentum_dtype(group))
+            if any(m is None for m in momenta):
+                # What the step will fold into (_packed_state): zeros where missing, in the group's dtype.
+                momenta = [torch.zeros_like(p, dtype=_momentum_dtype(group)) if m is None else m
                            for p, m in zip(key_params, momenta)]
             if self._host is not None:
                 direction, scale = self._host.directions(grads, momenta, group, num_heads=num_heads,
@@ -432,14 +432,19 @@ class MuonStepExecutor:
         Buffers that are not one run (loaded from a checkpoint, or created one by one) are moved into one allocation
         once, with their values, so each later step reads the state of each shape, or of the whole group, as one
         tensor. A loaded buffer keeps its values whatever shape it was saved in (a regrouped checkpoint may flatten
-        it); one of another dtype (set through safe_set_full_optimizer_state) is converted to ``dtype``.
+        it).
+
+        Raises:
+            ValueError: a buffer in another dtype than ``dtype`` (state written around the optimizer: the load
+                validates a checkpoint's dtypes, and the optimizer never converts one silently).
         """
         if not params:
             return []
         states = [self.state[p] for p in params]
         values = [state.get(key) for state in states]
+        _check_dtype(key, values, dtype)
         shapes = [torch.Size(shape_of(p)) for p in params]
-        if (all(v is not None and v.shape == shape and v.dtype == dtype for v, shape in zip(values, shapes))
+        if (all(v is not None and v.shape == shape for v, shape in zip(values, shapes))
                 and flat_view(values) is not None):
             return values
         packed = torch.zeros(sum(shape.numel() for shape in shapes), dtype=dtype, device=params[0].device)
@@ -532,6 +537,15 @@ def _recorded_batches(by_key: dict[BatchKey, list[Tensor]], views: list[Tensor],
     (``update_scale``: by default sqrt(max(1, rows / cols)))."""
     return [(params, [p.grad for p in params], update_scale(view.size(-2), view.size(-1), adjust_lr_fn))
             for params, view in zip(by_key.values(), views)]
+
+
+def _check_dtype(key: str, values: Sequence[Tensor | None], dtype: torch.dtype) -> None:
+    """Raise ValueError when a state tensor is not in ``dtype`` (state written around the optimizer: the load
+    validates a checkpoint's dtypes, and the optimizer never converts one silently)."""
+    wrong = sorted({str(v.dtype) for v in values if v is not None and v.dtype != dtype})
+    if wrong:
+        raise ValueError(f"MuonWithAuxAdam: optimizer state '{key}' is {', '.join(wrong)}, its group keeps it in "
+                         f"{dtype}")
 
 
 def _momentum_dtype(group: dict[str, Any]) -> torch.dtype:
