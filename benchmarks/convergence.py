@@ -10,6 +10,7 @@ token budget, and evaluates on the same held-out windows every `--eval-every` st
 
     python benchmarks/convergence.py --size gpt-small --tokens 500e6 --out DIR         # every mode in MODES
     python benchmarks/convergence.py --report DIR/convergence.json        # table and figure again
+    python benchmarks/convergence.py --compare DIR/convergence.json DIR/0.19.8/convergence.json --out DIR  # trees
     python benchmarks/convergence.py --size tiny --tokens 2e5 --device cpu --out DIR   # CPU check (in CI)
 
 Writes `<out>/convergence.json` (provenance, configs, every evaluation: step, tokens, training seconds, train and
@@ -80,6 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tree", default="this", help="the tree this process runs (a release's: its version)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--report", default=None, help="re-render the table and figure from a convergence.json")
+    parser.add_argument("--compare", nargs="+", default=None, metavar="JSON",
+                        help="convergence.json files of runs on the same data and seed (e.g. this tree's and a "
+                        "release's): one table and one figure against tokens, written to --out as comparison.*")
     return parser.parse_args(argv)
 
 
@@ -258,8 +262,68 @@ def report(results: dict, out_dir: str) -> str:
     return markdown
 
 
+def compare(paths: list[str], out_dir: str) -> str:
+    """comparison.md (and comparison.png) for runs of several trees on the same data, seed and batches: per tree and
+    mode the final validation loss and the tokens to the first run's AdamW final validation loss. Seconds are left
+    out: runs of different invocations are not timed side by side."""
+    runs = [json.loads(Path(path).read_text()) for path in paths]
+    first = runs[0]
+    for path, results in zip(paths, runs):
+        for key in ("size", "tokens", "batch", "data"):
+            if results["meta"][key] != first["meta"][key]:
+                raise SystemExit(f"{path}: {key} differs from {paths[0]}'s; only runs on the same data compare")
+    baseline = first["modes"].get("adamw", {})
+    target = baseline["evaluations"][-1]["val_loss"] if "evaluations" in baseline else None
+    lines = [f"# Convergence on the standard library's source, trees compared ({first['meta']['size']}, "
+             f"{first['meta']['tokens']:.3g} tokens per mode)", "",
+             *(f"- {meta['tree']} (deepspeed {meta['deepspeed']}): {meta['provenance']['command']} "
+               f"({meta['provenance']['commit']}, {meta['provenance']['date']})"
+               for meta in (results["meta"] for results in runs)), "",
+             f"| tree | mode | final validation loss | tokens to {first['meta']['tree']}'s AdamW final validation "
+             "loss |",
+             "|---|---|---|---|"]
+    curves = []
+    for results in runs:
+        tree = results["meta"]["tree"]
+        for mode, run in results["modes"].items():
+            if "evaluations" not in run:
+                lines.append(f"| {tree} | {mode} | not run: {run.get('error', '?')} | |")
+                continue
+            reach = crossing(run["evaluations"], target, "tokens") if target is not None else None
+            lines.append(f"| {tree} | {mode} | {run['evaluations'][-1]['val_loss']:.4f} | "
+                         f"{'never' if reach is None else f'{reach:.4g}'} |")
+            curves.append((f"{mode} ({tree})", run["evaluations"]))
+    markdown = "\n".join(lines) + "\n"
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    Path(out_dir, "comparison.md").write_text(markdown)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: comparison.png is not drawn", flush=True)
+        return markdown
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for label, evaluations in curves:
+        points = [p for p in evaluations if not math.isnan(p["val_loss"])]
+        axis.plot([p["tokens"] for p in points], [p["val_loss"] for p in points], label=label,
+                  linestyle="--" if not label.endswith(f"({first['meta']['tree']})") else "-")
+    axis.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
+    axis.set_xlabel("tokens")
+    axis.set_ylabel("validation loss (nats per byte)")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(Path(out_dir, "comparison.png"), dpi=120)
+    plt.close(figure)
+    return markdown
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.compare:
+        print(compare(args.compare, args.out))
+        return 0
     if args.report:
         results = json.loads(Path(args.report).read_text())
         print(report(results, str(Path(args.report).parent)))

@@ -32,3 +32,9 @@ def test_every_mode_trains_and_the_report_is_written(tmp_path):
     rendered = subprocess.run([sys.executable, str(SCRIPT), "--report", str(tmp_path / "convergence.json")],
                               env=env, capture_output=True, text=True, timeout=120, check=False)
     assert rendered.returncode == 0 and "| muon-standard |" in rendered.stdout, rendered.stderr[-2000:]
+    compared = subprocess.run([sys.executable, str(SCRIPT), "--compare", str(tmp_path / "convergence.json"),
+                               str(tmp_path / "convergence.json"), "--out", str(tmp_path / "compared")],
+                              env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert compared.returncode == 0, compared.stderr[-2000:]
+    table = (tmp_path / "compared" / "comparison.md").read_text()
+    assert table.count("| this | normuon |") == 2 and "| this | adamw | " in table
