@@ -1,5 +1,6 @@
 """The Muon suite at ZeRO stage 3: long run, same dtype, loss scale, resume (fp16 and bf16), bit-exact resume, an
-overflow seen by one rank (fp16 and bf16), fp32 reference parity and clipping.
+overflow seen by one rank (fp16 and bf16), fp32 reference parity and clipping; the long run, bit-exact resume and
+one-rank overflow also with this fork's Muon options (muon_suite.VARIANTS).
 
 The test bodies are the suite's files' (test_muon_long_run.py, ...): the upstream PR's keep to stages 1-2 because
 deepspeed 0.19.8 refuses Muon at stage 3 with reduce_scatter, and the others are parametrized by the stages their
@@ -10,6 +11,7 @@ by stage 3 only, so the parents' cases are not collected twice.
 import pytest
 
 import test_muon_clipping as clipping
+from muon_suite import VARIANT_STATE_KEYS, VARIANTS
 import test_muon_long_run as long_run
 import test_muon_loss_scale as loss_scale
 import test_muon_overflow_agreement as overflow_agreement
@@ -24,6 +26,11 @@ class TestMuonLongRunStage3(long_run.TestMuonLongRun):
     @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
     def test_trains_through_overflow(self, dtype):
         super().test_trains_through_overflow(3, dtype)
+
+    @pytest.mark.parametrize("variant", sorted(VARIANTS))
+    @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+    def test_variant_trains_through_overflow(self, dtype, variant):
+        self._long_run(3, dtype, **VARIANTS[variant])
 
 
 class TestCastIsNotMovementStage3(same_dtype.TestCastIsNotMovement):
@@ -51,12 +58,21 @@ class TestMuonResumeStage3(resume_exact.TestMuonResume):
     def test_resumed_run_equals_uninterrupted(self, dtype, tmpdir):
         super().test_resumed_run_equals_uninterrupted(3, dtype, tmpdir)
 
+    @pytest.mark.parametrize("variant", sorted(VARIANTS))
+    @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+    def test_variant_resumed_run_equals_uninterrupted(self, dtype, variant, tmpdir):
+        super().test_variant_resumed_run_equals_uninterrupted(3, dtype, variant, tmpdir)
+
 
 class TestOverflowSeenByOneRankStage3(overflow_agreement.TestOverflowSeenByOneRank):
 
     @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
     def test_every_rank_skips(self, dtype):
         super().test_every_rank_skips(3, dtype)
+
+    @pytest.mark.parametrize("variant", sorted(VARIANTS))
+    def test_every_rank_skips_with_variant(self, variant):
+        self._every_rank_skips(3, "bf16", VARIANT_STATE_KEYS[variant], **VARIANTS[variant])
 
 
 class TestMuonReferenceParityStage3(reference_parity.TestMuonReferenceParity):
