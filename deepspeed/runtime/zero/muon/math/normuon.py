@@ -58,9 +58,11 @@ def neuron_normalised(update: Tensor, second_moment: Tensor, beta2: float = NORM
         raise ValueError(f"NorMuon needs (blocks, rows, cols) updates and an fp32 (blocks, rows) second moment, got "
                          f"{tuple(update.shape)} and {second_moment.dtype} {tuple(second_moment.shape)}")
     rows, cols = update.shape[1:]
-    normalised = update.float().square().mean(-1)
-    second_moment.lerp_(normalised, 1 - beta2)
-    normalised = update.float() / second_moment.sqrt().add_(eps).unsqueeze(-1)
+    # Each row's mean square, accumulated in fp32 without an fp32 copy of the update.
+    mean_square = torch.linalg.vector_norm(update, dim=-1, dtype=torch.float32).square_().div_(cols)
+    second_moment.lerp_(mean_square, 1 - beta2)
+    # The one full-size fp32 tensor: the result, normalised in place.
+    normalised = update.to(torch.float32, copy=True).div_(second_moment.sqrt().add_(eps).unsqueeze(-1))
     norm = torch.linalg.vector_norm(normalised, dim=(-2, -1), keepdim=True)
     # A zero block (a zero gradient) stays zero rather than 0/0.
     return normalised.mul_(math.sqrt(min(rows, cols))).div_(norm.clamp_min_(torch.finfo(torch.float32).tiny))
