@@ -317,6 +317,27 @@ class TestRefusedLoads(DistributedTest):
             assert isinstance(error, CheckpointError)
             assert_identical(full_snapshot(engine), before, f"engine after a refused load ({saved} -> {loading})")
 
+    def test_a_momentum_in_another_dtype_than_its_group_is_refused(self, class_tmpdir):
+        """A file whose Muon momentum is not in the dtype its saved group keeps it in (momentum_dtype) is refused
+        naming the file; the optimizer never converts a momentum silently."""
+        directory = os.path.join(str(class_tmpdir), "momentum-dtype")
+        _trained(checkpoint_config(1, "bf16", "bf16-momentum")).save_checkpoint(directory, tag="t")
+        optim_path = os.path.join(directory, "t", _optim_file(dist.get_rank(), True))
+        saved = torch.load(optim_path, map_location="cpu", weights_only=True)
+        states = saved["optimizer_state_dict"]["base_optimizer_state"]["state"]
+        momenta = [state for state in states.values() if "momentum_buffer" in state]
+        assert momenta and all(state["momentum_buffer"].dtype == torch.bfloat16 for state in momenta)
+        for state in momenta:
+            state["momentum_buffer"] = state["momentum_buffer"].float()
+        torch.save(saved, optim_path)
+        dist.barrier()
+        engine = new_engine(checkpoint_config(1, "bf16", "bf16-momentum"), seed=1)
+        before = full_snapshot(engine)
+        error = _raises_everywhere(lambda: engine.load_checkpoint(directory), optim_path,
+                                   "dtype of optimizer state 'momentum_buffer'", "torch.float32", "torch.bfloat16")
+        assert isinstance(error, CheckpointError)
+        assert_identical(full_snapshot(engine), before, "engine after a refused load (momentum dtype)")
+
 
 class TestPartialLoads(DistributedTest):
     world_size = 2

@@ -48,8 +48,9 @@ _TORCH_ADDED_KEYS = frozenset(
 MUON_GROUP_NAME = "muon-params"
 ADAM_GROUP_NAME = "adam-params"
 
-# The config's ns_dtype names (deepspeed.runtime.constants.MUON_NS_DTYPES) as torch dtypes.
-_NS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The config's dtype names (ns_dtype: constants.MUON_NS_DTYPES; momentum_dtype: constants.MUON_MOMENTUM_DTYPES)
+# as torch dtypes.
+_DTYPES_BY_NAME = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 MISSING_USE_MUON_MESSAGE = (
@@ -160,9 +161,9 @@ def muon_param_groups(
     muon_group = {"params": [p for _, p in trainable if p.use_muon], "use_muon": True, "name": MUON_GROUP_NAME}
     muon_group.update(muon_options)
     if muon_group.get("ns_dtype") is not None:
-        muon_group["ns_dtype"] = _NS_DTYPES[muon_group["ns_dtype"]]
+        muon_group["ns_dtype"] = _DTYPES_BY_NAME[muon_group["ns_dtype"]]
     if "momentum_dtype" in muon_group:
-        muon_group["momentum_dtype"] = _NS_DTYPES[muon_group["momentum_dtype"]]
+        muon_group["momentum_dtype"] = _DTYPES_BY_NAME[muon_group["momentum_dtype"]]
     adam_group = {"params": [p for _, p in trainable if not p.use_muon], "use_muon": False, "name": ADAM_GROUP_NAME}
     adam_group.update(adam_options)
     return [group for group in (muon_group, adam_group) if group["params"]]

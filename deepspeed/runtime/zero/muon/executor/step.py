@@ -21,7 +21,7 @@ from deepspeed.runtime.zero.muon.kernels.fused_momentum import fold_and_directio
 from deepspeed.runtime.zero.muon.kernels.fused_update import apply_update
 from deepspeed.runtime.zero.muon.executor.host_step import HostStep
 from deepspeed.runtime.zero.muon.executor.ns_graph import GraphedCalls
-from deepspeed.runtime.zero.muon.math.normuon import NEURON_SECOND_MOMENT, neuron_normalised
+from deepspeed.runtime.zero.muon.math.normuon import NEURON_SECOND_MOMENT, muon_state_shape, neuron_normalised
 from deepspeed.runtime.zero.muon.executor.ns_workspace import NSWorkspace
 from deepspeed.runtime.zero.muon.math.newton_schulz import NS_FUNCTIONS
 from deepspeed.runtime.zero.muon.math.ns_common import resolve_ns_dtype
@@ -390,7 +390,8 @@ class MuonStepExecutor:
         """NorMuon: each batch's orthogonalised update normalised per row (``normuon.neuron_normalised``), the
         params' second moments (one fp32 value per row, packed into one run) updated in place."""
         moments = iter(self._packed_state([p for params, _, _ in updates.batches for p in params],
-                                          NEURON_SECOND_MOMENT, lambda p: p.shape[:1]))
+                                          NEURON_SECOND_MOMENT,
+                                          lambda p: muon_state_shape(NEURON_SECOND_MOMENT, p.shape)))
         normalised = []
         for (params, _, _), update in zip(updates.batches, updates.updates):
             # A batch's rows, head by head: (count * heads, rows / heads) over the params' packed moments.
