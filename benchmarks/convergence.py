@@ -41,6 +41,7 @@ from provenance import provenance  # noqa: E402
 SIZES = {
     "gpt-small": GPTConfig(n_layer=12, d_model=768, n_head=12, seq_len=1024, vocab_size=256),
     "small": GPTConfig(n_layer=6, d_model=384, n_head=6, seq_len=512, vocab_size=256),
+    "mini": GPTConfig(n_layer=4, d_model=128, n_head=4, seq_len=128, vocab_size=256),
     "tiny": GPTConfig(n_layer=2, d_model=64, n_head=4, seq_len=64, vocab_size=256),
 }
 
