@@ -181,7 +181,7 @@ def train_mode(mode: str, args, cfg: GPTConfig, train: torch.Tensor, val: torch.
         if device == "cuda":
             torch.cuda.synchronize()
         trained_seconds += time.perf_counter() - start
-        recent.append(float(loss))
+        recent.append(loss.item())
         if step % args.eval_every == 0 or step == steps:
             evaluate(step, sum(recent) / len(recent))
             recent = []

@@ -37,7 +37,7 @@ def phases():
     import deepspeed.runtime.optimizer_step as optimizer_step
     import deepspeed.runtime.zero.stage_1_and_2 as stage_1_and_2
     from deepspeed.runtime.zero.muon.executor.host_step import HostStep
-    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+    from deepspeed.runtime.zero.muon.executor.step import MuonStepExecutor
 
     zero = stage_1_and_2.DeepSpeedZeroOptimizer
     return [
@@ -45,12 +45,12 @@ def phases():
         (zero, "_prepare", "prepare (before the verdict)"),
         (stage_1_and_2, "unscaled", "- unscale: fp32 gradients"),
         (zero, "_apply", "apply (after the verdict)"),
-        (MuonWithAuxAdam, "_launch_host_muon_updates", "- muon directions, launched"),
+        (MuonStepExecutor, "launch_host_muon_updates", "- muon directions, launched"),
         (HostStep, "direction", "  - fold and direction (op)"),
         (HostStep, "directions", "  - fold and directions per shape (op)"),
         (HostStep, "orthogonalised", "  - orthogonalise (Newton-Schulz, transfers)"),
-        (MuonWithAuxAdam, "_adam_group_step", "- adam half"),
-        (MuonWithAuxAdam, "_commit_muon_updates", "- muon commit"),
+        (MuonStepExecutor, "adam_group_step", "- adam half"),
+        (MuonStepExecutor, "commit_muon_updates", "- muon commit"),
         (HostStep, "wait_for_updates", "  - wait for the updates (a GPU run)"),
         (HostStep, "fold", "  - momentum fold (op; prepared updates only)"),
         (HostStep, "apply_updates", "  - updates into the masters"),

@@ -16,7 +16,7 @@ import torch
 
 import deepspeed.runtime.optimizer_step as optimizer_step
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+from deepspeed.runtime.zero.muon.executor.step import MuonStepExecutor
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 # (owner, attribute, label) in the order the step runs them.
@@ -25,10 +25,10 @@ DEEPSPEED_PHASES = [
     (DeepSpeedZeroOptimizer, "_prepare", "prepare (before the verdict): gradients to the masters"),
     (optimizer_step._Verdict, "overflow", "wait for the overflow verdict"),
     (DeepSpeedZeroOptimizer, "_apply", "apply: optimizer, publish"),
-    (MuonWithAuxAdam, "_adam_group_step", "- adam group of MuonWithAuxAdam"),
-    (MuonWithAuxAdam, "_muon_updates_in_workspace", "- muon: fold + Newton-Schulz in the workspace"),
-    (MuonWithAuxAdam, "_muon_updates", "- muon: directions + Newton-Schulz (no workspace)"),
-    (MuonWithAuxAdam, "_commit_muon_updates", "- muon: update"),
+    (MuonStepExecutor, "adam_group_step", "- adam group of MuonWithAuxAdam"),
+    (MuonStepExecutor, "_muon_updates_in_workspace", "- muon: fold + Newton-Schulz in the workspace"),
+    (MuonStepExecutor, "_muon_updates", "- muon: directions + Newton-Schulz (no workspace)"),
+    (MuonStepExecutor, "commit_muon_updates", "- muon: update"),
     (torch.optim.AdamW, "step", "- torch AdamW.step (per chunk, summed)"),
     (DeepSpeedZeroOptimizer, "_publish", "- publish: copy to lp + all-gather"),
 ]
@@ -63,8 +63,10 @@ def timed_phases(phases: list, records: dict) -> Iterator[dict]:
     """Accumulate seconds per phase label into `records` (a defaultdict(float)) while the block runs."""
     restore = []
     for owner, attribute, label in phases:
-        if not hasattr(owner, attribute):  # renamed in deepspeed/: time the rest
-            continue
+        if not hasattr(owner, attribute):
+            # A phase renamed in deepspeed/ would otherwise vanish from the table without a word.
+            raise AttributeError(f"phase {label!r}: {getattr(owner, '__name__', owner)} has no {attribute!r}; "
+                                 f"update the phase table")
         own = vars(owner)
         # A class may inherit the method (then the wrapper is removed again rather than copied back).
         restore.append((owner, attribute, own.get(attribute), attribute in own))

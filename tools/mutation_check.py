@@ -112,7 +112,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "    def _apply(self, grad_factor: torch.Tensor) -> None:\n"),
             # The optimizer applies the update computed before the decision instead of computing its own.
             Patch(MUON_OPTIMIZER,
-                  "                if group[\"use_muon\"]:\n                    executor._muon_group_step(",
+                  "                if group[\"use_muon\"]:\n                    executor.muon_group_step(",
                   "                if group[\"use_muon\"]:\n"
                   "                    with_grad = [p for p in group['params'] if p.grad is not None]\n"
                   "                    precomputed = [self.state[p].pop('precomputed_update', None)\n"
@@ -120,7 +120,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "                    if precomputed and all(u is not None for u in precomputed):\n"
                   "                        torch._foreach_add_(with_grad, precomputed, alpha=-group['lr'])\n"
                   "                        continue\n"
-                  "                    executor._muon_group_step("),
+                  "                    executor.muon_group_step("),
         ),
     ),
     Mutation(
@@ -171,12 +171,12 @@ MUTATIONS: Tuple[Mutation, ...] = (
         patches=(
             # Muon reads the loss-scaled gradient (no factor), and its update is scaled by the factor instead.
             Patch(MUON_OPTIMIZER,
-                  "                    executor._muon_group_step(group, prepared.get(index), grad_factor, copies)\n",
+                  "                    executor.muon_group_step(group, prepared.get(index), grad_factor, copies)\n",
                   "                    muon_lr = group['lr']\n"
                   "                    if grad_factor is not None:\n"
                   "                        group['lr'] = muon_lr * float(grad_factor)\n"
                   "                    try:\n"
-                  "                        executor._muon_group_step(group, None, None, copies)\n"
+                  "                        executor.muon_group_step(group, None, None, copies)\n"
                   "                    finally:\n"
                   "                        group['lr'] = muon_lr\n"),
         ),

@@ -14,26 +14,27 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from deepspeed.runtime.zero.muon.executor.step import MuonStepExecutor, _batch_key, _logical_shape
+from deepspeed.runtime.zero.muon.executor.step import MuonStepExecutor, batch_key, logical_shape
 # The group options and the config's groups live in group_options.py; their names stay importable from here.
 from deepspeed.runtime.zero.muon.group_options import (  # noqa: F401
     ADAM_DEFAULTS, ADAM_GROUP_NAME, MISSING_USE_MUON_MESSAGE, MUON_DEFAULTS, MUON_GROUP_NAME, checked_group,
     muon_param_groups)
 from deepspeed.runtime.zero.step_contract import ZeroStepContract
 
+
 class MuonWithAuxAdam(torch.optim.Optimizer, ZeroStepContract):
     """Muon (momentum + Newton-Schulz) on groups with ``use_muon=True``, Adam on the others.
 
     Muon groups accept ``lr`` (0.02), ``momentum`` (0.95), ``weight_decay`` (0), ``ns_method``
-    ("auto": per shape, see ``ns_by_shape``), ``ns_coefficients`` ("jordan" or "polar_express", see
-    ``ns_coefficients``), ``ns_steps`` (5), ``nesterov`` (True), ``ns_dtype`` (None: see
-    :func:`~deepspeed.runtime.zero.muon.original_muon.resolve_ns_dtype`), ``ns_cuda_graph`` (False; True:
+    ("auto": per shape, see ``math/ns_by_shape.py``), ``ns_coefficients`` ("jordan" or "polar_express", see
+    ``math/ns_coefficients.py``), ``ns_steps`` (5), ``nesterov`` (True), ``ns_dtype`` (None: see
+    :func:`~deepspeed.runtime.zero.muon.math.ns_common.resolve_ns_dtype`), ``ns_cuda_graph`` (False; True:
     replay Newton-Schulz from a CUDA graph when it runs in a lent workspace, see :meth:`lend_step_workspace`) and
     ``adjust_lr_fn`` ("original" or "match_rms_adamw", torch.optim.Muon's: how an orthogonalised update is scaled
-    by its shape, see :func:`~deepspeed.runtime.zero.muon.original_muon.update_scale`; None means "original"),
+    by its shape, see :func:`~deepspeed.runtime.zero.muon.math.update.update_scale`; None means "original"),
     ``momentum_dtype`` (torch.float32; torch.bfloat16 halves the momentum's memory), and ``normuon`` (False; True:
     NorMuon, the update normalised per row by a second moment, ``normuon_beta2`` (0.95) and ``normuon_eps`` (1e-8),
-    see ``normuon.py``).
+    see ``math/normuon.py``).
     A Muon param whose ``muon_num_heads`` or ``muon_head_dim`` attribute asks for it is orthogonalised per head:
     its rows split into that many equal blocks, each orthogonalised and scaled on its own (see ``per_head.py``).
     Their params are reordered by size, largest first (stable), as upstream does, since ZeRO flattens them in that
@@ -105,13 +106,13 @@ class MuonWithAuxAdam(torch.optim.Optimizer, ZeroStepContract):
         keys = {}
         for entry in params:
             name, tensor = entry if isinstance(entry, tuple) else (None, entry)
-            if len(_logical_shape(tensor)) < 2:
+            if len(logical_shape(tensor)) < 2:
                 raise ValueError(
                     f"MuonWithAuxAdam param group {index}: Muon needs matrices (ndim >= 2), got a parameter of "
-                    f"shape {tuple(_logical_shape(tensor))}; put it in a group with use_muon=False"
+                    f"shape {tuple(logical_shape(tensor))}; put it in a group with use_muon=False"
                 )
             try:
-                keys[id(entry)] = _batch_key(tensor, name)
+                keys[id(entry)] = batch_key(tensor, name)
             except ValueError as error:
                 raise ValueError(f"MuonWithAuxAdam param group {index}: {error}") from None
         return sorted(params, key=lambda entry: keys[id(entry)], reverse=True)
@@ -145,28 +146,27 @@ class MuonWithAuxAdam(torch.optim.Optimizer, ZeroStepContract):
             with torch.enable_grad():
                 loss = closure()
         executor = self._executor
-        copies = executor._copies_by_param(fp16_param_groups)
+        copies = executor.copies_by_param(fp16_param_groups)
         prepared, executor.prepared = executor.prepared, {}
         try:
             # On the host: every Muon group's momenta folded and Newton-Schulz queued on the device first.
-            launched = executor._launch_host_muon_updates(prepared, grad_factor) if executor._host is not None else {}
+            launched = executor.launch_host_muon_updates(prepared, grad_factor) if executor._host is not None else {}
             # Adam groups next: their few element-wise launches are queued at once, and the device works through
             # them while the host is still issuing the Muon groups' launches (on the host: while the device runs the
             # Muon groups' Newton-Schulz launched above).
             for group in self.param_groups:
                 if not group["use_muon"]:
-                    executor._adam_group_step(group, grad_factor, copies)
+                    executor.adam_group_step(group, grad_factor, copies)
             # Muon: for each group, fold the gradient into the momentum, orthogonalise, apply.
             for index, group in enumerate(self.param_groups):
                 if index in launched:  # momenta already folded: commit as they are, never recompute
-                    executor._commit_muon_updates(group, launched[index], copies)
+                    executor.commit_muon_updates(group, launched[index], copies)
                     continue
                 if group["use_muon"]:
-                    executor._muon_group_step(group, prepared.get(index), grad_factor, copies)
+                    executor.muon_group_step(group, prepared.get(index), grad_factor, copies)
         finally:
             executor.end_of_step()
         return loss
-
 
     def lend_step_workspace(self, buffers: Sequence[Tensor]) -> None:
         """Let :meth:`step` use ``buffers`` as scratch memory for Newton-Schulz from now on (an empty list stops it).
@@ -183,7 +183,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer, ZeroStepContract):
             buffers: 1-D contiguous tensors on one device.
 
         Raises:
-            ValueError: as :class:`~deepspeed.runtime.zero.muon.ns_workspace.NSWorkspace`.
+            ValueError: as :class:`~deepspeed.runtime.zero.muon.executor.ns_workspace.NSWorkspace`.
         """
         self._executor.lend_workspace(buffers)
 
@@ -222,19 +222,17 @@ class MuonWithAuxAdam(torch.optim.Optimizer, ZeroStepContract):
             executor = self.__dict__["_muon_step_executor"] = MuonStepExecutor(self)
         return executor
 
-
     def run_on_host(self, ns_device: torch.device | str) -> None:
         """Step on the host from now on (ZeRO-Offload): the params, their gradients and all state are CPU tensors.
 
         The element-wise work (the Adam groups' step, Muon's momentum fold and Nesterov direction) runs in the native
         cpu_adam op, with torch's bits for the fold; Newton-Schulz runs on ``ns_device`` (the accelerator; the CPU on
-        a CPU-only run), so only the directions travel there and the updates back (``host_step.py``).
+        a CPU-only run), so only the directions travel there and the updates back (``executor/host_step.py``).
 
         Raises:
             OpBuildError: the cpu_adam op cannot be built here.
         """
         self._executor.run_on_host(ns_device)
-
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load like ``torch.optim.Optimizer`` but keep every state tensor's saved dtype.
@@ -261,12 +259,6 @@ class MuonWithAuxAdam(torch.optim.Optimizer, ZeroStepContract):
         for pid, p in zip(saved_ids, params, strict=True):
             if pid in saved_state:
                 self.state[p] = {key: _restored(key, value, p) for key, value in saved_state[pid].items()}
-
-
-
-
-
-
 
 
 def _restored(key: str, value: Any, param: Tensor) -> Any:

@@ -125,7 +125,7 @@ class MuonStepExecutor:
         if self.workspace is not None:
             self.workspace.release()  # what did not fit in the lent buffers is step memory only
 
-    def _launch_host_muon_updates(self, prepared: dict[int, _MuonUpdates], grad_factor: Tensor | None
+    def launch_host_muon_updates(self, prepared: dict[int, _MuonUpdates], grad_factor: Tensor | None
                                   ) -> dict[int, _MuonUpdates]:
         """On the host, inside the step (writing is allowed): the updates of every Muon group not prepared for this
         step, each group's new momenta and Nesterov direction in one pass of the op (the momenta folded in place),
@@ -137,7 +137,7 @@ class MuonStepExecutor:
             if group["use_muon"] and not _fits(prepared.get(index), group, grad_factor)
         }
 
-    def _copies_by_param(self, fp16_param_groups: Sequence[Sequence[Tensor]] | None) -> dict[int, Tensor]:
+    def copies_by_param(self, fp16_param_groups: Sequence[Sequence[Tensor]] | None) -> dict[int, Tensor]:
         """``step``'s ``fp16_param_groups`` by ``id`` of the param each belongs to (empty for None)."""
         if fp16_param_groups is None:
             return {}
@@ -158,21 +158,21 @@ class MuonStepExecutor:
                 copies[id(param)] = copy
         return copies
 
-    def _muon_group_step(self, group: dict[str, Any], prepared: _MuonUpdates | None,
+    def muon_group_step(self, group: dict[str, Any], prepared: _MuonUpdates | None,
                          grad_factor: Tensor | None, copies: dict[int, Tensor]) -> None:
         if _fits(prepared, group, grad_factor):
-            self._commit_muon_updates(group, prepared, copies)
+            self.commit_muon_updates(group, prepared, copies)
             return
         updates = self._muon_updates_in_workspace(group, grad_factor)
         if updates is not None:
-            self._commit_muon_updates(group, updates, copies)
+            self.commit_muon_updates(group, updates, copies)
             return
         if self._host is not None:
             # The op reads the gradients in any dtype, multiplied by the factor: no fp32 copy of them.
-            self._commit_muon_updates(group, self._muon_updates(group, _scale_of(grad_factor)), copies)
+            self.commit_muon_updates(group, self._muon_updates(group, _scale_of(grad_factor)), copies)
             return
         with unscaled_gradients(group["params"], grad_factor):
-            self._commit_muon_updates(group, self._muon_updates(group), copies)
+            self.commit_muon_updates(group, self._muon_updates(group), copies)
 
     def _muon_updates(self, group: dict[str, Any], grad_factor: float | None = None, fold: bool = False,
                       wait: bool = True) -> _MuonUpdates:
@@ -247,7 +247,7 @@ class MuonStepExecutor:
         """The group's updates computed inside ``step()`` in the lent workspace, momenta folded; None when the
         group cannot (no workspace lent, or not laid out as one run).
 
-        The same operations as :meth:`_flat_muon_updates` and the fold of :meth:`_commit_muon_updates`, so the same
+        The same operations as :meth:`_flat_muon_updates` and the fold of :meth:`commit_muon_updates`, so the same
         bits: the momenta are packed into one run (created as zeros on the first step: this is the step, after the
         caller's verdict), the new momenta are written, the direction goes straight into the workspace in the
         Newton-Schulz dtype, and Newton-Schulz runs there, replayed from a CUDA graph when it can. Gradients that are
@@ -274,7 +274,7 @@ class MuonStepExecutor:
                                         coefficients=coefficients)
 
         key = (method, steps, coefficients, dtype,
-               tuple((batch_key, len(batch)) for batch_key, batch in by_key.items()))
+               tuple((shape, len(batch)) for shape, batch in by_key.items()))
         plans = self.fallback_plans
         # A graph only for a call that needed nothing beyond the lent buffers when it last ran: memory allocated for
         # the step lands wherever the allocator has room after the backward, rarely at the addresses a graph
@@ -349,7 +349,7 @@ class MuonStepExecutor:
             return orthogonalise(directions)
         return self._host.orthogonalised(orthogonalise, directions, group, wait)
 
-    def _commit_muon_updates(self, group: dict[str, Any], updates: _MuonUpdates,
+    def commit_muon_updates(self, group: dict[str, Any], updates: _MuonUpdates,
                              copies: dict[int, Tensor] | None = None) -> None:
         """Fold the gradients into the momenta and apply the orthogonalised updates (with weight decay); write the
         updated params into their ``copies`` (by param id), when given."""
@@ -462,7 +462,7 @@ class MuonStepExecutor:
             slots.append(slot)
         return slots
 
-    def _adam_group_step(self, group: dict[str, Any], grad_factor: Tensor | None = None,
+    def adam_group_step(self, group: dict[str, Any], grad_factor: Tensor | None = None,
                          copies: dict[int, Tensor] | None = None) -> None:
         lr, weight_decay = group["lr"], group["weight_decay"]
         fused = []
@@ -501,13 +501,13 @@ class MuonStepExecutor:
 BatchKey = tuple[torch.Size, int]
 
 
-def _logical_shape(param: Tensor) -> torch.Size:
+def logical_shape(param: Tensor) -> torch.Size:
     """The parameter's shape, also while ZeRO stage 3 holds a placeholder in its data (upstream's ``ds_shape``)."""
     return getattr(param, "ds_shape", param.shape)
 
 
-def _batch_key(param: Tensor, name: str | None = None) -> BatchKey:
-    return _logical_shape(param), head_count(param, name)
+def batch_key(param: Tensor, name: str | None = None) -> BatchKey:
+    return logical_shape(param), head_count(param, name)
 
 
 def _with_grads_by_key(group: dict[str, Any]) -> tuple[list[Tensor], dict[BatchKey, list[Tensor]]]:
@@ -515,7 +515,7 @@ def _with_grads_by_key(group: dict[str, Any]) -> tuple[list[Tensor], dict[BatchK
     params = [p for p in group["params"] if p.grad is not None]
     by_key: dict[BatchKey, list[Tensor]] = {}
     for p in params:
-        by_key.setdefault(_batch_key(p), []).append(p)
+        by_key.setdefault(batch_key(p), []).append(p)
     return params, by_key
 
 

@@ -1,4 +1,4 @@
-"""The Triton kernel behind :func:`deepspeed.runtime.zero.muon.fused_momentum.fold_and_direction`.
+"""The Triton kernel behind :func:`deepspeed.runtime.zero.muon.kernels.fused_momentum.fold_and_direction`.
 
 A module of its own because it imports Triton at the top (Triton resolves the kernel's names in its module's
 globals): :mod:`fused_momentum` imports it only on a CUDA machine with Triton installed.
