@@ -150,7 +150,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer, ZeroStepContract):
         prepared, executor.prepared = executor.prepared, {}
         try:
             # On the host: every Muon group's momenta folded and Newton-Schulz queued on the device first.
-            launched = executor.launch_host_muon_updates(prepared, grad_factor) if executor._host is not None else {}
+            launched = executor.launch_host_muon_updates(prepared, grad_factor) if executor.on_host else {}
             # Adam groups next: their few element-wise launches are queued at once, and the device works through
             # them while the host is still issuing the Muon groups' launches (on the host: while the device runs the
             # Muon groups' Newton-Schulz launched above).

@@ -17,13 +17,13 @@ import torch
 from torch import Tensor
 
 from deepspeed.runtime.zero.muon.executor.aux_adam import adam_in_chunks, fusable, fused_adamw, unscaled_gradients
-from deepspeed.runtime.zero.muon.kernels.fused_momentum import fold_and_direction
-from deepspeed.runtime.zero.muon.kernels.fused_update import apply_update
 from deepspeed.runtime.zero.muon.executor.host_step import HostStep
 from deepspeed.runtime.zero.muon.executor.ns_graph import GraphedCalls
-from deepspeed.runtime.zero.muon.math.normuon import NEURON_SECOND_MOMENT, muon_state_shape, neuron_normalised
 from deepspeed.runtime.zero.muon.executor.ns_workspace import NSWorkspace
+from deepspeed.runtime.zero.muon.kernels.fused_momentum import fold_and_direction
+from deepspeed.runtime.zero.muon.kernels.fused_update import apply_update
 from deepspeed.runtime.zero.muon.math.newton_schulz import NS_FUNCTIONS
+from deepspeed.runtime.zero.muon.math.normuon import NEURON_SECOND_MOMENT, muon_state_shape, neuron_normalised
 from deepspeed.runtime.zero.muon.math.ns_common import resolve_ns_dtype
 from deepspeed.runtime.zero.muon.math.update import (adam_update, flat_view, fold_momenta, momentum_directions,
                                                      stacked_view, update_scale)
@@ -32,7 +32,7 @@ from deepspeed.runtime.zero.muon.per_head import head_count
 # The entries as this module found them: a replaced entry (a test counting calls, a user's hook) must see every
 # call, which a graph replay would bypass, so graphs are used only while the entries are these.
 _ORIGINAL_NS_FUNCTIONS = dict(NS_FUNCTIONS)
-# ns_cuda_graph's default (muon_optimizer.MUON_DEFAULTS), for a group built without it.
+# ns_cuda_graph's default (group_options.MUON_DEFAULTS), for a group built without it.
 _NS_CUDA_GRAPH_DEFAULT = False
 
 
@@ -100,6 +100,11 @@ class MuonStepExecutor:
     def run_on_host(self, ns_device: torch.device | str) -> None:
         """See ``MuonWithAuxAdam.run_on_host``."""
         self._host = HostStep(ns_device)
+
+    @property
+    def on_host(self) -> bool:
+        """Whether the step runs on the host (:meth:`run_on_host` was called)."""
+        return self._host is not None
 
     def prepare_updates(self, grad_factor: Tensor | None = None) -> None:
         """See ``MuonWithAuxAdam.prepare_updates``."""
