@@ -253,6 +253,7 @@ def report(results: dict, out_dir: str) -> str:
         axes[1].plot([p["seconds"] for p in points], [p["val_loss"] for p in points], label=mode)
     axes[0].ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
     for axis, label in zip(axes, ("tokens", "training seconds")):
+        zoom_on_training(axis, [run["evaluations"] for run in runs.values() if "evaluations" in run])
         axis.set_xlabel(label)
         axis.set_ylabel("validation loss (nats per byte)")
         axis.grid(alpha=0.3)
@@ -261,6 +262,16 @@ def report(results: dict, out_dir: str) -> str:
     figure.savefig(Path(out_dir, "convergence.png"), dpi=120)
     plt.close(figure)
     return markdown
+
+
+def zoom_on_training(axis, curves: list[list[dict]]) -> None:
+    """Show the losses from the first evaluation after step 0 down: the untrained model's loss (ln 256 for bytes)
+    would otherwise flatten every difference that matters into one line."""
+    later = [p["val_loss"] for points in curves for p in points[1:] if not math.isnan(p["val_loss"])]
+    second = [points[1]["val_loss"] for points in curves if len(points) > 1]
+    if later and second:
+        low, high = min(later), max(second)
+        axis.set_ylim(low - 0.05 * (high - low), high + 0.05 * (high - low))
 
 
 def compare(paths: list[str], out_dir: str) -> str:
@@ -310,6 +321,7 @@ def compare(paths: list[str], out_dir: str) -> str:
         axis.plot([p["tokens"] for p in points], [p["val_loss"] for p in points], label=label,
                   linestyle="--" if not label.endswith(f"({first['meta']['tree']})") else "-")
     axis.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
+    zoom_on_training(axis, [evaluations for _, evaluations in curves])
     axis.set_xlabel("tokens")
     axis.set_ylabel("validation loss (nats per byte)")
     axis.grid(alpha=0.3)
