@@ -17,6 +17,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from deepspeed.runtime.zero.muon.math.update import matrix_blocks
+
 # Partition starts stay aligned to this many elements (4-byte alignment for 16-bit dtypes, which NCCL
 # wants for its collectives).
 ALIGNMENT = 2
@@ -161,15 +163,13 @@ def newton_schulz_cost(shape: Sequence[int], num_heads: int = 1) -> int:
     """Relative cost of orthogonalising a matrix of `shape` (flops of one quintic iteration).
 
     With m = min(rows, cols) and n = max: X X^T and B X cost m*m*n each, A*A costs m^3.
-    Conv weights count as (out, in * kh * kw), as Muon views them. A matrix orthogonalised per head costs
-    `num_heads` times its (rows / num_heads) x cols block.
+    The matrices are Muon's view of the parameter (``matrix_blocks``): conv weights count as (out, in * kh * kw),
+    a fused expert tensor [experts, out, in] as `experts` out x in matrices, a matrix orthogonalised per head as
+    `num_heads` (rows / num_heads) x cols blocks.
     """
-    rows = shape[0] // num_heads
-    cols = 1
-    for dim in shape[1:]:
-        cols *= dim
+    blocks, rows, cols = matrix_blocks(shape, num_heads)
     m, n = min(rows, cols), max(rows, cols)
-    return num_heads * (2 * m * m * n + m * m * m)
+    return blocks * (2 * m * m * n + m * m * m)
 
 
 def assign_owners(costs: Sequence[int], num_partitions: int) -> List[int]:
