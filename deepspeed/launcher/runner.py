@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from deepspeed.launcher import launch_shim
+from deepspeed.launcher import launch_shim, world_info
 from deepspeed.utils.logging import logger, set_log_level
 
 DLTS_HOSTFILE = "/job/hostfile"
@@ -277,6 +277,8 @@ class LaunchPlan:
         master_port: rendezvous port.
         visible_devices: CUDA_VISIBLE_DEVICES for this node's workers; None on a node without GPUs,
             which then runs CPU processes with DS_ACCELERATOR=cpu.
+        world_info: the job's {host: [slot, ...]} (upstream's world info), from which every node numbers its
+            processes; None when no node knows the others' slots (--num_nodes without a hostfile).
     """
 
     nnodes: int
@@ -285,6 +287,7 @@ class LaunchPlan:
     master_addr: str
     master_port: int
     visible_devices: str | None
+    world_info: world_info.WorldInfo | None = None
 
     @property
     def uses_static_rendezvous(self) -> bool:
@@ -394,8 +397,10 @@ def plan_launch(args: argparse.Namespace, resource_pool: dict[str, int] | None, 
             node_rank, slots = _this_node(active, args, hostname)
             master_addr = args.master_addr or next(iter(active))
     visible = None if device_ids is None else ",".join(device_ids[slot] for slot in slots)
+    # Without a hostfile, a node of a multi-node job knows only its own slots.
+    job_world = active if resource_pool is not None or nnodes == 1 else None
     return LaunchPlan(nnodes=nnodes, node_rank=node_rank, nproc_per_node=len(slots), master_addr=master_addr,
-                      master_port=args.master_port, visible_devices=visible)
+                      master_port=args.master_port, visible_devices=visible, world_info=job_world)
 
 
 def _check_multi_node_launcher(args: argparse.Namespace) -> None:
@@ -408,8 +413,10 @@ def _check_multi_node_launcher(args: argparse.Namespace) -> None:
                      "number the nodes.")
 
 
-def shim_flags(args: argparse.Namespace, rank_log_prefix: str | None = None) -> list[str]:
-    """The launch_shim flags that carry --module/--no_python/--no_local_rank/--enable_each_rank_log."""
+def shim_flags(args: argparse.Namespace, rank_log_prefix: str | None = None,
+               job_world: world_info.WorldInfo | None = None) -> list[str]:
+    """The launch_shim flags that carry --module/--no_python/--no_local_rank/--enable_each_rank_log and the world
+    info the shim checks torchrun's ranks against."""
     flags = []
     if args.module:
         flags.append(launch_shim.SHIM_FLAG_MODULE)
@@ -419,6 +426,8 @@ def shim_flags(args: argparse.Namespace, rank_log_prefix: str | None = None) -> 
         flags.append(launch_shim.SHIM_FLAG_NO_LOCAL_RANK)
     if rank_log_prefix is not None:
         flags.append(f"{launch_shim.SHIM_FLAG_RANK_LOG_PREFIX}{rank_log_prefix}")
+    if job_world is not None:
+        flags.append(f"{launch_shim.SHIM_FLAG_WORLD_INFO}{world_info.encode_world_info(job_world)}")
     return flags
 
 
@@ -438,9 +447,21 @@ def build_torchrun_command(plan: LaunchPlan, args: argparse.Namespace, rank_log_
     else:
         cmd += ["--rdzv_backend=c10d", f"--rdzv_endpoint={plan.master_addr}:{plan.master_port}"]
     cmd += shlex.split(args.launcher_args)
-    cmd += [os.path.abspath(launch_shim.__file__), *shim_flags(args, rank_log_prefix), launch_shim.SHIM_SEPARATOR,
-            args.user_script, *args.user_args]
+    cmd += [os.path.abspath(launch_shim.__file__), *shim_flags(args, rank_log_prefix, plan.world_info),
+            launch_shim.SHIM_SEPARATOR, args.user_script, *args.user_args]
     return cmd
+
+
+def describe_world(plan: LaunchPlan) -> list[str]:
+    """Upstream's log lines about the job's world: the world info, this node, every host's global ranks."""
+    if plan.world_info is None:
+        return [f"nnodes={plan.nnodes}, num_local_procs={plan.nproc_per_node}, node_rank=<assigned by the c10d "
+                "rendezvous>; global ranks follow the rendezvous order"]
+    node_rank = "<assigned by the c10d rendezvous>" if plan.node_rank is None else plan.node_rank
+    return [f"WORLD INFO DICT: {plan.world_info}",
+            f"nnodes={plan.nnodes}, num_local_procs={plan.nproc_per_node}, node_rank={node_rank}",
+            f"global_rank_mapping={world_info.global_rank_mapping(plan.world_info)}",
+            f"dist_world_size={sum(len(slots) for slots in plan.world_info.values())}"]
 
 
 def deepspeed_env_files(env: dict[str, str], cwd: str) -> list[str]:
@@ -577,6 +598,8 @@ def main(args: list[str] | None = None) -> None:
                        physical_gpu_count=_physical_gpu_count)
     if plan.visible_devices is None:
         logger.info(describe_cpu_launch(plan, args))
+    for line in describe_world(plan):
+        logger.info(line)
     rank_log_prefix = None
     if args.enable_each_rank_log != "None":
         os.makedirs(args.enable_each_rank_log, exist_ok=True)
