@@ -454,12 +454,13 @@ def build_torchrun_command(plan: LaunchPlan, args: argparse.Namespace, rank_log_
 
 def describe_world(plan: LaunchPlan) -> list[str]:
     """Upstream's log lines about the job's world: the world info, this node, every host's global ranks."""
-    if plan.world_info is None:
-        return [f"nnodes={plan.nnodes}, num_local_procs={plan.nproc_per_node}, node_rank=<assigned by the c10d "
-                "rendezvous>; global ranks follow the rendezvous order"]
     node_rank = "<assigned by the c10d rendezvous>" if plan.node_rank is None else plan.node_rank
+    this_node = f"nnodes={plan.nnodes}, num_local_procs={plan.nproc_per_node}, node_rank={node_rank}"
+    if plan.world_info is None:
+        return [f"{this_node}; without a hostfile each node knows only its own processes, whose global ranks follow "
+                "those of the nodes ranked before it"]
     return [f"WORLD INFO DICT: {plan.world_info}",
-            f"nnodes={plan.nnodes}, num_local_procs={plan.nproc_per_node}, node_rank={node_rank}",
+            this_node,
             f"global_rank_mapping={world_info.global_rank_mapping(plan.world_info)}",
             f"dist_world_size={sum(len(slots) for slots in plan.world_info.values())}"]
 
