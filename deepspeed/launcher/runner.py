@@ -118,9 +118,55 @@ def parse_args(args: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log_level", type=str, default="info",
                         choices=["debug", "info", "warning", "error", "critical"],
                         help="Set the log level for the deepspeed launcher.")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="Try to be as quiet as possible. Aliases to `--log_level error`")
+    _add_ssh_flags(parser)
+    _add_unimplemented_flags(parser)
     parser.add_argument("user_script", type=str, help="User script to launch, followed by any required arguments.")
     parser.add_argument("user_args", nargs=argparse.REMAINDER)
     return parser.parse_args(args=args)
+
+
+def _add_ssh_flags(parser: argparse.ArgumentParser) -> None:
+    """Upstream's flags for its ssh-based launchers: accepted so upstream's commands run, with no effect here."""
+    parser.add_argument("--no_ssh_check", action="store_true",
+                        help="Accepted for upstream's commands; this launcher never uses ssh.")
+    parser.add_argument("--force_multi", action="store_true",
+                        help="Accepted for upstream's commands; a one-node job runs the same torchrun command.")
+    parser.add_argument("--ssh_port", type=int, default=None,
+                        help="Accepted for upstream's commands and ignored; this launcher never uses ssh.")
+
+
+# Upstream's flags for features this launcher does not implement: parsed so that the error names the flag.
+UNIMPLEMENTED_FLAGS = {
+    "bind_cores_to_rank": "NUMA core binding is not implemented; bind with numactl or taskset around the command",
+    "bind_core_list": "NUMA core binding is not implemented; bind with numactl or taskset around the command",
+    "elastic_training": "elastic training (DSElasticAgent) is not implemented; pass torchrun's own options, e.g. "
+                        "--launcher_args '--max_restarts 3'",
+    "min_elastic_nodes": "elastic training (DSElasticAgent) is not implemented",
+    "max_elastic_nodes": "elastic training (DSElasticAgent) is not implemented",
+    "autotuning": "the autotuner is not implemented",
+    "venv_script": "it is sourced by upstream's ssh launchers only; activate the environment in the shell that runs "
+                   "deepspeed on each node",
+}
+
+
+def _add_unimplemented_flags(parser: argparse.ArgumentParser) -> None:
+    """Upstream's flags for features not implemented here; `check_flag_combinations` refuses them when given."""
+    parser.add_argument("--bind_cores_to_rank", action="store_true", help="Not implemented (refused).")
+    parser.add_argument("--bind_core_list", type=str, default=None, help="Not implemented (refused).")
+    parser.add_argument("--elastic_training", action="store_true", help="Not implemented (refused).")
+    parser.add_argument("--min_elastic_nodes", type=int, default=-1, help="Not implemented (refused).")
+    parser.add_argument("--max_elastic_nodes", type=int, default=-1, help="Not implemented (refused).")
+    parser.add_argument("--autotuning", type=str, default="", choices=["tune", "run"],
+                        help="Not implemented (refused).")
+    parser.add_argument("--venv_script", type=str, default=None, help="Not implemented (refused).")
+
+
+def _given(args: argparse.Namespace, name: str) -> bool:
+    """True when a flag of UNIMPLEMENTED_FLAGS was set to anything but its default."""
+    value = getattr(args, name)
+    return value not in (False, None, "", -1)
 
 
 def _parse_hostfile(hostfile_lines: Iterable[str]) -> dict[str, int]:
@@ -225,8 +271,11 @@ def check_flag_combinations(args: argparse.Namespace) -> None:
 
     Raises:
         ValueError: --num_nodes/--num_gpus with --include/--exclude (upstream's message), --no_python with
-            --module (upstream's message), or a zero count.
+            --module (upstream's message), a zero count, or a flag of a feature not implemented here.
     """
+    for name, why in UNIMPLEMENTED_FLAGS.items():
+        if _given(args, name):
+            raise ValueError(f"--{name} is not supported by this launcher: {why}")
     if (args.num_nodes >= 0 or args.num_gpus >= 0) and (args.include or args.exclude):
         raise ValueError("Cannot specify num_nodes/gpus with include/exclude")
     if args.no_python and args.module:
@@ -592,7 +641,9 @@ def main(args: list[str] | None = None) -> None:
         ValueError: inconsistent flags (see `plan_launch`).
     """
     args = parse_args(args)
-    set_log_level(args.log_level)
+    set_log_level("error" if args.quiet else args.log_level)
+    if args.ssh_port is not None:
+        logger.info(f"--ssh_port {args.ssh_port} ignored: this launcher never uses ssh")
     resource_pool = fetch_hostfile(args.hostfile)
     gpu_count = _local_gpu_count()
     plan = plan_launch(args, resource_pool, gpu_count, dict(os.environ), hostname=socket.gethostname(),
