@@ -90,6 +90,29 @@ TRAIN_SCRIPT = textwrap.dedent("""
     dist.destroy_process_group()
 """)
 
+RANKS_SCRIPT = textwrap.dedent("""
+    import argparse
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--local_rank", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(total)
+    report = {"local_rank_arg": args.local_rank, "sum": total.item(),
+              "env": {key: os.environ[key] for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK",
+                                                       "CROSS_SIZE")}}
+    with open(os.path.join(args.out, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(report, f)
+    dist.destroy_process_group()
+""")
+
 
 def free_port() -> int:
     """A port nothing listens on now, so parallel test runs do not collide on 29500."""
@@ -98,13 +121,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_launcher(tmp_path, flags: list[str], out_dir) -> subprocess.Popen:
-    """Start `deepspeed <flags> train.py` in `tmp_path` as a CPU job, in its own process group."""
+def start_launcher(tmp_path, flags: list[str], out_dir, script: str = "train.py",
+                   script_args: tuple[str, ...] = ("--steps", str(STEPS), "--stages", *map(str, STAGES))
+                   ) -> subprocess.Popen:
+    """Start `deepspeed <flags> <script> --out <out_dir> <script_args>` in `tmp_path` as a CPU job, in its own
+    process group."""
     os.makedirs(out_dir)
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", *flags, str(tmp_path / "train.py"), "--out",
-           str(out_dir), "--steps", str(STEPS), "--stages", *map(str, STAGES)]
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", *flags, str(tmp_path / script), "--out", str(out_dir),
+           *script_args]
     return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
@@ -160,3 +186,20 @@ def test_two_node_launch_matches_one_node(tmp_path):
             assert len(two_losses) == STEPS and two_losses[-1] < two_losses[0], (stage, two_losses)
             # The same ranks, data and collectives: the same numbers, not merely close ones.
             assert two_losses == one_losses, f"ZeRO-{stage}, rank {rank}: {two_losses} != {one_losses}"
+
+
+def test_uneven_slots_number_ranks_like_upstream(tmp_path):
+    """node-0 runs 2 processes and node-1 one: RANK 0, 1 on node 0 and RANK 2 on node 1, WORLD_SIZE 3 on both."""
+    (tmp_path / "ranks.py").write_text(RANKS_SCRIPT)
+    (tmp_path / "hostfile").write_text("node-0 slots=2\nnode-1 slots=1\n")
+    port = str(free_port())
+    wait_all([start_launcher(tmp_path, ["--hostfile", "hostfile", "--no_ssh", "--node_rank", str(node_rank),
+                                        "--master_addr", "127.0.0.1", "--master_port", port],
+                             tmp_path / f"node{node_rank}", script="ranks.py", script_args=())
+              for node_rank in (1, 0)])
+    expected = {0: (0, 0), 1: (0, 1), 2: (1, 0)}  # RANK: (node, LOCAL_RANK)
+    for rank, (node, local_rank) in expected.items():
+        report = json.loads((tmp_path / f"node{node}" / f"rank{rank}.json").read_text())
+        assert report["env"] == {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": "3",
+                                 "LOCAL_SIZE": str(2 - node), "CROSS_RANK": str(node), "CROSS_SIZE": "2"}
+        assert report["local_rank_arg"] == local_rank and report["sum"] == 3.0
