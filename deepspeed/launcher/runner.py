@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from deepspeed.launcher import launch_shim, world_info
+from deepspeed.launcher.world_info import encode_world_info  # noqa: F401 (upstream's runner.encode_world_info)
 from deepspeed.utils.logging import logger, set_log_level
 
 DLTS_HOSTFILE = "/job/hostfile"
