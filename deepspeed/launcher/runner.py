@@ -9,7 +9,8 @@ or the local devices, choosing the rendezvous, and setting CUDA_VISIBLE_DEVICES 
 Multi-node runs use torch's rendezvous instead of upstream's pdsh/MPI/slurm runners: the same command
 runs on every node with `--launcher torchrun` (or upstream's `--no_ssh`). With `--node_rank` (or a
 hostfile entry matching this host's name) the rendezvous is static at master_addr:master_port; without
-it torch's c10d rendezvous numbers the nodes.
+it torch's c10d rendezvous numbers the nodes. The job's world info (deepspeed/launcher/world_info.py) goes to every
+worker's shim, which checks torchrun's ranks against it.
 
 The launcher must not import torch.distributed (only deepspeed.comm does), hence the child process.
 """
