@@ -85,7 +85,7 @@ class RoutingRecorder:
         return record
 
     def assert_uneven(self) -> None:
-        """Some router sent rank 0's tokens to fewer experts than rank 1's, and rank 1 used an expert rank 0 skipped."""
+        """Rank 1 used an expert that rank 0's tokens skipped, at some router."""
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, self.chosen)
         skipped = {name: everyone[1][name] - everyone[0][name] for name in self.chosen}
