@@ -264,9 +264,6 @@ def _reject_unimplemented_stage3(zero) -> None:
         device = getattr(zero.offload_param.device, "value", zero.offload_param.device)
         raise DeepSpeedConfigError(f"zero_optimization.offload_param.device '{device}' is "
                                    "not implemented in this fork; expected 'none' (or remove the section)")
-    if zero.leaf_module.classes or zero.leaf_module.names:
-        raise DeepSpeedConfigError("zero_optimization.leaf_module is not supported by this fork: every module with "
-                                   "parameters of its own is fetched on its own; remove the section")
 
 
 def _checks_overflow(config: DeepSpeedConfig) -> bool:
