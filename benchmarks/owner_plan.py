@@ -37,8 +37,8 @@ Schemes (per rank, per optimizer step, Muon group only; elements move as bf16, 2
 Newton-Schulz TFLOP: 2 flops per multiply-add x 5 iterations x the busiest rank's cost. NS max/mean: the busiest
 rank's Newton-Schulz work over the model's (each matrix counted once) divided by N. Idle share: the part of the
 Newton-Schulz phase the ranks spend waiting for the busiest, 1 - (mean load) / (max load). Owner memory (a model,
-not a measurement): the busiest rank's optimizer-side bytes: its partition's fp32 master and momentum and bf16 reduced gradient (10 bytes an
-element) plus the Newton-Schulz workspace of what it orthogonalises at once (6.8 bytes an element in bf16,
+not a measurement): the busiest rank's optimizer-side bytes: its partition's fp32 master and momentum and bf16
+reduced gradient (10 bytes an element) plus the Newton-Schulz workspace of what it orthogonalises at once (6.8 bytes an element in bf16,
 docs/muon.md): all its matrices for the owner schemes (one batched call), its largest matrix for Dion, every
 matrix its partition touches for upstream (with their fp32 momentum copies, 4 bytes).
 
