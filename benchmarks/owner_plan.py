@@ -33,14 +33,14 @@ Schemes (per rank, per optimizer step, Muon group only; elements move as bf16, 2
   shards the result back): FSDP's reduce-scatter and all-gather over the even shards plus the two all-to-alls; a
   fused expert tensor counted as E matrices of the batch (the most favourable reading).
 
-"ZeRO RS+AG" is what ZeRO moves for the same elements laid out evenly (AdamW's layout): 2 (N - 1) P_even.
-Newton-Schulz TFLOP: 2 flops per multiply-add x 5 iterations x the busiest rank's cost. NS max/mean: the busiest
-rank's Newton-Schulz work over the model's (each matrix counted once) divided by N. Idle share: the part of the
-Newton-Schulz phase the ranks spend waiting for the busiest, 1 - (mean load) / (max load). Owner memory (a model,
-not a measurement): the busiest rank's optimizer-side bytes: its partition's fp32 master and momentum and bf16
-reduced gradient (10 bytes an element) plus the Newton-Schulz workspace of what it orthogonalises at once (6.8 bytes an element in bf16,
-docs/muon.md): all its matrices for the owner schemes (one batched call), its largest matrix for Dion, every
-matrix its partition touches for upstream (with their fp32 momentum copies, 4 bytes).
+"ZeRO RS+AG" is what ZeRO moves for the same elements laid out evenly (AdamW's layout): 2 (N - 1) P_even. Newton-Schulz
+TFLOP: 2 flops per multiply-add x 5 iterations x the busiest rank's cost. NS max/mean: the busiest rank's Newton-Schulz
+work over the model's (each matrix counted once) divided by N. Idle share: the part of the Newton-Schulz phase the
+ranks spend waiting for the busiest, 1 - (mean load) / (max load). Owner memory (a model, not a measurement): the
+busiest rank's optimizer-side bytes: its partition's fp32 master and momentum and bf16 reduced gradient (10 bytes an
+element) plus the Newton-Schulz workspace of what it orthogonalises at once (6.8 bytes an element in bf16,
+docs/muon.md): all its matrices for the owner schemes (one batched call), its largest matrix for Dion, every matrix its
+partition touches for upstream (with their fp32 momentum copies, 4 bytes).
 
     python benchmarks/owner_plan.py [--out benchmarks/results/owner-plan]
 
