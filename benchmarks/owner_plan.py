@@ -80,6 +80,7 @@ ROUND_ROBIN = "round-robin"
 PER_EXPERT = "owner per expert (plan)"
 UPSTREAM = "upstream ZeRO-1/2"
 DION = "Dion Muon (FSDP2)"
+COLORS = {OWNER: "C0", OWNER_3D_AS_ONE: "C5", ROUND_ROBIN: "C1", PER_EXPERT: "C4", UPSTREAM: "C2", DION: "C3"}
 
 
 def gpt_shapes(config: GPTConfig) -> list[tuple[int, ...]]:
@@ -270,8 +271,10 @@ def figure(rows: list[Row], path: Path) -> None:
         for scheme in schemes:
             mine = [row for row in rows if row.model == model and row.scheme == scheme]
             ranks = [row.ranks for row in mine]
-            axes[0][column].plot(ranks, [row.ns_max_over_mean for row in mine], marker="o", label=scheme)
-            axes[1][column].plot(ranks, [row.bytes_over_zero for row in mine], marker="o", label=scheme)
+            axes[0][column].plot(ranks, [row.ns_max_over_mean for row in mine], marker="o", label=scheme,
+                                 color=COLORS[scheme])
+            axes[1][column].plot(ranks, [row.bytes_over_zero for row in mine], marker="o", label=scheme,
+                                 color=COLORS[scheme])
         for axis, title in ((axes[0][column], "Newton-Schulz max / mean"), (axes[1][column], "bytes / ZeRO RS+AG")):
             axis.set_xscale("log", base=2)
             axis.set_yscale("log")
