@@ -213,20 +213,30 @@ def run_environment(clone: Path) -> dict:
 
 
 def check_python(python: str, clone: Path, env: dict) -> str:
-    """The torch version; refuses a python that does not import deepspeed from the clone, or lacks the harness."""
-    probe = ("import deepspeed, torch, pytest, xdist, os; "
-             "print('IMPORTED', os.path.dirname(deepspeed.__file__), torch.__version__)")
+    """The torch version; refuses a python that does not import deepspeed from the clone, or lacks the harness.
+
+    Every ``deepspeed`` module the import loads must come from the clone: an editable install of another deepspeed
+    in that python (a finder on sys.meta_path) would otherwise supply the submodules the clone lacks.
+    """
+    probe = ("import sys, deepspeed, torch, pytest, xdist\n"
+             "files = [getattr(m, '__file__', None) for n, m in list(sys.modules.items()) "
+             "if n == 'deepspeed' or n.startswith('deepspeed.')]\n"
+             "print('IMPORTED', torch.__version__, *[f for f in files if f])")
     proc = subprocess.run([python, "-c", probe], cwd=clone / "tests", env=env, capture_output=True, text=True)
-    where = next((line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("IMPORTED ")), [])
-    if proc.returncode != 0 or len(where) != 2:
+    imported = next((line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("IMPORTED ")), [])
+    if proc.returncode != 0 or len(imported) < 2:
         last = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise ToolError(f"{python} cannot import upstream's deepspeed from {clone} with its test harness:\n"
                         + "\n".join(last) + "\n=> install what is missing into that python (upstream needs "
                         "hjson, msgpack, einops, psutil, py-cpuinfo, pydantic, ninja; the tests pytest, "
                         "pytest-xdist), or pass --python")
-    if not Path(where[0]).resolve().is_relative_to(clone.resolve()):
-        raise ToolError(f"{python} imports deepspeed from {where[0]}, not from {clone}")
-    return where[1]
+    foreign = sorted({f for f in imported[1:] if not Path(f).resolve().is_relative_to(clone.resolve())})
+    if foreign:
+        raise ToolError(f"{python} imports deepspeed modules from outside {clone}: {', '.join(foreign[:3])}"
+                        + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+                        + "\n=> use a python without another deepspeed installed (a fresh virtual environment), "
+                        "pass it with --python")
+    return imported[0]
 
 
 def run_tests(python: str, clone: Path, files: list[Path], workers: int, env: dict, label: str) -> int:

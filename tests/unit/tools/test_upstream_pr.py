@@ -164,8 +164,38 @@ def test_a_python_that_cannot_import_the_clones_deepspeed_is_refused_before_anyt
     assert git(clone, "rev-parse", "HEAD") == head and git(clone, "branch", "--list", "muon*") == ""
 
 
+def test_a_python_that_supplies_deepspeed_modules_from_elsewhere_is_refused(tmp_path):
+    # What an editable install of another deepspeed does: a submodule the clone lacks comes from outside it.
+    elsewhere = tmp_path / "elsewhere" / "installed.py"
+    elsewhere.parent.mkdir()
+    elsewhere.write_text("")
+    clone = fake_upstream(tmp_path / "clone")
+    (clone / "deepspeed" / "__init__.py").write_text(
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('deepspeed.installed', {str(elsewhere)!r})\n"
+        "sys.modules[spec.name] = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(sys.modules[spec.name])\n")
+    git(clone, "commit", "--quiet", "-am", "a module from elsewhere")
+    assert_refused(run_tool("--upstream", str(clone), "--python", sys.executable),
+                   "imports deepspeed modules from outside", str(elsewhere), "fresh virtual environment")
+    assert git(clone, "branch", "--list", "muon*") == ""
+
+
 @pytest.mark.parametrize("doc", ["# no such section\n", "## Commit message\n\ntext only\n\n## Next\n```\nx\n```\n"])
 def test_a_doc_without_the_commit_message_block_is_refused(doc):
     tool = load_tool()
     with pytest.raises(tool.ToolError, match="no fenced block under '## Commit message'"):
         tool.commit_message(doc)
+
+
+def test_a_clone_that_already_has_the_pr_gets_no_empty_branch_and_is_left_as_it_was(tmp_path):
+    tool = load_tool()
+    clone = fake_upstream(tmp_path / "clone")
+    assert run_tool("--upstream", str(clone), "--branch", "first", "--no-run").returncode == 0
+    head = git(clone, "rev-parse", "HEAD")
+
+    assert_refused(run_tool("--upstream", str(clone), "--no-run"), "already holds every file of the PR")
+    assert git(clone, "rev-parse", "--abbrev-ref", "HEAD") == "first"
+    assert git(clone, "rev-parse", "HEAD") == head
+    assert git(clone, "status", "--porcelain", "--untracked-files=all") == ""
+    assert git(clone, "branch", "--list", tool.DEFAULT_BRANCH) == ""
