@@ -13,8 +13,9 @@ tests/ added: the registry's sdists carry no tests/). The tool
    tests/pytest.ini; the commit message is the one in docs/upstream-pr.md ("Commit message"). Only files of this
    repository go in; nothing of the clone comes back;
 3. runs ``python -m pytest <those files> -m upstream_pr -n WORKERS`` in the clone's tests/ folder, where upstream's
-   conftest.py puts the clone first on sys.path, with ``DS_BUILD_OPS=0`` (nothing compiled), and prints pytest's
-   output and one table: each test, its result and its first error line.
+   conftest.py puts the clone first on sys.path, with ``DS_BUILD_OPS=0`` (nothing compiled) and ``LOCAL_SIZE=2``
+   (on a CPU, upstream's harness otherwise sees one device per NUMA node and skips 2-rank tests), and prints
+   pytest's output and one table: each test, its result and its first error line.
 
 PYTHON must have torch, pytest, pytest-xdist and the imports of upstream's deepspeed (hjson, msgpack, einops, ...);
 the tool checks that it imports deepspeed from the clone before running anything.
@@ -49,6 +50,8 @@ HARNESS_MODULES = {"unit.common", "unit.simple_model"}
 # What makes a folder an upstream DeepSpeed tree whose tests run the way upstream runs them.
 REQUIRED_PATHS = ("deepspeed/__init__.py", "tests/conftest.py", "tests/pytest.ini", "tests/unit/common.py",
                   "tests/unit/simple_model.py")
+# The PR's tests run 2 ranks each.
+PR_WORLD_SIZE = 2
 FALLBACK_IDENTITY = ("-c", "user.name=upstream_pr tool", "-c", "user.email=upstream-pr@localhost")
 
 
@@ -209,6 +212,9 @@ def run_environment(clone: Path) -> dict:
     env = {**os.environ, "DS_BUILD_OPS": "0", "PYTHONPATH": str(clone), "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     # Upstream JIT-builds ops under their own names; its own build folder keeps it apart from this tree's builds.
     env["TORCH_EXTENSIONS_DIR"] = str(Path(tempfile.gettempdir()) / f"upstream-pr-extensions-{clone.name}")
+    # Upstream's CPU accelerator counts NUMA nodes as devices unless LOCAL_SIZE (what its launcher sets for CPU
+    # ranks) says otherwise, and its harness skips a 2-rank test with fewer devices. GPUs ignore it.
+    env.setdefault("LOCAL_SIZE", str(PR_WORLD_SIZE))
     return env
 
 
@@ -280,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_run:
             return 0
         print(f"python {args.python}, torch {torch_version}", flush=True)
-        return run_tests(args.python, clone, files, args.workers, env, f"{version} tree at {base[:9]}")
+        return run_tests(args.python, clone, files, args.workers, env, f"tree {clone.name} at {base[:9]} (version.txt {version})")
     except ToolError as error:
         print(f"upstream_pr: {error}", file=sys.stderr)
         return 2
