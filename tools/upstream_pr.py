@@ -286,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_run:
             return 0
         print(f"python {args.python}, torch {torch_version}", flush=True)
-        return run_tests(args.python, clone, files, args.workers, env, f"tree {clone.name} at {base[:9]} (version.txt {version})")
+        label = f"tree {clone.name} at {base[:9]} (version.txt {version})"
+        return run_tests(args.python, clone, files, args.workers, env, label)
     except ToolError as error:
         print(f"upstream_pr: {error}", file=sys.stderr)
         return 2
