@@ -5,10 +5,13 @@ deepspeed/checkpoint/engine_io.py's; the per-parameter (universal) form is deeps
 """
 
 import os
+import shutil
 from collections import OrderedDict
 from typing import Iterable, List
 
 import torch
+
+from deepspeed.utils.logging import logger
 
 # The model file's `format`: the layout of this fork's checkpoints (save_checkpoint writes it, the load checks it).
 CHECKPOINT_FORMAT = 1
@@ -137,3 +140,19 @@ def load_file(path: str, mmap: bool = False) -> dict:
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint file {path} holds a {type(state).__name__}, not a checkpoint dict")
     return state
+
+
+def copy_zero_to_fp32(save_dir: str) -> None:
+    """Put a copy of zero_to_fp32.py (executable) next to the checkpoints in `save_dir`, as upstream does."""
+    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zero_to_fp32.py")
+    target = os.path.join(save_dir, "zero_to_fp32.py")
+    try:
+        shutil.copyfile(source, target)
+    except OSError as exc:
+        logger.info(f"Warning: Could not copy {source} to {target} due to error: {exc}. Continuing.")
+        return
+    try:
+        os.chmod(target, 0o755)
+    except OSError as exc:
+        logger.info(f"Warning: Could not change permissions for {target} due to error: {exc}. Continuing without "
+                    "changing permissions.")

@@ -11,6 +11,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from deepspeed.runtime.engine_setup import (build_basic_optimizer, build_lr_scheduler, build_zero_optimizer,
                                             model_dtype_of)
+from deepspeed.runtime.engine_state import CheckpointSettings, EngineState, TrainingCounters
 from deepspeed.utils.logging import log_dist, set_log_level
 from deepspeed.utils.z3_leaf_module import apply_zero_leaf_module_config
 
@@ -286,6 +287,33 @@ class DeepSpeedEngine(torch.nn.Module):
         return load_checkpoint(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                load_lr_scheduler_states, load_module_only, custom_load_fn)
 
+    def checkpoint_state(self) -> EngineState:
+        """What a checkpoint saves from and loads into (deepspeed/runtime/engine_state.py)."""
+        config = self._config
+        return EngineState(
+            module=self.module, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+            counters=TrainingCounters(self.global_steps, self.global_samples, self.skipped_steps, self.micro_steps),
+            dp_world_size=self.dp_world_size, mp_world_size=self.mp_world_size,
+            zero_stage=self.zero_optimization_stage(),
+            precision="fp16" if self.fp16_enabled() else "bf16" if self.bfloat16_enabled() else "fp32",
+            ds_config=self.config,
+            settings=CheckpointSettings(
+                serialization=config.checkpoint_config.checkpoint_serialization,
+                tag_validation=str(config.checkpoint_config.tag_validation),
+                load_universal=config.load_universal_checkpoint,
+                load_from_fp32_weights=config.zero_config.load_from_fp32_weights,
+                gather_16bit_weights_on_model_save=config.zero_config.gather_16bit_weights_on_model_save),
+            train_batch_size=self.train_batch_size(), gradient_accumulation_steps=self.gradient_accumulation_steps())
+
+    def restore_checkpoint_state(self, counters: Optional[TrainingCounters], dp_world_size: int,
+                                 mp_world_size: int) -> None:
+        """After a load: the saved counters (None: keep these) and the world sizes the checkpoint was saved at."""
+        if counters is not None:
+            self.global_steps, self.global_samples = counters.global_steps, counters.global_samples
+            self.skipped_steps, self.micro_steps = counters.skipped_steps, counters.micro_steps
+        self.loaded_checkpoint_dp_world_size = dp_world_size
+        self.loaded_checkpoint_mp_world_size = mp_world_size
+
     def module_state_dict(self, destination=None, prefix="", keep_vars=False, exclude_frozen_parameters=False):
         state = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         if exclude_frozen_parameters:
@@ -307,7 +335,7 @@ class DeepSpeedEngine(torch.nn.Module):
             True when saved; False at stage 3 without zero_optimization.gather_16bit_weights_on_model_save
             (upstream's rule: gathering the whole model may not fit; use zero_to_fp32 instead).
         """
-        from deepspeed.checkpoint.engine_io import save_16bit_model
+        from deepspeed.checkpoint.module_state import save_16bit_model
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
@@ -324,7 +352,7 @@ class DeepSpeedEngine(torch.nn.Module):
         Raises:
             ValueError: not at ZeRO stage 3 (upstream's rule; at stages 0-2 ``engine.module.state_dict()`` is whole).
         """
-        from deepspeed.checkpoint.engine_io import consolidated_16bit_state_dict
+        from deepspeed.checkpoint.module_state import consolidated_16bit_state_dict
         return consolidated_16bit_state_dict(self, exclude_frozen_parameters)
 
     def compile(self, backend: Optional[str] = None, compile_kwargs: Optional[dict] = None, schedule=None,

@@ -192,12 +192,15 @@ def test_utils_import_nothing_from_the_runtime():
 
 
 # ------------------------------------------------------------------------------------------------------ the layers
-# Lowest first: a module imports only from its own layer or below. The engine assembles the runtime's pieces and
-# the checkpoint package; the package face (`deepspeed/__init__.py`, the launcher, env_report) sits on top.
+# Lowest first: a module imports only from its own layer or below. The checkpoint package reads and writes the
+# runtime's pieces through the state they declare (runtime/engine_state.py, runtime/zero/rank_state.py), so no piece
+# imports it; the engine assembles the pieces and the checkpoint package; the package face (`deepspeed/__init__.py`,
+# the launcher, env_report) sits on top.
 LAYERS = [
     ("base", ("deepspeed.accelerator", "deepspeed.comm", "deepspeed.utils", "deepspeed.git_version_info",
               "deepspeed.git_version_info_installed", "deepspeed.not_provided")),
-    ("pieces", ("deepspeed.ops", "deepspeed.runtime", "deepspeed.checkpoint")),
+    ("pieces", ("deepspeed.ops", "deepspeed.runtime")),
+    ("checkpoint", ("deepspeed.checkpoint", )),
     ("engine", ("deepspeed.runtime.engine", "deepspeed.runtime.engine_setup")),
     ("face", ("deepspeed", "deepspeed.launcher", "deepspeed.env_report")),
 ]
@@ -228,8 +231,135 @@ def test_no_module_imports_from_a_higher_layer():
 
 def test_the_layer_check_sees_an_upward_import():
     assert upward_imports({"deepspeed.checkpoint.engine_io": {"deepspeed.runtime.engine"},
-                           "deepspeed.runtime.engine": set()}) == [
-        "deepspeed.checkpoint.engine_io (pieces) imports deepspeed.runtime.engine (engine)"]
+                           "deepspeed.runtime.zero.stage_1_and_2": {"deepspeed.checkpoint.zero_state"},
+                           "deepspeed.runtime.engine": {"deepspeed.checkpoint.engine_io"}}) == [
+        "deepspeed.checkpoint.engine_io (checkpoint) imports deepspeed.runtime.engine (engine)",
+        "deepspeed.runtime.zero.stage_1_and_2 (pieces) imports deepspeed.checkpoint.zero_state (checkpoint)"]
+
+
+def checkpoint_imports_of_zero(graph: dict[str, set[str]]) -> dict[str, list[str]]:
+    """The ZeRO wrapper's modules (runtime/zero) that import the checkpoint package, at module level or inside a
+    function: the wrapper declares its state (rank_state.py) and the checkpoint package reads it, not the reverse."""
+    found = {}
+    for name, targets in graph.items():
+        if name == "deepspeed.runtime.zero" or name.startswith("deepspeed.runtime.zero."):
+            bad = sorted(t for t in targets if t == "deepspeed.checkpoint" or t.startswith("deepspeed.checkpoint."))
+            if bad:
+                found[name] = bad
+    return found
+
+
+def test_the_zero_wrapper_never_imports_the_checkpoint_package():
+    graph = import_graph()
+    assert "deepspeed.runtime.zero.stage_1_and_2" in graph and "deepspeed.runtime.zero.stage3" in graph
+    assert checkpoint_imports_of_zero(graph) == {}
+
+
+def test_the_zero_import_check_sees_the_checkpoint_package():
+    assert checkpoint_imports_of_zero({
+        "deepspeed.runtime.zero.stage_1_and_2": {"deepspeed.checkpoint.zero_state", "deepspeed.comm"},
+        "deepspeed.runtime.zero.stage3": {"deepspeed.checkpoint"},
+        "deepspeed.runtime.zero.rank_state": {"deepspeed.runtime.zero.flat_layout"},
+        "deepspeed.runtime.engine": {"deepspeed.checkpoint.engine_io"}}) == {
+            "deepspeed.runtime.zero.stage_1_and_2": ["deepspeed.checkpoint.zero_state"],
+            "deepspeed.runtime.zero.stage3": ["deepspeed.checkpoint"]}
+
+
+# ------------------------------------------------------------------------- the checkpoint package's private reads
+CHECKPOINT = PACKAGE / "checkpoint"
+_ATTRIBUTE_CALLS = ("getattr", "hasattr", "setattr", "delattr")
+
+
+def _is_private(name: str) -> bool:
+    """`_x` and `__x` are private; `__x__` (the language's own) is not."""
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _module_names(tree: ast.AST) -> set[str]:
+    """Names bound by an import: `torch._utils` reads a module's private name, not an object's."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+    return names
+
+
+def private_attribute_reads(source: str, filename: str = "<source>") -> list[str]:
+    """Return 'line: what' for every private attribute of another object that `source` reads or writes.
+
+    Caught: `engine._config`, `opt._offload.x`, `f()._x`, `getattr(engine, "_config")` (and hasattr, setattr,
+    delattr), `obj.__dict__["_x"]`, `vars(obj)["_x"]`. Allowed: `self._x` / `cls._x` (a class's own), a module's
+    names (`torch._utils`), dunders (`__class__`), and calling this module's own `_helpers()` (a name, not an
+    attribute).
+    """
+    tree = ast.parse(source, filename)
+    allowed_owners = {"self", "cls"} | _module_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            if not (isinstance(node.value, ast.Name) and node.value.id in allowed_owners):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _ATTRIBUTE_CALLS:
+            if len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str) \
+                    and _is_private(node.args[1].value) \
+                    and not (isinstance(node.args[0], ast.Name) and node.args[0].id in allowed_owners):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) \
+                and isinstance(node.slice.value, str) and _is_private(node.slice.value):
+            owner = node.value
+            if (isinstance(owner, ast.Attribute) and owner.attr == "__dict__") or (
+                    isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "vars"):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "def f(engine):\n    return engine._config.checkpoint_config",
+        "def f(engine):\n    engine._step_applied = False",
+        "def f(engine):\n    return engine.optimizer._offload",
+        "def f(engine):\n    return engine.optimizer.single_partition_of_fp32_groups[0]._base",
+        "def f(view):\n    return view.optimizer.state_layout()._layouts",
+        "def f(engine):\n    return getattr(engine, '_config')",
+        "def f(opt):\n    return hasattr(opt, '_offload')",
+        "def f(engine):\n    setattr(engine, '_config', None)",
+        "def f(engine):\n    return engine.__dict__['_config']",
+        "def f(engine):\n    return vars(engine)['_config']",
+        "def f(engine):\n    return engine.__mangled",
+        "import torch\ndef f(torch_like):\n    return torch_like._C",
+    ],
+)
+def test_private_read_checker_catches_every_spelling(source):
+    assert private_attribute_reads(source), f"not caught: {source!r}"
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "class A:\n    def f(self):\n        return self._x",
+        "class A:\n    @classmethod\n    def f(cls):\n        return cls._registry",
+        "import torch\nx = torch._utils",
+        "import deepspeed.comm as dist\nx = dist._private",
+        "def _helper():\n    pass\n_helper()",
+        "def f(engine):\n    return engine.__class__.__name__",
+        "def f(engine):\n    return getattr(engine, 'config', None)",
+        "def f(scaler):\n    return getattr(scaler, '__dict__', None)",
+        "def f(state):\n    return state['_key']",
+    ],
+)
+def test_private_read_checker_allows_other_code(source):
+    assert private_attribute_reads(source) == []
+
+
+def test_the_checkpoint_package_reads_no_private_attribute():
+    """deepspeed/checkpoint/ sees the engine and the ZeRO wrapper only through the state they declare
+    (runtime/engine_state.py's CheckpointableEngine, runtime/zero/rank_state.py's ZeroStateOwner)."""
+    files = sorted(CHECKPOINT.rglob("*.py"))
+    assert files, f"no modules found under {CHECKPOINT}"
+    violations = [f"{path.relative_to(PACKAGE.parent)}:{read}"
+                  for path in files for read in private_attribute_reads(path.read_text(), str(path))]
+    assert not violations, "private attributes read by deepspeed/checkpoint:\n" + "\n".join(violations)
 
 
 def test_the_checkpoint_package_never_imports_the_engine():

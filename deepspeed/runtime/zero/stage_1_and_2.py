@@ -30,13 +30,14 @@ from deepspeed.runtime.zero.muon.per_head import head_count
 from deepspeed.runtime.zero.offload import HostOffload
 from deepspeed.runtime.zero.options import ZeroOptions
 from deepspeed.runtime.zero.param_groups import is_muon_group
+from deepspeed.runtime.zero.rank_state import DeclaredZeroState, load_zero_state
 from deepspeed.runtime.zero.step_contract import contract_of
 from deepspeed.runtime.zero.upstream_surface import UpstreamOptimizerAttributes
 from deepspeed.runtime.zero.weak_hook import weak_hook
 from deepspeed.runtime.unscaled_chunks import unscaled
 
 
-class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, DeepSpeedOptimizer):
+class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, DeclaredZeroState, DeepSpeedOptimizer):
     """ZeRO stage 0/1/2 optimizer wrapper with fp32 masters and a transactional step.
 
     Args:
@@ -369,12 +370,7 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, DeepS
             handle.remove()
         self._hook_handles = []
 
-    # ------------------------------------------------------------------ checkpoints
-    def state_dict(self) -> dict:
-        """This rank's state as plain data and tensors (see deepspeed/checkpoint/zero_state.py)."""
-        from deepspeed.checkpoint.zero_state import zero_state_dict
-        return zero_state_dict(self)
-
+    # ------------------------------------------------------------------ checkpoints (the rest: rank_state.py)
     def load_state_dict(self, state_dict: dict, path: str = "<state_dict>",
                         load_from_fp32_weights: bool = True) -> None:
         """Restore masters, optimizer state and loss scaler, then republish the lp weights.
@@ -388,7 +384,6 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, DeepS
         Raises:
             ValueError: the state belongs to another stage, world size, layout or loss scaling (nothing changed).
         """
-        from deepspeed.checkpoint.zero_state import load_zero_state
         if isinstance(state_dict, (list, tuple)):
             state_dict = state_dict[self.dp_rank]
         load_zero_state(self, state_dict, path)
