@@ -51,6 +51,8 @@ def gather_init_shards(param: torch.Tensor) -> torch.Tensor:
     world_size = dist.get_world_size(group)
     if world_size == 1:
         return shard[:param.ds_numel].clone()
+    # A shard kept in host memory (remote_device="cpu") is gathered on the accelerator, where the collective runs.
+    shard = shard.to(param._ds_compute_device)
     rows = torch.empty(world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
     dist.all_gather_into_tensor(rows, shard, group=group)
     return rows[:param.ds_numel]
@@ -112,8 +114,11 @@ class Init(contextlib.ContextDecorator):
         module: an already-built model whose parameters are partitioned now (upstream's conversion use).
         data_parallel_group: the group parameters are split over (default: the world, or `mpu`'s data-parallel
             group).
-        mem_efficient_linear, pin_memory: accepted for upstream compatibility; no effect here.
-        remote_device: None or the accelerator ("cuda", "cpu" on the CPU accelerator); offload devices are refused.
+        mem_efficient_linear: accepted for upstream compatibility; no effect here.
+        remote_device: None or the accelerator ("cuda"): shards on the accelerator; "cpu": shards in host memory
+            (page-locked with `pin_memory` where there is an accelerator), for parameter offload
+            (`zero_optimization.offload_param`); "nvme" is refused.
+        pin_memory: with remote_device "cpu", keep the shards page-locked.
         config_dict_or_path, config: the DeepSpeed config (dict or JSON path): its fp16 / bf16 section sets the
             dtype the shards are kept in.
         enabled: False makes the context do nothing.
@@ -136,7 +141,7 @@ class Init(contextlib.ContextDecorator):
         self.enabled = enabled
         if not enabled:
             return
-        refused = {"remote_device": remote_device not in (None, get_accelerator().device_name()),
+        refused = {"remote_device": remote_device not in (None, "cpu", get_accelerator().device_name()),
                    "zero_param_parallel_group": zero_param_parallel_group is not None,
                    "zero_quantized_weights": zero_quantized_weights,
                    "zero_quantized_nontrainable_weights": zero_quantized_nontrainable_weights,
@@ -144,7 +149,7 @@ class Init(contextlib.ContextDecorator):
                    "param_swapper": param_swapper is not None}
         for key, is_set in refused.items():
             if is_set:
-                raise NotProvidedError(f"deepspeed.zero.Init({key}=...) is not provided by this fork (offload, "
+                raise NotProvidedError(f"deepspeed.zero.Init({key}=...) is not provided by this fork (NVMe offload, "
                                        "ZeRO++ and hierarchical partitioning are not implemented); remove it")
         if not dist.is_initialized():
             dist.init_distributed(dist_backend=get_accelerator().communication_backend_name())
@@ -161,6 +166,10 @@ class Init(contextlib.ContextDecorator):
             local_rank = int(os.environ.get("LOCAL_RANK", 0))
             accelerator.set_device(local_rank)
             self.device = torch.device(accelerator.device_name(local_rank))
+        # Where the shards are kept: host memory for remote_device "cpu" (one whole parameter at a time visits the
+        # accelerator, for the broadcast of rank 0's value, only when there are several ranks).
+        self.shard_device = torch.device("cpu") if remote_device == "cpu" else self.device
+        self.pin_memory = bool(pin_memory) and self.shard_device.type == "cpu" and self.device.type != "cpu"
         self._depth: Dict[int, int] = {}
         self._originals: Dict[type, Callable] = {}
         self._next_id = 0
@@ -256,14 +265,15 @@ class Init(contextlib.ContextDecorator):
         return flat.view(value.shape)
 
     def _partition(self, param: torch.nn.Parameter) -> None:
-        value = param.data.to(self.device).contiguous()
+        value = param.data
         if self.world_size > 1:
-            value = self._rank0_value(value)
+            value = self._rank0_value(value.to(self.device).contiguous())
         dtype = self.dtype if (self.dtype is not None and value.is_floating_point()) else value.dtype
         lo, hi = _shard_range(value.numel(), self.rank, self.world_size)
-        shard = torch.zeros(shard_numel(value.numel(), self.world_size), dtype=dtype, device=self.device)
+        shard = torch.zeros(shard_numel(value.numel(), self.world_size), dtype=dtype, device=self.shard_device,
+                            pin_memory=self.pin_memory)
         shard[:hi - lo].copy_(value.reshape(-1)[lo:hi])
-        param.data = torch.empty(0, dtype=dtype, device=self.device)
+        param.data = torch.empty(0, dtype=dtype, device=self.shard_device)
         param.ds_tensor = shard
         param.ds_shape = value.shape
         param.ds_numel = value.numel()
@@ -271,6 +281,7 @@ class Init(contextlib.ContextDecorator):
         param.ds_status = ZeroParamStatus.NOT_AVAILABLE
         param.ds_persist = False
         param._ds_init_group = self.group
+        param._ds_compute_device = self.device
         self._next_id += 1
 
 

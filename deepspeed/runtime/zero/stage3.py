@@ -2,8 +2,9 @@
 
 Layouts, gradient reduction (reduce-scatter into the partition during backward), fp32 masters, the transactional
 step, Muon's whole-matrix owners and the checkpoint state are stage 2's (stage_1_and_2.py). What differs is where
-the lp weights live: each rank keeps only its lp partition of each group, and `ParamResidency`
-(param_residency.py) gathers a module's parameters around their use. After a step the masters are copied into the
+the lp weights live: each rank keeps only its lp partition of each group, where `PartitionPlacement`
+(partition_placement.py) says (the accelerator, or host memory under `offload_param`), and `ParamResidency`
+(param_residency.py) gathers a module's parameters onto the accelerator around their use. After a step the masters are copied into the
 lp partition and nothing is all-gathered: the next forward gathers what it needs.
 """
 
@@ -14,6 +15,7 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.runtime.zero.init_partition import gather_init_shards, is_init_partitioned
 from deepspeed.runtime.zero.param_residency import ParamResidency, ResidencyOptions, ZeroParamStatus
+from deepspeed.runtime.zero.partition_placement import PartitionPlacement
 from deepspeed.runtime.zero.options import ZeroOptions
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
@@ -25,17 +27,20 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (upst
         module: the model whose parameters are partitioned (its submodules get gather/release hooks).
         init_optimizer, param_names, options, loss_scaler, dp_group, device: as DeepSpeedZeroOptimizer's.
         residency_options: persistence threshold and prefetch size.
+        placement: where the lp partitions live (default: on `device`).
     """
 
     def __init__(self, module: torch.nn.Module, init_optimizer: torch.optim.Optimizer,
                  param_names: Dict[torch.nn.Parameter, str], options: ZeroOptions, loss_scaler,
                  dp_group=None, device: Optional[torch.device] = None,
-                 residency_options: Optional[ResidencyOptions] = None):
+                 residency_options: Optional[ResidencyOptions] = None,
+                 placement: Optional[PartitionPlacement] = None):
+        self.placement = placement or PartitionPlacement(device or torch.device("cpu"))
         super().__init__(init_optimizer, param_names, options, loss_scaler, dp_group, device)
         self._materialise_frozen(module)
         keys = {param: param._zero_index for params in self.bit16_groups for param in params}
         self.residency = ParamResidency(module, keys, self.layouts, self.fp16_partitioned_groups_flat, dp_group,
-                                        residency_options or ResidencyOptions())
+                                        residency_options or ResidencyOptions(), self.placement)
 
     def _flatten_lp_params(self) -> None:
         """Copy this rank's fragments of every parameter into its lp partition (the only lp storage kept).
@@ -45,7 +50,7 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (upst
         """
         self.fp16_partitioned_groups_flat = []
         for params, layout in zip(self.bit16_groups, self.layouts):
-            partition = torch.zeros(layout.partition_size, dtype=self.options.model_dtype, device=self.device)
+            partition = self.placement.zeros(layout.partition_size, self.options.model_dtype)
             base = layout.partition_range(self.dp_rank)[0]
             fragments: Dict[int, list] = {}
             for fragment in layout.fragments(self.dp_rank):
@@ -86,6 +91,14 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (upst
 
     def _lp_partition(self, group: int) -> torch.Tensor:
         return self.fp16_partitioned_groups_flat[group]
+
+    def _lp_partitions_on_host(self) -> bool:
+        return self.placement.is_offloaded
+
+    def _buffers_dead_during_step(self) -> List[torch.Tensor]:
+        """The lp partitions, as at stages 1-2, unless they live in host memory: Newton-Schulz runs on the
+        accelerator, so a host partition is no workspace for it."""
+        return [] if self.placement.is_offloaded else super()._buffers_dead_during_step()
 
     @property
     def fp32_partitioned_groups_flat(self) -> List[torch.Tensor]:

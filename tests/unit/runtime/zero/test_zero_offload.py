@@ -375,10 +375,10 @@ class TestOffloadConfig(DistributedTest):
         nvme["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": "/tmp"}
         with pytest.raises(DeepSpeedConfigError, match="offload_optimizer.device 'nvme' is not implemented"):
             initialize(model, nvme)
-        # Parameter offload is another feature: refused by name, also beside optimizer offload.
+        # Parameter offload to NVMe is refused by name, also beside optimizer offload (to the CPU it runs).
         params_too = offload_config(3, "fp32")
-        params_too["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
-        with pytest.raises(DeepSpeedConfigError, match="zero_optimization.offload_param.device 'cpu' is not "
+        params_too["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": "/tmp"}
+        with pytest.raises(DeepSpeedConfigError, match="zero_optimization.offload_param.device 'nvme' is not "
                            "implemented"):
             initialize(model, params_too)
         client = torch.optim.AdamW(model.parameters())
