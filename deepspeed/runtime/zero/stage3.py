@@ -4,8 +4,8 @@ Layouts, gradient reduction (reduce-scatter into the partition during backward),
 step, Muon's whole-matrix owners and the checkpoint state are stage 2's (stage_1_and_2.py). What differs is where
 the lp weights live: each rank keeps only its lp partition of each group, where `PartitionPlacement`
 (partition_placement.py) says (the accelerator, or host memory under `offload_param`), and `ParamResidency`
-(param_residency.py) gathers a module's parameters onto the accelerator around their use. After a step the masters are copied into the
-lp partition and nothing is all-gathered: the next forward gathers what it needs.
+(param_residency.py) gathers a module's parameters onto the accelerator around their use. After a step the masters
+are copied into the lp partition and nothing is all-gathered: the next forward gathers what it needs.
 """
 
 from typing import Dict, List, Optional

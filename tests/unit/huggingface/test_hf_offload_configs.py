@@ -204,8 +204,8 @@ class TestAccelerateZero3Offload(DistributedTest):
         accelerator, engine, optimizer, loader = accelerate_prepared(model_dir)
         accelerator.load_state(os.path.join(directory, "state"))
         assert engine.global_steps == SAVE_AT
-        losses = accelerate_train(accelerator, engine, optimizer, accelerator.skip_first_batches(loader, SAVE_AT * GAS),
-                                  STEPS - SAVE_AT)
+        remaining = accelerator.skip_first_batches(loader, SAVE_AT * GAS)
+        losses = accelerate_train(accelerator, engine, optimizer, remaining, STEPS - SAVE_AT)
         assert losses == whole["losses"][SAVE_AT:]
         got = full_fp32_params(engine)
         for name, value in whole["params"].items():
