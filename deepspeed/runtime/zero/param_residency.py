@@ -152,6 +152,7 @@ class ParamResidency:
         self._unit_of = {id(p): unit for unit in self._units for p in unit.params}
         self._order: List[_Unit] = []
         self._recording = True
+        self._in_backward = False
         self._handles = self._register_hooks(module)
         self._live_numel = 0  # parameter elements of partitioned units with a gather buffer: what max_live bounds
         for unit in self._units:
@@ -313,6 +314,14 @@ class ParamResidency:
         if not unit.waiting_grads:
             self.release(unit)
 
+    def begin_backward(self) -> None:
+        """A backward starts: forwards run from now on are activation checkpointing's recomputations, whose
+        following units (in forward order) the backward has already passed; they are not prefetched."""
+        self._in_backward = True
+
+    def end_backward(self) -> None:
+        self._in_backward = False
+
     def end_of_forward_trace(self) -> None:
         """Stop recording the unit order (called after the first backward)."""
         self._recording = False
@@ -429,7 +438,7 @@ class ParamResidency:
         unit.waiting_grads = set()
 
     def _prefetch_after(self, unit: _Unit) -> None:
-        if self._recording or self.options.prefetch_numel <= 0 or unit.position is None:
+        if self._recording or self._in_backward or self.options.prefetch_numel <= 0 or unit.position is None:
             return
         budget = min(self.options.prefetch_numel, self.options.max_live_numel - self._live_numel)
         for following in self._order[unit.position + 1:]:

@@ -104,10 +104,15 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (upst
     def fp32_partitioned_groups_flat(self) -> List[torch.Tensor]:
         return self.single_partition_of_fp32_groups
 
+    def backward_prologue(self, is_boundary: bool) -> None:
+        super().backward_prologue(is_boundary)
+        self.residency.begin_backward()
+
     def backward_epilogue(self, is_boundary: bool) -> None:
         super().backward_epilogue(is_boundary)
         # Units whose parameters got no gradient in this backward are still gathered.
         self.residency.release_all()
+        self.residency.end_backward()
         self.residency.end_of_forward_trace()
 
     def _publish(self, is_written: bool) -> None:

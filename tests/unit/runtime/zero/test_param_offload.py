@@ -109,3 +109,43 @@ class TestParamOffloadResidency(DistributedTest):
         for param in engine.module.parameters():
             assert param.ds_status == ZeroParamStatus.NOT_AVAILABLE and param.numel() == 0
         assert engine.optimizer.residency._live_numel == 0
+
+
+class CheckpointedStack(torch.nn.Module):
+    """Linear blocks run through torch.utils.checkpoint (or not): the backward recomputes each block's forward,
+    gathering its parameters again."""
+
+    def __init__(self, checkpointed: bool, hidden=HIDDEN, blocks=3):
+        super().__init__()
+        self.checkpointed = checkpointed
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(hidden, 2 * hidden), torch.nn.GELU(),
+                                                              torch.nn.Linear(2 * hidden, hidden))
+                                          for _ in range(blocks))
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = x + (torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpointed else
+                     block(x))
+        return torch.nn.functional.cross_entropy(x.float(), y)
+
+
+class TestParamOffloadActivationCheckpointing(DistributedTest):
+    world_size = [1, 2]
+
+    def test_recomputed_forward_gathers_again_and_matches(self):
+        import deepspeed.comm as dist
+        config = _config("adamw", "bf16", offload_param=True, offload_optimizer=False)
+        batches = global_batches(3, 4 * dist.get_world_size(), HIDDEN)
+        runs = []
+        for checkpointed in (False, True):
+            torch.manual_seed(0)
+            engine = deepspeed.initialize(model=CheckpointedStack(checkpointed), config=config)[0]
+            losses = train_steps(engine, batches, "bf16")
+            runs.append((losses, fp32_masters(engine)))
+            for param in engine.module.parameters():
+                assert param.ds_status == ZeroParamStatus.NOT_AVAILABLE and param.numel() == 0
+            assert engine.optimizer.residency._live_numel == 0
+        (losses, masters), (checkpointed_losses, checkpointed_masters) = runs
+        assert checkpointed_losses == losses
+        for got, want in zip(checkpointed_masters, masters, strict=True):
+            assert torch.equal(got, want)
