@@ -76,15 +76,28 @@ def _shard_range(numel: int, rank: int, world_size: int) -> tuple:
     return lo, min(lo + size, numel)
 
 
-def _model_dtype(config: Any) -> Optional[torch.dtype]:
-    """fp16 / bf16 from a DeepSpeed config (dict or JSON path), else None (parameters keep their dtype)."""
+def _config_dict(config: Any) -> dict:
+    """A DeepSpeed config (dict, JSON path or DeepSpeedConfig) as a dict ({} for None)."""
     if config is None:
-        return None
+        return {}
     if isinstance(config, (str, os.PathLike)):
         with open(config) as handle:
-            config = json.load(handle)
-    if not isinstance(config, dict):
-        config = getattr(config, "_param_dict", {})
+            return json.load(handle)
+    return config if isinstance(config, dict) else getattr(config, "_param_dict", {})
+
+
+def _offload_param(config: Any) -> tuple:
+    """("cpu", pin_memory) when the config's zero_optimization.offload_param offloads to the CPU, else (None, False)
+    (NVMe is refused by deepspeed.initialize, naming the key)."""
+    section = (_config_dict(config).get("zero_optimization") or {}).get("offload_param") or {}
+    if section.get("device") != "cpu":
+        return None, False
+    return "cpu", bool(section.get("pin_memory", True))
+
+
+def _model_dtype(config: Any) -> Optional[torch.dtype]:
+    """fp16 / bf16 from a DeepSpeed config (dict or JSON path), else None (parameters keep their dtype)."""
+    config = _config_dict(config)
     if config.get("fp16", {}).get("enabled", False):
         return torch.float16
     if config.get("bf16", config.get("bfloat16", {})).get("enabled", False):
@@ -115,9 +128,10 @@ class Init(contextlib.ContextDecorator):
         data_parallel_group: the group parameters are split over (default: the world, or `mpu`'s data-parallel
             group).
         mem_efficient_linear: accepted for upstream compatibility; no effect here.
-        remote_device: None or the accelerator ("cuda"): shards on the accelerator; "cpu": shards in host memory
+        remote_device: the accelerator ("cuda"): shards on the accelerator; "cpu": shards in host memory
             (page-locked with `pin_memory` where there is an accelerator), for parameter offload
-            (`zero_optimization.offload_param`); "nvme" is refused.
+            (`zero_optimization.offload_param`); "nvme" is refused. None: the config's
+            `zero_optimization.offload_param` device (and its `pin_memory`), else the accelerator.
         pin_memory: with remote_device "cpu", keep the shards page-locked.
         config_dict_or_path, config: the DeepSpeed config (dict or JSON path): its fp16 / bf16 section sets the
             dtype the shards are kept in.
@@ -141,6 +155,11 @@ class Init(contextlib.ContextDecorator):
         self.enabled = enabled
         if not enabled:
             return
+        if remote_device is None:
+            # As upstream: the config's offload_param decides where the shards live when the call does not.
+            remote_device, configured_pin = _offload_param(config_dict_or_path if config_dict_or_path is not None
+                                                           else config)
+            pin_memory = pin_memory or configured_pin
         refused = {"remote_device": remote_device not in (None, "cpu", get_accelerator().device_name()),
                    "zero_param_parallel_group": zero_param_parallel_group is not None,
                    "zero_quantized_weights": zero_quantized_weights,
