@@ -39,6 +39,7 @@ class Mode:
         dtype: "bf16" or "fp16" (DDP: bf16 autocast over fp32 weights).
         optimizer: "muon" (Muon for hidden matrices, AdamW for the rest) or "adamw".
         tree: the code it runs: "this" checkout or an upstream release such as "0.19.8".
+        muon_options: extra Muon config params of a variant, as (key, value) pairs (this checkout only).
     """
 
     name: str
@@ -47,6 +48,7 @@ class Mode:
     dtype: str
     optimizer: str
     tree: str = THIS_TREE
+    muon_options: tuple = ()
 
     @property
     def label(self) -> str:
@@ -76,6 +78,14 @@ ALL_MODES = [
 ]
 # ZeRO-3 (parameters partitioned, gathered around each module's use): selected by name, not in the default table.
 EXTRA_MODES = [_ds(3, "bf16", "muon"), _ds(3, "bf16", "adamw")]
+# Muon's variants beside the default (docs/muon.md): selected by name.
+VARIANT_MODES = [
+    Mode("ds-z2-bf16-muon-polar-express", "deepspeed", 2, "bf16", "muon",
+         muon_options=(("ns_coefficients", "polar_express"), )),
+    Mode("ds-z2-bf16-muon-normuon", "deepspeed", 2, "bf16", "muon", muon_options=(("normuon", True), )),
+    Mode("ds-z2-bf16-muon-bf16-momentum", "deepspeed", 2, "bf16", "muon", muon_options=(("momentum_dtype", "bf16"), )),
+]
+EXTRA_MODES += VARIANT_MODES
 MODES_BY_NAME = {mode.name: mode for mode in ALL_MODES + EXTRA_MODES}
 
 
@@ -156,6 +166,7 @@ def deepspeed_config(mode: Mode, settings: Settings) -> dict:
                 params["ns_dtype"] = settings.ns_dtype
             if settings.ns_cuda_graph is not None:
                 params["ns_cuda_graph"] = settings.ns_cuda_graph
+            params |= dict(mode.muon_options)
         optimizer = {"type": "muon", "params": params}
     else:
         params = {"lr": settings.adam_lr, "betas": list(ADAM_BETAS), "eps": ADAM_EPS, "weight_decay": 0.0}
@@ -187,6 +198,8 @@ def unsupported_reason(mode: Mode, settings: Settings) -> Optional[str]:
         return None
     if mode.backend == "ddp":
         return "torch DDP does not use DeepSpeed: measured in this checkout's run only"
+    if mode.muon_options:
+        return f"a Muon variant of this checkout ({dict(mode.muon_options)}): releases have none"
     if mode.optimizer == "muon" and settings.ns_steps != UPSTREAM_NS_STEPS:
         return (f"--ns-steps {settings.ns_steps}: release {mode.tree} always runs {UPSTREAM_NS_STEPS} Newton-Schulz "
                 "steps (its config has no ns_steps)")

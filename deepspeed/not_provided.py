@@ -38,10 +38,10 @@ def _values(advice: str, *names: str) -> dict[str, Missing]:
     return {name: Missing(advice, is_value=True) for name in names}
 
 
-ZERO3 = ("this part of ZeRO stage 3 (leaf modules, external parameters, upstream's parameter-offload classes, tiled "
-         "linear layers) is not implemented; stage 3 gathers each module's own parameters around its forward and "
-         "backward (from host memory under zero_optimization.offload_param), deepspeed.zero.Init partitions "
-         "parameters at construction, and deepspeed.zero.GatheredParameters makes any of them whole")
+ZERO3 = ("this part of ZeRO stage 3 (external parameters, upstream's parameter-offload classes, tiled linear layers) "
+         "is not implemented; stage 3 gathers each module's own parameters around its forward and backward (from "
+         "host memory under zero_optimization.offload_param), deepspeed.zero.Init partitions parameters at "
+         "construction, and deepspeed.zero.GatheredParameters makes any of them whole")
 NATIVE_OPS = ("this fork builds one native op, cpu_adam (CPUAdamBuilder). It steps DeepSpeedCPUAdam, which "
               "optimizer.type Adam and AdamW build under zero_optimization.offload_optimizer device 'cpu', and runs "
               "the element-wise work of Muon's host step under that offload; otherwise the config's optimizer types "
@@ -206,9 +206,6 @@ NOT_PROVIDED: dict[str, dict[str, Missing]] = {
         **_callables(LOCAL_FRAGMENTS, "safe_get_local_fp32_param", "safe_get_local_grad",
                      "safe_get_local_optimizer_state", "safe_set_local_fp32_param", "safe_set_local_grad",
                      "safe_set_local_optimizer_state"),
-        **_callables(ZERO3, "set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module",
-                     "z3_leaf_parameter", "set_z3_leaf_module", "set_z3_leaf_modules_by_name",
-                     "set_z3_leaf_modules_by_suffix"),
         **_callables(NUMA, "get_numactl_cmd"),
         **_callables(MODULE_UTILS, "recursive_getattr", "recursive_setattr"),
     },

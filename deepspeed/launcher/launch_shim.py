@@ -2,26 +2,34 @@
 
 torchrun sets LOCAL_RANK, RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK and GROUP_WORLD_SIZE, but
 scripts written for upstream's launcher also expect `--local_rank=<n>` on their command line and the
-variables LOCAL_SIZE, CROSS_RANK and CROSS_SIZE. This shim adds those and then replaces itself with
+variables LOCAL_SIZE, CROSS_RANK and CROSS_SIZE. This shim checks torchrun's ranks against the job's world info
+(when the runner passes it), adds those and then replaces itself with
 the user's program (`os.execv`), so the script starts in a fresh interpreter exactly as under
 upstream's `deepspeed.launcher.launch`, keeps the pid torchrun watches, and receives its signals.
 
 Usage (built by `deepspeed.launcher.runner`, not meant to be typed):
-    python -u launch_shim.py [--module | --no_python] [--no_local_rank] [--rank_log_prefix=P]
+    python -u launch_shim.py [--module | --no_python] [--no_local_rank] [--rank_log_prefix=P] [--world_info=B64]
         --user_command script args
 
 The runner starts it by file path, not with `-m`: importing the `deepspeed` package would load torch
-in every worker only to exec away from it. It therefore uses the standard library only.
+in every worker only to exec away from it. It therefore uses the standard library and world_info.py only.
 """
 
 import os
 import sys
 from dataclasses import dataclass
 
+if __package__:
+    from deepspeed.launcher import world_info
+else:
+    # Started by path: this file's directory is sys.path[0], so its stdlib-only sibling imports without the package.
+    import world_info
+
 SHIM_FLAG_MODULE = "--module"
 SHIM_FLAG_NO_PYTHON = "--no_python"
 SHIM_FLAG_NO_LOCAL_RANK = "--no_local_rank"
 SHIM_FLAG_RANK_LOG_PREFIX = "--rank_log_prefix="
+SHIM_FLAG_WORLD_INFO = "--world_info="
 # Not "--": argparse in torchrun drops the first "--" of the arguments it passes through.
 SHIM_SEPARATOR = "--user_command"
 
@@ -34,6 +42,7 @@ class ShimOptions:
     no_python: bool = False
     no_local_rank: bool = False
     rank_log_prefix: str | None = None
+    world_info: str | None = None
 
 
 def parse_shim_args(argv: list[str]) -> tuple[ShimOptions, list[str]]:
@@ -62,6 +71,8 @@ def parse_shim_args(argv: list[str]) -> tuple[ShimOptions, list[str]]:
             options["no_local_rank"] = True
         elif flag.startswith(SHIM_FLAG_RANK_LOG_PREFIX):
             options["rank_log_prefix"] = flag[len(SHIM_FLAG_RANK_LOG_PREFIX):]
+        elif flag.startswith(SHIM_FLAG_WORLD_INFO):
+            options["world_info"] = flag[len(SHIM_FLAG_WORLD_INFO):]
         else:
             raise ValueError(f"launch_shim: unknown flag {flag!r}")
     if not command:
@@ -123,6 +134,11 @@ def _redirect_output(prefix: str, rank: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Set upstream's variables, then exec the user's program (never returns on success)."""
     options, command = parse_shim_args(sys.argv[1:] if argv is None else argv)
+    if options.world_info is not None:
+        try:
+            world_info.check_worker_ranks(world_info.decode_world_info(options.world_info), dict(os.environ))
+        except ValueError as err:
+            sys.exit(f"deepspeed launcher: {err}")
     os.environ.update(upstream_env(os.environ))
     if options.rank_log_prefix is not None:
         _redirect_output(options.rank_log_prefix, os.environ["RANK"])

@@ -9,7 +9,8 @@ or the local devices, choosing the rendezvous, and setting CUDA_VISIBLE_DEVICES 
 Multi-node runs use torch's rendezvous instead of upstream's pdsh/MPI/slurm runners: the same command
 runs on every node with `--launcher torchrun` (or upstream's `--no_ssh`). With `--node_rank` (or a
 hostfile entry matching this host's name) the rendezvous is static at master_addr:master_port; without
-it torch's c10d rendezvous numbers the nodes.
+it torch's c10d rendezvous numbers the nodes. The job's world info (deepspeed/launcher/world_info.py) goes to every
+worker's shim, which checks torchrun's ranks against it.
 
 The launcher must not import torch.distributed (only deepspeed.comm does), hence the child process.
 """
@@ -28,7 +29,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from deepspeed.launcher import launch_shim
+from deepspeed.launcher import launch_shim, world_info
+from deepspeed.launcher.world_info import encode_world_info  # noqa: F401 (upstream's runner.encode_world_info)
 from deepspeed.utils.logging import logger, set_log_level
 
 DLTS_HOSTFILE = "/job/hostfile"
@@ -118,9 +120,55 @@ def parse_args(args: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log_level", type=str, default="info",
                         choices=["debug", "info", "warning", "error", "critical"],
                         help="Set the log level for the deepspeed launcher.")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="Try to be as quiet as possible. Aliases to `--log_level error`")
+    _add_ssh_flags(parser)
+    _add_unimplemented_flags(parser)
     parser.add_argument("user_script", type=str, help="User script to launch, followed by any required arguments.")
     parser.add_argument("user_args", nargs=argparse.REMAINDER)
     return parser.parse_args(args=args)
+
+
+def _add_ssh_flags(parser: argparse.ArgumentParser) -> None:
+    """Upstream's flags for its ssh-based launchers: accepted so upstream's commands run, with no effect here."""
+    parser.add_argument("--no_ssh_check", action="store_true",
+                        help="Accepted for upstream's commands; this launcher never uses ssh.")
+    parser.add_argument("--force_multi", action="store_true",
+                        help="Accepted for upstream's commands; a one-node job runs the same torchrun command.")
+    parser.add_argument("--ssh_port", type=int, default=None,
+                        help="Accepted for upstream's commands and ignored; this launcher never uses ssh.")
+
+
+# Upstream's flags for features this launcher does not implement: parsed so that the error names the flag.
+UNIMPLEMENTED_FLAGS = {
+    "bind_cores_to_rank": "NUMA core binding is not implemented; bind with numactl or taskset around the command",
+    "bind_core_list": "NUMA core binding is not implemented; bind with numactl or taskset around the command",
+    "elastic_training": "elastic training (DSElasticAgent) is not implemented; pass torchrun's own options, e.g. "
+                        "--launcher_args '--max_restarts 3'",
+    "min_elastic_nodes": "elastic training (DSElasticAgent) is not implemented",
+    "max_elastic_nodes": "elastic training (DSElasticAgent) is not implemented",
+    "autotuning": "the autotuner is not implemented",
+    "venv_script": "it is sourced by upstream's ssh launchers only; activate the environment in the shell that runs "
+                   "deepspeed on each node",
+}
+
+
+def _add_unimplemented_flags(parser: argparse.ArgumentParser) -> None:
+    """Upstream's flags for features not implemented here; `check_flag_combinations` refuses them when given."""
+    parser.add_argument("--bind_cores_to_rank", action="store_true", help="Not implemented (refused).")
+    parser.add_argument("--bind_core_list", type=str, default=None, help="Not implemented (refused).")
+    parser.add_argument("--elastic_training", action="store_true", help="Not implemented (refused).")
+    parser.add_argument("--min_elastic_nodes", type=int, default=-1, help="Not implemented (refused).")
+    parser.add_argument("--max_elastic_nodes", type=int, default=-1, help="Not implemented (refused).")
+    parser.add_argument("--autotuning", type=str, default="", choices=["tune", "run"],
+                        help="Not implemented (refused).")
+    parser.add_argument("--venv_script", type=str, default=None, help="Not implemented (refused).")
+
+
+def _given(args: argparse.Namespace, name: str) -> bool:
+    """True when a flag of UNIMPLEMENTED_FLAGS was set to anything but its default."""
+    value = getattr(args, name)
+    return value not in (False, None, "", -1)
 
 
 def _parse_hostfile(hostfile_lines: Iterable[str]) -> dict[str, int]:
@@ -225,8 +273,11 @@ def check_flag_combinations(args: argparse.Namespace) -> None:
 
     Raises:
         ValueError: --num_nodes/--num_gpus with --include/--exclude (upstream's message), --no_python with
-            --module (upstream's message), or a zero count.
+            --module (upstream's message), a zero count, or a flag of a feature not implemented here.
     """
+    for name, why in UNIMPLEMENTED_FLAGS.items():
+        if _given(args, name):
+            raise ValueError(f"--{name} is not supported by this launcher: {why}")
     if (args.num_nodes >= 0 or args.num_gpus >= 0) and (args.include or args.exclude):
         raise ValueError("Cannot specify num_nodes/gpus with include/exclude")
     if args.no_python and args.module:
@@ -277,6 +328,8 @@ class LaunchPlan:
         master_port: rendezvous port.
         visible_devices: CUDA_VISIBLE_DEVICES for this node's workers; None on a node without GPUs,
             which then runs CPU processes with DS_ACCELERATOR=cpu.
+        world_info: the job's {host: [slot, ...]} (upstream's world info), from which every node numbers its
+            processes; None when no node knows the others' slots (--num_nodes without a hostfile).
     """
 
     nnodes: int
@@ -285,6 +338,7 @@ class LaunchPlan:
     master_addr: str
     master_port: int
     visible_devices: str | None
+    world_info: world_info.WorldInfo | None = None
 
     @property
     def uses_static_rendezvous(self) -> bool:
@@ -394,8 +448,10 @@ def plan_launch(args: argparse.Namespace, resource_pool: dict[str, int] | None, 
             node_rank, slots = _this_node(active, args, hostname)
             master_addr = args.master_addr or next(iter(active))
     visible = None if device_ids is None else ",".join(device_ids[slot] for slot in slots)
+    # Without a hostfile, a node of a multi-node job knows only its own slots.
+    job_world = active if resource_pool is not None or nnodes == 1 else None
     return LaunchPlan(nnodes=nnodes, node_rank=node_rank, nproc_per_node=len(slots), master_addr=master_addr,
-                      master_port=args.master_port, visible_devices=visible)
+                      master_port=args.master_port, visible_devices=visible, world_info=job_world)
 
 
 def _check_multi_node_launcher(args: argparse.Namespace) -> None:
@@ -408,8 +464,10 @@ def _check_multi_node_launcher(args: argparse.Namespace) -> None:
                      "number the nodes.")
 
 
-def shim_flags(args: argparse.Namespace, rank_log_prefix: str | None = None) -> list[str]:
-    """The launch_shim flags that carry --module/--no_python/--no_local_rank/--enable_each_rank_log."""
+def shim_flags(args: argparse.Namespace, rank_log_prefix: str | None = None,
+               job_world: world_info.WorldInfo | None = None) -> list[str]:
+    """The launch_shim flags that carry --module/--no_python/--no_local_rank/--enable_each_rank_log and the world
+    info the shim checks torchrun's ranks against."""
     flags = []
     if args.module:
         flags.append(launch_shim.SHIM_FLAG_MODULE)
@@ -419,6 +477,8 @@ def shim_flags(args: argparse.Namespace, rank_log_prefix: str | None = None) -> 
         flags.append(launch_shim.SHIM_FLAG_NO_LOCAL_RANK)
     if rank_log_prefix is not None:
         flags.append(f"{launch_shim.SHIM_FLAG_RANK_LOG_PREFIX}{rank_log_prefix}")
+    if job_world is not None:
+        flags.append(f"{launch_shim.SHIM_FLAG_WORLD_INFO}{world_info.encode_world_info(job_world)}")
     return flags
 
 
@@ -438,9 +498,22 @@ def build_torchrun_command(plan: LaunchPlan, args: argparse.Namespace, rank_log_
     else:
         cmd += ["--rdzv_backend=c10d", f"--rdzv_endpoint={plan.master_addr}:{plan.master_port}"]
     cmd += shlex.split(args.launcher_args)
-    cmd += [os.path.abspath(launch_shim.__file__), *shim_flags(args, rank_log_prefix), launch_shim.SHIM_SEPARATOR,
-            args.user_script, *args.user_args]
+    cmd += [os.path.abspath(launch_shim.__file__), *shim_flags(args, rank_log_prefix, plan.world_info),
+            launch_shim.SHIM_SEPARATOR, args.user_script, *args.user_args]
     return cmd
+
+
+def describe_world(plan: LaunchPlan) -> list[str]:
+    """Upstream's log lines about the job's world: the world info, this node, every host's global ranks."""
+    node_rank = "<assigned by the c10d rendezvous>" if plan.node_rank is None else plan.node_rank
+    this_node = f"nnodes={plan.nnodes}, num_local_procs={plan.nproc_per_node}, node_rank={node_rank}"
+    if plan.world_info is None:
+        return [f"{this_node}; without a hostfile each node knows only its own processes, whose global ranks follow "
+                "those of the nodes ranked before it"]
+    return [f"WORLD INFO DICT: {plan.world_info}",
+            this_node,
+            f"global_rank_mapping={world_info.global_rank_mapping(plan.world_info)}",
+            f"dist_world_size={sum(len(slots) for slots in plan.world_info.values())}"]
 
 
 def deepspeed_env_files(env: dict[str, str], cwd: str) -> list[str]:
@@ -570,13 +643,17 @@ def main(args: list[str] | None = None) -> None:
         ValueError: inconsistent flags (see `plan_launch`).
     """
     args = parse_args(args)
-    set_log_level(args.log_level)
+    set_log_level("error" if args.quiet else args.log_level)
+    if args.ssh_port is not None:
+        logger.info(f"--ssh_port {args.ssh_port} ignored: this launcher never uses ssh")
     resource_pool = fetch_hostfile(args.hostfile)
     gpu_count = _local_gpu_count()
     plan = plan_launch(args, resource_pool, gpu_count, dict(os.environ), hostname=socket.gethostname(),
                        physical_gpu_count=_physical_gpu_count)
     if plan.visible_devices is None:
         logger.info(describe_cpu_launch(plan, args))
+    for line in describe_world(plan):
+        logger.info(line)
     rank_log_prefix = None
     if args.enable_each_rank_log != "None":
         os.makedirs(args.enable_each_rank_log, exist_ok=True)

@@ -12,6 +12,7 @@ from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from deepspeed.runtime.engine_setup import (build_basic_optimizer, build_lr_scheduler, build_zero_optimizer,
                                             model_dtype_of)
 from deepspeed.utils.logging import log_dist, set_log_level
+from deepspeed.utils.z3_leaf_module import apply_zero_leaf_module_config
 
 # Upstream's types of the `optimizer` and `lr_scheduler` callables deepspeed.initialize accepts.
 DeepSpeedOptimizerCallable = Callable[[Union[Iterable[torch.nn.Parameter], dict[str, Iterable]]],
@@ -81,6 +82,8 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def _prepare_module(self, dont_change_device: bool) -> None:
         """Cast floating parameters to the model dtype, move to the device, and broadcast from rank 0."""
+        # Flags only (upstream sets them at every stage); stage 3 reads them when it builds its units.
+        apply_zero_leaf_module_config(self.module, self._config.zero_config.leaf_module)
         dtype = model_dtype_of(self._config)
         if dtype == torch.float16 and not get_accelerator().is_fp16_supported():
             raise DeepSpeedConfigError("Type fp16 is not supported on your device.")

@@ -266,9 +266,6 @@ def _reject_unimplemented_stage3(zero) -> None:
         raise DeepSpeedConfigError(f"zero_optimization.offload_optimizer.ratio {zero.offload_optimizer.ratio} "
                                    "(partial offload) is not implemented in this fork: every master and all "
                                    "optimizer state go to the CPU; use 1.0")
-    if zero.leaf_module.classes or zero.leaf_module.names:
-        raise DeepSpeedConfigError("zero_optimization.leaf_module is not supported by this fork: every module with "
-                                   "parameters of its own is fetched on its own; remove the section")
 
 
 def _checks_overflow(config: DeepSpeedConfig) -> bool:

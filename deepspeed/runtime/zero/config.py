@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel, DeprecatedKey, logger
+from deepspeed.utils.z3_leaf_module import DEFAULT_LEAF_MODULE_CLASSES
 
 
 class ZeroStageEnum(int, Enum):
@@ -85,9 +86,28 @@ class DeepSpeedZeroLeafModuleConfig(DeepSpeedConfigModel):
     model_config = ConfigDict(title="zero_optimization.leaf_module")
     section: ClassVar[str] = "zero_optimization.leaf_module"
 
-    classes: list[str] = Field(default_factory=list, description="Module class names treated as leaves.")
-    names: list[str] = Field(default_factory=list, description="Module names treated as leaves.")
-    ignore_default_classes: bool = Field(False, description="Do not add upstream's default leaf classes.")
+    classes: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_LEAF_MODULE_CLASSES),
+        description="Module class names (bare or fully qualified) whose instances are leaves; default: the "
+        "Mixtral, Qwen2-MoE and Qwen3-MoE sparse MoE blocks.",
+    )
+    names: list[str] = Field(default_factory=list, description="Module names (as named_modules() gives them).")
+    name_suffixes: list[str] = Field(default_factory=list, description="Suffixes of module names.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_name_is_a_list(cls, data: Any) -> Any:
+        """A single string where a list is expected means a list of one (as upstream)."""
+        if isinstance(data, dict):
+            data = {key: [value] if key in ("classes", "names", "name_suffixes") and isinstance(value, str)
+                    else value for key, value in data.items()}
+        return data
+
+    @model_validator(mode="after")
+    def _without_repeats(self) -> "DeepSpeedZeroLeafModuleConfig":
+        for key in ("classes", "names", "name_suffixes"):
+            object.__setattr__(self, key, list(dict.fromkeys(getattr(self, key))))
+        return self
 
 
 class DeepSpeedZeroConfig(DeepSpeedConfigModel):

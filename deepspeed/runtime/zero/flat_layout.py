@@ -12,10 +12,13 @@ rank r owns `[r * partition_size, (r + 1) * partition_size)`. Two layouts exist:
 Nothing here touches tensors or torch.distributed; the same inputs give the same layout on every rank.
 """
 
+import heapq
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+
+from deepspeed.runtime.zero.muon.math.update import matrix_blocks
 
 # Partition starts stay aligned to this many elements (4-byte alignment for 16-bit dtypes, which NCCL
 # wants for its collectives).
@@ -158,31 +161,32 @@ def even_layout(numels: Sequence[int], num_partitions: int) -> GroupLayout:
 
 
 def newton_schulz_cost(shape: Sequence[int], num_heads: int = 1) -> int:
-    """Relative cost of orthogonalising a matrix of `shape` (flops of one quintic iteration).
+    """Relative cost of orthogonalising a parameter of `shape` (multiply-adds of one quintic iteration).
 
     With m = min(rows, cols) and n = max: X X^T and B X cost m*m*n each, A*A costs m^3.
-    Conv weights count as (out, in * kh * kw), as Muon views them. A matrix orthogonalised per head costs
-    `num_heads` times its (rows / num_heads) x cols block.
+    The matrices are Muon's view of the parameter (``matrix_blocks``): conv weights count as (out, in * kh * kw),
+    a fused expert tensor [experts, out, in] as `experts` out x in matrices, a matrix orthogonalised per head as
+    `num_heads` (rows / num_heads) x cols blocks.
     """
-    rows = shape[0] // num_heads
-    cols = 1
-    for dim in shape[1:]:
-        cols *= dim
+    blocks, rows, cols = matrix_blocks(shape, num_heads)
     m, n = min(rows, cols), max(rows, cols)
-    return num_heads * (2 * m * m * n + m * m * m)
+    return blocks * (2 * m * m * n + m * m * m)
 
 
 def assign_owners(costs: Sequence[int], num_partitions: int) -> List[int]:
     """Longest-processing-time assignment: largest cost first, each to the least-loaded rank.
 
-    Ties go to the lowest rank and equal costs keep their order, so every rank computes the same answer.
+    Ties go to the lowest rank and equal costs keep their order, so every rank computes the same answer. A heap of
+    (load, rank) keeps it O(n log p), so a thousand ranks and ten thousand matrices take milliseconds.
     """
-    loads = [0] * num_partitions
+    if num_partitions < 1:
+        raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
+    loads = [(0, rank) for rank in range(num_partitions)]
     owners = [0] * len(costs)
     for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        rank = min(range(num_partitions), key=lambda r: (loads[r], r))
+        load, rank = loads[0]
         owners[index] = rank
-        loads[rank] += costs[index]
+        heapq.heapreplace(loads, (load + costs[index], rank))
     return owners
 
 

@@ -210,6 +210,18 @@ class GradReducer:
             self._flush(self._buckets[self._next_bucket])
             self._next_bucket += 1
 
+    def accumulate_none(self, group: int, index: int) -> None:
+        """Say that one parameter gets no gradient in the current backward (a leaf module's submodule this rank's data
+        skipped): its pieces of the bucket stay zero, and the bucket flushes as soon as its other parameters have
+        reported, as on the ranks where the parameter got one, instead of at the end of the backward."""
+        if not self.options.partition_grads or self.dp_world_size == 1:
+            return
+        bucket = self._buckets[self._bucket_of[(group, index)]]
+        bucket.ready.add((group, index))
+        while self._next_bucket < len(self._buckets) and self._is_complete(self._buckets[self._next_bucket]):
+            self._flush(self._buckets[self._next_bucket])
+            self._next_bucket += 1
+
     @staticmethod
     def _is_complete(bucket: _Bucket) -> bool:
         return len(bucket.ready) == len(bucket.params)

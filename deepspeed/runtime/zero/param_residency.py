@@ -1,7 +1,8 @@
 """Where each parameter's full value lives at ZeRO stage 3: gathered before use, released after.
 
 Every rank keeps only its lp partition of each flat group (the optimizer wrapper's layout, see flat_layout.py).
-A *unit* is a module with parameters of its own. Before the unit's forward, and again before its backward, its
+A *unit* is a module with parameters of its own, or a leaf module (deepspeed.utils.set_z3_leaf_modules) with
+its own and all its descendants' parameters. Before the unit's forward, and again before its backward, its
 parameters are all-gathered from their partitions into the unit's buffer and become views of it; after the
 forward, and after the backward has handed their gradients to the reducer, the buffer's storage is freed and
 `param.data` is an empty placeholder again. Parameters with fewer elements than `param_persistence_threshold` stay
@@ -25,16 +26,17 @@ unit's fetch only when it reaches that unit.
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 import deepspeed.comm as dist
 from deepspeed.runtime.zero.flat_layout import GroupLayout
 from deepspeed.runtime.zero.gather_plan import GatherPlan, Run, plan_gather
 from deepspeed.runtime.zero.partition_placement import PartitionPlacement
 from deepspeed.runtime.zero.weak_hook import weak_hook
+from deepspeed.utils.z3_leaf_module import z3_leaf_module
 
 
 class ZeroParamStatus(Enum):
@@ -101,6 +103,15 @@ class _Unit:
     param_numel: int = 0
 
 
+@dataclass(eq=False)
+class _Leaf:
+    """A leaf module's trainable parameters (persistent ones included) and its calls in this forward whose backward
+    has not finished yet (see `ParamResidency._leaf_backward_done`)."""
+
+    params: List[torch.nn.Parameter]
+    calls: int = 0
+
+
 @dataclass
 class ResidencyOptions:
     """`zero_optimization`'s stage-3 residency keys.
@@ -129,13 +140,17 @@ class ParamResidency:
         lp_partitions: this rank's lp partition of each group (read when gathering; never reallocated).
         dp_group: data-parallel process group.
         options: ResidencyOptions.
+        on_unused: called with the parameters of a leaf module that got no gradient in a backward, when the leaf's
+            backward is over (the reducer treats them as zero gradients then, on every rank at the same point).
         placement: where the lp partitions live and where the parameters are used (default: both on the
             partitions' device).
     """
 
     def __init__(self, module: torch.nn.Module, keys: Dict[torch.nn.Parameter, Tuple[int, int]],
                  layouts: Sequence[GroupLayout], lp_partitions: Sequence[torch.Tensor], dp_group,
-                 options: ResidencyOptions, placement: Optional[PartitionPlacement] = None):
+                 options: ResidencyOptions,
+                 on_unused: Optional[Callable[[List[torch.nn.Parameter]], None]] = None,
+                 placement: Optional[PartitionPlacement] = None):
         self.placement = placement or PartitionPlacement(lp_partitions[0].device if lp_partitions else
                                                          torch.device("cpu"))
         self._fetch_stream = None  # created with the first asynchronous fetch from host partitions
@@ -145,10 +160,13 @@ class ParamResidency:
         self.dp_rank = dist.get_rank(dp_group) if dist.is_initialized() else 0
         self.dp_world_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
         self.options = options
+        self.on_unused = on_unused
         self.keys = keys
         # Upstream numbers parameters in model order; here in the optimizer's (group, index) order.
         self._ids = {id(p): i for i, p in enumerate(sorted(keys, key=lambda p: keys[p]))}
         self._units = self._build_units(module, keys)
+        self._leaves = [m._ds_leaf for m in module.modules() if getattr(m, "_ds_leaf", None) is not None]
+        self._arrived: set = set()  # ids of the parameters whose gradient this backward has delivered
         self._unit_of = {id(p): unit for unit in self._units for p in unit.params}
         self._order: List[_Unit] = []
         self._recording = True
@@ -164,9 +182,16 @@ class ParamResidency:
     def _build_units(self, module: torch.nn.Module, keys) -> List[_Unit]:
         units, persistent, seen = [], [], set()
         budget = self.options.model_persistence_threshold
+        for submodule in module.modules():  # what an earlier engine on this model left
+            for attribute in ("_ds_unit", "_ds_borrowed", "_ds_leaf"):
+                submodule.__dict__.pop(attribute, None)
         borrowers = []
-        for submodule in module.modules():
-            own = [p for p in submodule.parameters(recurse=False) if p in keys]
+        for submodule, is_leaf in _unit_owners(module):
+            own = [p for p in submodule.parameters(recurse=is_leaf) if p in keys]
+            if is_leaf:
+                for param in own:
+                    param.ds_z3_leaf_module = submodule
+                submodule._ds_leaf = _Leaf([p for p in own if p.requires_grad])
             params = [p for p in own if id(p) not in seen]
             if len(params) < len(own):
                 # A shared (tied) parameter belongs to the first module that registers it; the others borrow it.
@@ -249,9 +274,12 @@ class ParamResidency:
     def _register_hooks(self, module: torch.nn.Module) -> list:
         handles = []
         for submodule in module.modules():
-            if getattr(submodule, "_ds_unit", None) is None and not getattr(submodule, "_ds_borrowed", None):
+            if getattr(submodule, "_ds_leaf", None) is not None:
+                handles.append(submodule.register_forward_pre_hook(self._pre_forward_leaf, with_kwargs=True))
+            elif getattr(submodule, "_ds_unit", None) is None and not getattr(submodule, "_ds_borrowed", None):
                 continue
-            handles.append(submodule.register_forward_pre_hook(self._pre_forward))
+            else:
+                handles.append(submodule.register_forward_pre_hook(self._pre_forward))
             handles.append(submodule.register_forward_hook(self._post_forward))
         for unit in self._units:
             for param in unit.params:
@@ -278,6 +306,46 @@ class ParamResidency:
                 self._order.append(unit)
             self.gather(unit)
             self._prefetch_after(unit)
+
+    def _pre_forward_leaf(self, module: torch.nn.Module, args: tuple, kwargs: dict):
+        """A leaf's pre-forward: gather it, and hand it views of its inputs whose gradient hooks say when the leaf's
+        own backward is over.
+
+        The views are used by the leaf alone, so their gradients are complete once the leaf's backward is, before
+        any hook on the inputs themselves (the previous module's pre-backward gather among them); and autograd
+        accumulates parameter gradients as soon as they are ready, so by then every parameter of the leaf that gets
+        a gradient has it.
+        """
+        self._pre_forward(module, args)
+        if not torch.is_grad_enabled():
+            return None
+        values, spec = tree_flatten((args, kwargs))
+        positions = [i for i, value in enumerate(values) if isinstance(value, torch.Tensor) and value.requires_grad]
+        if not positions:
+            return None  # nothing to hang the signal on: the end of the backward releases the leaf
+        module._ds_leaf.calls += 1
+        signal = _LeafInputsDone(self, module, len(positions))
+        for i in positions:
+            values[i] = values[i].view_as(values[i])
+            values[i].register_hook(signal)
+        return tree_unflatten(values, spec)
+
+    def _leaf_backward_done(self, module: torch.nn.Module) -> None:
+        """The backward of one call of a leaf is over. After the last of this forward's calls, the leaf's parameters
+        that got no gradient (submodules this rank's data skipped) get none in this backward: the reducer hears so
+        now, so every rank's buckets fill at the same point of the backward, between the same gathers; and the
+        leaf is released."""
+        leaf = module._ds_leaf
+        leaf.calls -= 1
+        if leaf.calls > 0:
+            return
+        unused = [p for p in leaf.params if id(p) not in self._arrived]
+        self._arrived.update(id(p) for p in unused)
+        if unused and self.on_unused is not None:
+            self.on_unused(unused)
+        unit = getattr(module, "_ds_unit", None)
+        if unit is not None and unit.status != ZeroParamStatus.NOT_AVAILABLE:
+            self.release(unit)
 
     def _post_forward(self, module: torch.nn.Module, _inputs, output) -> None:
         for unit in self._units_of(module):
@@ -309,6 +377,7 @@ class ParamResidency:
                 unit.waiting_grads = {id(p) for p in unit.params if p.requires_grad}
 
     def _grad_done(self, param: torch.Tensor) -> None:
+        self._arrived.add(id(param))
         unit = self._unit_of[id(param)]
         unit.waiting_grads.discard(id(param))
         if not unit.waiting_grads:
@@ -453,6 +522,9 @@ class ParamResidency:
         for unit in self._units:
             if unit.status != ZeroParamStatus.NOT_AVAILABLE:
                 self.release(unit)
+        self._arrived = set()
+        for leaf in self._leaves:
+            leaf.calls = 0
 
     def refresh(self) -> None:
         """Republish what is gathered now from the partitions (after a step changed them).
@@ -478,6 +550,42 @@ class ParamResidency:
 
     def unit_of(self, param: torch.Tensor) -> Optional[_Unit]:
         return self._unit_of.get(id(param))
+
+
+def _unit_owners(module: torch.nn.Module):
+    """(module, is_leaf) for each module whose parameters may form a unit, in `module.modules()` order.
+
+    A leaf module (deepspeed.utils.set_z3_leaf_modules) owns its descendants' parameters too and its descendants are
+    not visited: the leaf is gathered whole when it is entered, so which of its submodules a rank's data reaches
+    changes neither the collectives the ranks issue nor the weights the submodules see.
+    """
+    seen, stack = set(), [module]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        is_leaf = z3_leaf_module(current)
+        yield current, is_leaf
+        if not is_leaf:
+            stack.extend(reversed(list(current.children())))
+
+
+class _LeafInputsDone:
+    """The gradient hook `_pre_forward_leaf` puts on each input of one call of a leaf: the last to fire ends the
+    leaf's backward for that call."""
+
+    __slots__ = ("residency", "module", "remaining")
+
+    def __init__(self, residency: ParamResidency, module: torch.nn.Module, inputs: int):
+        self.residency = residency
+        self.module = module
+        self.remaining = inputs
+
+    def __call__(self, _grad: torch.Tensor) -> None:
+        self.remaining -= 1
+        if self.remaining == 0:
+            self.residency._leaf_backward_done(self.module)
 
 
 class _PreBackward:

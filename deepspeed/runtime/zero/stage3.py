@@ -40,7 +40,13 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (upst
         self._materialise_frozen(module)
         keys = {param: param._zero_index for params in self.bit16_groups for param in params}
         self.residency = ParamResidency(module, keys, self.layouts, self.fp16_partitioned_groups_flat, dp_group,
-                                        residency_options or ResidencyOptions(), self.placement)
+                                        residency_options or ResidencyOptions(), on_unused=self._no_grads,
+                                        placement=self.placement)
+
+    def _no_grads(self, params: List[torch.nn.Parameter]) -> None:
+        """Parameters of a leaf module that get no gradient in this backward (see ParamResidency)."""
+        for param in params:
+            self.reducer.accumulate_none(*param._zero_index)
 
     def _flatten_lp_params(self) -> None:
         """Copy this rank's fragments of every parameter into its lp partition (the only lp storage kept).

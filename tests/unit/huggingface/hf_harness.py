@@ -46,7 +46,7 @@ def gpt2_config():
     return transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2)
 
 
-def saved_model(directory: str, config) -> str:
+def saved_model(directory: str, config, auto_class: str = "AutoModelForCausalLM") -> str:
     """Rank 0 builds the model from seed 0 and saves it (safetensors); every rank returns the folder once it exists.
 
     Every run of a test loads its initial weights from there, so the references and the engines start equal
@@ -55,7 +55,7 @@ def saved_model(directory: str, config) -> str:
     path = os.path.join(directory, f"init-{config.model_type}")
     if dist.get_rank() == 0 and not os.path.isdir(path):
         torch.manual_seed(0)
-        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+        getattr(transformers, auto_class).from_config(config).save_pretrained(path)
     dist.barrier()
     return path
 
@@ -220,13 +220,14 @@ def decayed_names(model) -> set:
 def reference_training(model_dir: str, batches: Sequence[torch.Tensor], lrs: Sequence[float], optimizer: Optional[str],
                        weight_decay: float, betas: Tuple[float, float], clip: float, base_lr: float,
                        muon_lr: Optional[float] = None,
+                       auto_class: str = "AutoModelForCausalLM",
                        eps: float = ADAM_EPS) -> Tuple[Dict[str, torch.Tensor], List[float]]:
     """Single-process fp32 training from the saved model: mean token loss of each step's batch, clipping to `clip`
     (torch's clip_grad_norm_), then AdamW (torch's) or Muon (momentum 0.95, Nesterov, Newton-Schulz, decoupled
     decay) with Adam for the rest. Muon's lr follows the schedule scaled by muon_lr / base_lr (the configured lr).
     `optimizer` None is the Trainer's own AdamW: no decay on biases and norm weights; `eps` is Adam's. Returns the
     final parameters and each step's loss."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = getattr(transformers, auto_class).from_pretrained(model_dir, dtype=torch.float32)
     named = dict(model.named_parameters())
     adam = {n: p for n, p in named.items() if optimizer != "Muon" or not is_muon_param(n, p)}
     muon = {n: p for n, p in named.items() if n not in adam}

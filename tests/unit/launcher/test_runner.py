@@ -126,6 +126,28 @@ class TestSelectResources:
         with pytest.raises(ValueError, match=re.escape(message)):
             plan(argv)
 
+    @pytest.mark.parametrize("argv, flag", [
+        ("--bind_cores_to_rank", "--bind_cores_to_rank"),
+        ("--bind_core_list 0-3", "--bind_core_list"),
+        ("--elastic_training", "--elastic_training"),
+        ("--min_elastic_nodes 1", "--min_elastic_nodes"),
+        ("--max_elastic_nodes 4", "--max_elastic_nodes"),
+        ("--autotuning tune", "--autotuning"),
+        ("--venv_script env.sh", "--venv_script"),
+    ])
+    def test_unimplemented_upstream_flags_are_named(self, argv, flag):
+        with pytest.raises(ValueError, match=re.escape(f"{flag} is not supported by this launcher: ")):
+            plan(argv)
+
+    def test_ssh_flags_are_accepted(self):
+        # Upstream's no-ssh commands often carry these; they change nothing here.
+        reference = plan("--no_ssh --node_rank 1 --master_addr head", pool=TWO_NODES)
+        assert plan("--no_ssh --node_rank 1 --master_addr head --no_ssh_check --force_multi --ssh_port 2222",
+                    pool=TWO_NODES) == reference
+
+    def test_quiet(self):
+        assert dsrun.parse_args(["-q", "foo.py"]).quiet and dsrun.parse_args(["--quiet", "foo.py"]).quiet
+
     def test_main_rejects_before_launching(self):
         # Upstream's test: the error comes from argument checking, so nothing is started.
         with pytest.raises(ValueError, match="Cannot specify num_nodes/gpus with include/exclude"):

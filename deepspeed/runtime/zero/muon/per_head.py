@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from deepspeed.runtime.zero.muon.math.update import head_rows
+from deepspeed.runtime.zero.muon.math.update import head_rows, matrix_rows
 from deepspeed.utils.logging import log_dist
 
 NUM_HEADS_ATTRIBUTE = "muon_num_heads"
@@ -61,7 +61,7 @@ def head_count(param: torch.Tensor, name: str | None = None) -> int:
     if num_heads is None and head_dim is None:
         return 1
     shape = getattr(param, "ds_shape", param.shape)  # a ZeRO stage-3 placeholder's shape is ds_shape
-    rows = shape[0]
+    rows = matrix_rows(shape)
     what = f"parameter {name}" if name else "a parameter"
     what += f" of shape {tuple(shape)}"
     if head_dim is not None:

@@ -71,6 +71,24 @@ def test_newton_schulz_cost_uses_the_small_side():
     assert newton_schulz_cost((4, 2, 3, 3)) == newton_schulz_cost((4, 18))
 
 
+def test_a_fused_expert_tensor_costs_its_experts_matrices():
+    """[experts, out, in] is a batch of `experts` (out, in) matrices, as Muon orthogonalises it, not one
+    (experts, out * in) matrix (which undercosts it 30x at Qwen3-MoE's 128 x 1536 x 2048)."""
+    assert newton_schulz_cost((8, 32, 64)) == 8 * newton_schulz_cost((32, 64))
+    assert newton_schulz_cost((8, 32, 64), num_heads=4) == 8 * newton_schulz_cost((32, 64), num_heads=4)
+    # Four experts (cost 4 x 3 x 32^3) outweigh a 64 x 32 matrix and a 32 x 16: they get a rank of their own.
+    shapes = [(4, 32, 32), (64, 32), (32, 16)]
+    owners = assign_owners([newton_schulz_cost(s) for s in shapes], 2)
+    assert owners[0] != owners[1] == owners[2]
+
+
+def test_assignment_is_largest_first_onto_the_least_loaded_lowest_rank():
+    assert assign_owners([5, 9, 1, 9, 3], 3) == [2, 0, 2, 1, 2]
+    assert assign_owners([], 4) == [] and assign_owners([7, 7], 1) == [0, 0]
+    with pytest.raises(ValueError, match="num_partitions"):
+        assign_owners([1], 0)
+
+
 def test_bad_inputs_are_rejected():
     with pytest.raises(ValueError, match="num_partitions"):
         even_layout([4], 0)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from deepspeed.runtime.zero.muon.math.ns_common import resolve_ns_dtype
-from deepspeed.runtime.zero.muon.math.update import flat_view, stacked_view, update_scale
+from deepspeed.runtime.zero.muon.math.update import flat_view, matrix_blocks, stacked_view, update_scale
 
 
 class HostStep:
@@ -71,18 +71,17 @@ class HostStep:
 
     def directions(self, grads: list[Tensor], momenta: list[Tensor], group: dict[str, Any],
                    num_heads: int = 1, grad_factor: float | None = None, fold: bool = False) -> tuple[Tensor, float]:
-        """`momentum_directions(..., fold=fold)` for same-shape matrices, matrix by matrix: a new (count * heads,
-        rows / heads, cols) tensor in the Newton-Schulz dtype, and the factor its update is multiplied by
-        (`update_scale` of one head's block, by the group's adjust_lr_fn)."""
-        rows = grads[0].shape[0]
-        cols = grads[0].numel() // rows
-        direction = torch.empty((len(grads), rows, cols), dtype=self.ns_dtype(group["ns_dtype"]), pin_memory=self._pin)
+        """`momentum_directions(..., fold=fold)` for same-shape params, param by param: a new (count * blocks, rows,
+        cols) tensor of their `matrix_blocks` in the Newton-Schulz dtype, and the factor its update is multiplied by
+        (`update_scale` of one block, by the group's adjust_lr_fn)."""
+        blocks, rows, cols = matrix_blocks(grads[0].shape, num_heads)
+        direction = torch.empty((len(grads), blocks * rows * cols), dtype=self.ns_dtype(group["ns_dtype"]),
+                                pin_memory=self._pin)
         for index, (grad, momentum) in enumerate(zip(grads, momenta)):
             self.op.muon_momentum(grad, momentum, direction[index], group["momentum"], group["nesterov"], fold,
                                   grad_factor)
-        head_rows = rows // num_heads
-        return (direction.view(len(grads) * num_heads, head_rows, cols),
-                update_scale(head_rows, cols, group.get("adjust_lr_fn") or "original"))
+        return (direction.view(len(grads) * blocks, rows, cols),
+                update_scale(rows, cols, group.get("adjust_lr_fn") or "original"))
 
     def fold(self, grads: list[Tensor], momenta: list[Tensor], beta: float, grad_factor: float | None = None) -> None:
         """momentum <- lerp(momentum, grad * grad_factor, 1 - beta), in place, for each pair."""

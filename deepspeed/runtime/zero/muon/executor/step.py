@@ -25,8 +25,8 @@ from deepspeed.runtime.zero.muon.kernels.fused_update import apply_update
 from deepspeed.runtime.zero.muon.math.newton_schulz import NS_FUNCTIONS
 from deepspeed.runtime.zero.muon.math.normuon import NEURON_SECOND_MOMENT, muon_state_shape, neuron_normalised
 from deepspeed.runtime.zero.muon.math.ns_common import resolve_ns_dtype
-from deepspeed.runtime.zero.muon.math.update import (adam_update, flat_view, fold_momenta, momentum_directions,
-                                                     stacked_view, update_scale)
+from deepspeed.runtime.zero.muon.math.update import (adam_update, flat_view, fold_momenta, matrix_blocks,
+                                                     momentum_directions, stacked_view, update_scale)
 from deepspeed.runtime.zero.muon.per_head import head_count
 
 # The entries as this module found them: a replaced entry (a test counting calls, a user's hook) must see every
@@ -369,7 +369,7 @@ class MuonStepExecutor:
         # Here, after the verdict: NorMuon's second moments are written only by a step that is taken.
         applied = self._neuron_normalised(group, updates) if group.get("normuon", False) else updates.updates
         for (params, _, scale), update in zip(updates.batches, applied):
-            if update.shape[1:] != params[0].shape:  # 4-D kernels were orthogonalised as (out, -1)
+            if update.shape[1:] != params[0].shape:  # blocks: heads, experts, or a 4-D kernel as (out, -1)
                 update = update.reshape(len(params), *params[0].shape)
             batch_copies = [copies[id(p)] for p in params] if copies else None
             if self._host is not None and params[0].dtype == torch.float32:
@@ -525,13 +525,13 @@ def _with_grads_by_key(group: dict[str, Any]) -> tuple[list[Tensor], dict[BatchK
 
 
 def _batch_views(flat: Tensor, by_key: dict[BatchKey, list[Tensor]]) -> list[Tensor]:
-    """(count * heads, rows / heads, cols) views of ``flat``, one per batch in order, each over its batch's run: one
-    view op per batch (4-D kernels as (out, -1); a head's rows are contiguous, so its block is a plain view too)."""
+    """(count * blocks, rows, cols) views of ``flat``, one per batch in order, each over its batch's run, with each
+    param's ``matrix_blocks``: one view op per batch (4-D kernels as (out, -1), a 3-D tensor's experts as separate
+    matrices; a head's rows are contiguous, so its block is a plain view too)."""
     views, start = [], flat.storage_offset()  # as_strided's offset counts from the storage's start
-    for (_, num_heads), params in by_key.items():
-        rows = params[0].shape[0] // num_heads
-        cols = params[0].numel() // params[0].shape[0]
-        blocks = len(params) * num_heads
+    for (shape, num_heads), params in by_key.items():
+        per_param, rows, cols = matrix_blocks(shape, num_heads)
+        blocks = len(params) * per_param
         views.append(flat.as_strided((blocks, rows, cols), (rows * cols, cols, 1), start))
         start += blocks * rows * cols
     return views

@@ -32,9 +32,12 @@ NEURON_SECOND_MOMENT = "neuron_second_moment"
 
 
 def muon_state_shape(key: str, param_shape: torch.Size) -> torch.Size:
-    """The shape of a Muon parameter's optimizer state ``key``: one value per row for the second moment, else the
+    """The shape of a Muon parameter's optimizer state ``key``: one value per row of each matrix Muon sees in it for
+    the second moment (``matrix_blocks``: a 4-D kernel's out rows, an expert tensor's experts x rows), else the
     parameter's (the momentum)."""
-    return torch.Size(param_shape[:1]) if key == NEURON_SECOND_MOMENT else torch.Size(param_shape)
+    if key != NEURON_SECOND_MOMENT:
+        return torch.Size(param_shape)
+    return torch.Size(param_shape[:1] if len(param_shape) == 4 else param_shape[:-1])
 
 
 def neuron_normalised(update: Tensor, second_moment: Tensor, beta2: float = NORMUON_BETA2,

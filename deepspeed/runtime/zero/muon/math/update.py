@@ -47,6 +47,33 @@ def check_adjust_lr_fn(adjust_lr_fn: str) -> None:
         raise ValueError(f"adjust_lr_fn must be one of {list(ADJUST_LR_FNS)}, got {adjust_lr_fn!r}")
 
 
+def matrix_blocks(shape: Sequence[int], num_heads: int = 1) -> tuple[int, int, int]:
+    """How Muon sees a parameter of ``shape``: (blocks, rows, cols), each block orthogonalised as a matrix of its own.
+
+    A 2-D parameter is one rows x cols matrix. A 4-D convolution kernel is one (out, in * kh * kw) matrix, as Keller
+    Jordan's Muon views it. Any other parameter of more than two dims is a batch of matrices over its leading dims:
+    fused mixture-of-experts weights [experts, out, in] are ``experts`` matrices of out x in, never one
+    experts x (out * in) matrix, so one expert's update never depends on another expert's gradient. With
+    ``num_heads`` > 1 every matrix's rows are split into that many equal blocks.
+
+    Raises:
+        ValueError: fewer than two dims, or a head count that does not divide the rows (:func:`head_rows`).
+    """
+    shape = tuple(shape)
+    if len(shape) < 2:
+        raise ValueError(f"if use muon, then tensor dim > 1, got {torch.Size(shape)}")
+    if len(shape) == 4:
+        matrices, rows, cols = 1, shape[0], math.prod(shape[1:])
+    else:
+        matrices, rows, cols = math.prod(shape[:-2]), shape[-2], shape[-1]
+    return matrices * num_heads, head_rows(rows, num_heads), cols
+
+
+def matrix_rows(shape: Sequence[int]) -> int:
+    """The rows of each matrix Muon sees in a parameter of ``shape`` (the rows a head count splits)."""
+    return shape[0] if len(shape) == 4 else shape[-2]
+
+
 def head_rows(rows: int, num_heads: int) -> int:
     """Rows of one head's block when a matrix's ``rows`` are split into ``num_heads`` equal blocks.
 
@@ -114,7 +141,7 @@ def muon_update(
         raise ValueError(f"if use muon, then tensor dim > 1, got {grad.size()}")
     check_adjust_lr_fn(adjust_lr_fn)
     # Checked before the momentum is written: a failing call changes nothing.
-    block_rows = head_rows(grad.size(0) if grad.ndim == 4 else grad.size(-2), num_heads)
+    block_rows = head_rows(matrix_rows(grad.shape), num_heads)
     if momentum.dtype != torch.float32 or momentum.shape != grad.shape:
         raise ValueError(
             f"Muon momentum must be a float32 tensor shaped like the gradient {tuple(grad.shape)}, "
@@ -178,9 +205,8 @@ def _validated_batch(grads: Sequence[Tensor], momenta: Sequence[Tensor]) -> torc
     if not grads:
         raise ValueError("a Muon batch needs at least one gradient")
     shape = grads[0].shape
-    if len(shape) not in (2, 4):
-        raise ValueError(f"if use muon, then tensor dim > 1, got {grads[0].size()} (batched updates take 2-D or "
-                         "4-D tensors)")
+    if len(shape) < 2:
+        raise ValueError(f"if use muon, then tensor dim > 1, got {grads[0].size()}")
     if len(momenta) != len(grads):
         raise ValueError(f"a Muon batch got {len(grads)} gradients but {len(momenta)} momenta")
     for grad, momentum in zip(grads, momenta):
@@ -241,7 +267,7 @@ def momentum_directions(
     are split into that many head blocks, and the blocks of all matrices form the batch.
 
     Args:
-        grads: 2-D or 4-D gradients, all of one shape; never written.
+        grads: gradients of two or more dims (see :func:`matrix_blocks`), all of one shape; never written.
         momenta: buffers shaped like the gradients, all fp32 or all bf16 (``momentum_dtype``: the new momentum is
             computed in fp32, stored rounded, and the direction takes the fp32 value).
         beta, nesterov: as :func:`muon_update`.
@@ -252,16 +278,17 @@ def momentum_directions(
         adjust_lr_fn: one of :data:`ADJUST_LR_FNS`.
 
     Returns:
-        (directions, scale): a new (len(grads) * num_heads, rows / num_heads, cols) fp32 tensor (4-D kernels
-        viewed as (out, -1)), and the factor (:func:`update_scale`) its orthogonalised update is multiplied by.
+        (directions, scale): a new (len(grads) * blocks, rows, cols) fp32 tensor of every gradient's
+        :func:`matrix_blocks` (4-D kernels viewed as (out, -1), each expert of a 3-D tensor a block), and the
+        factor (:func:`update_scale`) its orthogonalised update is multiplied by.
 
     Raises:
-        ValueError: no gradients, gradients of different shapes or a 3-D gradient, momenta that are not
+        ValueError: no gradients, gradients of different shapes or of fewer than two dims, momenta that are not
             fp32 tensors of the gradients' shape, a head count that does not divide the rows, or an unknown
             ``adjust_lr_fn``.
     """
     shape = _validated_batch(grads, momenta)
-    block_rows = head_rows(shape[0], num_heads)
+    blocks, block_rows, cols = matrix_blocks(shape, num_heads)
     check_adjust_lr_fn(adjust_lr_fn)
     # grad32 may be a view of the gradients: below it is only read, and lerp (not lerp_) allocates.
     grad32 = _stacked([grad.float() for grad in grads])
@@ -270,7 +297,7 @@ def momentum_directions(
     else:
         momentum32 = torch.lerp(_stacked(momenta).float(), grad32, 1 - beta)
     direction = grad32.lerp(momentum32, beta) if nesterov else momentum32
-    direction = direction.reshape(len(grads) * num_heads, block_rows, -1)
+    direction = direction.reshape(len(grads) * blocks, block_rows, cols)
     return direction, update_scale(direction.size(-2), direction.size(-1), adjust_lr_fn)
 
 
@@ -289,7 +316,7 @@ def muon_update_batch(
     """:func:`muon_update` for several matrices of one shape, with one batched Newton-Schulz call.
 
     Args:
-        grads: 2-D or 4-D gradients, all of one shape; never written.
+        grads: gradients of two or more dims (see :func:`matrix_blocks`), all of one shape; never written.
         momenta: fp32 buffers shaped like the gradients; updated in place.
         beta, ns_steps, nesterov, ns_method, ns_dtype, num_heads, adjust_lr_fn, ns_coefficients: as
             :func:`muon_update`.

@@ -1,0 +1,313 @@
+#!/usr/bin/env python3
+"""Muon's owner plan at 8 to 1024 data-parallel ranks, on paper: Newton-Schulz balance, bytes moved, owner memory.
+
+No GPU and no process group: pure arithmetic on the Muon matrices' shapes. This fork's plan is computed by the
+engine's own functions (`flat_layout.owner_layout`, `assign_owners`, `newton_schulz_cost`, `even_layout`), the ones
+`DeepSpeedZeroOptimizer` calls at `initialize`, so the table is what the engine would build at that world size.
+
+Models (only the matrices Muon takes under the default split; embeddings and the head are AdamW's):
+
+* gpt-1.1b: benchmarks/gpt_model.py's GPT at the repo's 1.11B size (20 layers, d_model 2048), built on torch's
+  meta device and tagged by `deepspeed.tag_muon_params`.
+* llama-7b, llama-70b: Llama 2's published shapes (separate q/k/v/o, gated MLP; 70B with 8 key-value heads).
+* moe-30b-a3b: Qwen3-30B-A3B's published shapes (48 layers, d_model 2048, 32 query and 4 key-value heads of 128,
+  128 experts of width 768), with the experts fused as transformers stores them: gate_up [128, 1536, 2048] and
+  down [128, 2048, 768]; the router [128, 2048] is a Muon matrix under the default split.
+
+Schemes (per rank, per optimizer step, Muon group only; elements move as bf16, 2 bytes):
+
+* owner (this fork): each parameter whole on one owner, owners by largest Newton-Schulz cost first onto the
+  least-loaded rank; every partition padded to the largest. The reduce-scatter ZeRO does anyway delivers each
+  matrix's reduced gradient to its owner and the all-gather publishes the update, so the bytes are ZeRO's
+  reduce-scatter + all-gather over the padded partition: 2 (N - 1) P elements sent and as many received.
+* owner, 3-D costed as one matrix: the same with a fused expert tensor costed as one [E, out * in] matrix (what
+  `newton_schulz_cost` did before it counted a 3-D parameter as E matrices); MoE only.
+* round-robin: parameter i on rank i mod N, partitions padded the same way.
+* owner per expert: every expert of a fused tensor a separate item of the same assignment (a plan: the engine keeps a
+  parameter whole on one owner; docs/performance.md says why); MoE only.
+* upstream ZeRO-1/2 (its public description: reduce_scatter is refused with Muon, gradients are all-reduced, and
+  every rank whose even partition holds part of a matrix orthogonalises the whole matrix): all-reduce
+  2 (N - 1) / N M + all-gather (N - 1) P_even, with the engine's `even_layout` for the partitions.
+* Dion Muon (microsoft/dion README: FSDP2 shards every matrix; the step takes same-shape matrices in batches of N,
+  one all-to-all unshards each batch so rank j holds matrix j whole, Newton-Schulz there, a second all-to-all
+  shards the result back): FSDP's reduce-scatter and all-gather over the even shards plus the two all-to-alls; a
+  fused expert tensor counted as E matrices of the batch (the most favourable reading).
+
+"ZeRO RS+AG" is what ZeRO moves for the same elements laid out evenly (AdamW's layout): 2 (N - 1) P_even. Newton-Schulz
+TFLOP: 2 flops per multiply-add x 5 iterations x the busiest rank's cost. NS max/mean: the busiest rank's Newton-Schulz
+work over the model's (each matrix counted once) divided by N. Idle share: the part of the Newton-Schulz phase the
+ranks spend waiting for the busiest, 1 - (mean load) / (max load). Owner memory (a model, not a measurement): the
+busiest rank's optimizer-side bytes: its partition's fp32 master and momentum and bf16 reduced gradient (10 bytes an
+element) plus the Newton-Schulz workspace of what it orthogonalises at once (6.8 bytes an element in bf16,
+docs/muon.md): all its matrices for the owner schemes (one batched call), its largest matrix for Dion, every matrix its
+partition touches for upstream (with their fp32 momentum copies, 4 bytes).
+
+    python benchmarks/owner_plan.py [--out benchmarks/results/owner-plan]
+
+Writes owner_plan.json (provenance and every row), owner_plan.md (the tables) and owner_plan.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpt_model import GPT, GPTConfig  # noqa: E402
+from provenance import provenance  # noqa: E402
+
+import deepspeed  # noqa: E402
+from deepspeed.runtime.zero.flat_layout import ALIGNMENT, assign_owners, even_layout  # noqa: E402
+from deepspeed.runtime.zero.flat_layout import newton_schulz_cost, owner_layout  # noqa: E402
+
+RANKS = (8, 64, 256, 1024)
+NS_STEPS = 5
+ELEMENT_BYTES = 2
+STATE_BYTES = 10  # fp32 master + fp32 momentum + bf16 reduced gradient
+NS_WORKSPACE_BYTES = 6.8
+MOMENTUM_COPY_BYTES = 4
+GIB = 2**30
+
+OWNER = "owner (this fork)"
+OWNER_3D_AS_ONE = "owner, 3-D costed as one matrix"
+ROUND_ROBIN = "round-robin"
+PER_EXPERT = "owner per expert (plan)"
+UPSTREAM = "upstream ZeRO-1/2"
+DION = "Dion Muon (FSDP2)"
+COLORS = {OWNER: "C0", OWNER_3D_AS_ONE: "C5", ROUND_ROBIN: "C1", PER_EXPERT: "C4", UPSTREAM: "C2", DION: "C3"}
+
+
+def gpt_shapes(config: GPTConfig) -> list[tuple[int, ...]]:
+    with torch.device("meta"):
+        model = GPT(config)
+    deepspeed.tag_muon_params(model)
+    return [tuple(p.shape) for p in model.parameters() if p.use_muon]
+
+
+def llama_shapes(layers: int, d: int, heads: int, kv_heads: int, ffn: int) -> list[tuple[int, ...]]:
+    head_dim = d // heads
+    block = [(heads * head_dim, d), (kv_heads * head_dim, d), (kv_heads * head_dim, d), (d, heads * head_dim),
+             (ffn, d), (ffn, d), (d, ffn)]
+    return block * layers
+
+
+def moe_shapes(layers: int, d: int, heads: int, kv_heads: int, head_dim: int, experts: int,
+               expert_ffn: int) -> list[tuple[int, ...]]:
+    block = [(heads * head_dim, d), (kv_heads * head_dim, d), (kv_heads * head_dim, d), (d, heads * head_dim),
+             (experts, d), (experts, 2 * expert_ffn, d), (experts, d, expert_ffn)]
+    return block * layers
+
+
+MODELS = {
+    "gpt-1.1b": lambda: gpt_shapes(GPTConfig(n_layer=20, d_model=2048, n_head=16, seq_len=1024, vocab_size=50304)),
+    "llama-7b": lambda: llama_shapes(32, 4096, 32, 32, 11008),
+    "llama-70b": lambda: llama_shapes(80, 8192, 64, 8, 28672),
+    "moe-30b-a3b": lambda: moe_shapes(48, 2048, 32, 4, 128, 128, 768),
+}
+
+
+def numel(shape) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+@dataclass
+class Row:
+    model: str
+    ranks: int
+    scheme: str
+    ns_max_over_mean: float
+    idle_share: float
+    ns_max_tflop: float
+    sent_gib: float
+    received_gib: float
+    zero_rs_ag_gib: float
+    bytes_over_zero: float
+    owner_peak_gib: float
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _even_partition(shapes, ranks: int) -> int:
+    return even_layout([numel(s) for s in shapes], ranks).partition_size
+
+
+def _row(model, ranks, scheme, loads, sent, received, peak, zero_bytes, unique_cost=None) -> Row:
+    """`unique_cost`: the Newton-Schulz work of the model once (a scheme that repeats work has loads summing to more);
+    max / mean compares the busiest rank with that work spread evenly."""
+    busiest, mean = max(loads), sum(loads) / ranks
+    ideal = (sum(loads) if unique_cost is None else unique_cost) / ranks
+    return Row(model, ranks, scheme, busiest / ideal, 1 - mean / busiest, 2 * NS_STEPS * busiest / 1e12, sent / GIB,
+               received / GIB, zero_bytes / GIB, max(sent, received) / zero_bytes, peak / GIB)
+
+
+def owner_scheme(model, shapes, costs, ranks, scheme, owners=None) -> Row:
+    """Whole items on owners: `owners` given (round-robin) or from the engine's owner_layout."""
+    numels = [numel(s) for s in shapes]
+    if owners is None:
+        layout = owner_layout(numels, costs, ranks)
+        owners, partition = list(layout.owners), layout.partition_size
+    else:
+        held = [0] * ranks
+        for owner, n in zip(owners, numels):
+            held[owner] += n
+        partition = _round_up(max(held), ALIGNMENT)
+    loads = [0] * ranks
+    for owner, cost in zip(owners, costs):
+        loads[owner] += cost
+    exchanged = 2 * (ranks - 1) * partition * ELEMENT_BYTES
+    zero_bytes = 2 * (ranks - 1) * _even_partition(shapes, ranks) * ELEMENT_BYTES
+    peak = partition * (STATE_BYTES + NS_WORKSPACE_BYTES)
+    return _row(model, ranks, scheme, loads, exchanged, exchanged, peak, zero_bytes)
+
+
+def per_expert_items(shapes):
+    """A fused [E, out, in] tensor as E separate (out, in) matrices; 2-D matrices unchanged."""
+    return [item for s in shapes for item in ([s[1:]] * s[0] if len(s) == 3 else [s])]
+
+
+def upstream_scheme(model, shapes, ranks) -> Row:
+    layout = even_layout([numel(s) for s in shapes], ranks)
+    costs = [newton_schulz_cost(s) for s in shapes]
+    loads, touched = [0] * ranks, [0] * ranks
+    for rank in range(ranks):
+        for fragment in layout.fragments(rank):
+            loads[rank] += costs[fragment.param_index]
+            touched[rank] += numel(shapes[fragment.param_index])
+    total = sum(numel(s) for s in shapes)
+    exchanged = (2 * (ranks - 1) * total / ranks + (ranks - 1) * layout.partition_size) * ELEMENT_BYTES
+    zero_bytes = 2 * (ranks - 1) * layout.partition_size * ELEMENT_BYTES
+    peak = max(layout.partition_size * STATE_BYTES + t * (NS_WORKSPACE_BYTES + MOMENTUM_COPY_BYTES) for t in touched)
+    return _row(model, ranks, UPSTREAM, loads, exchanged, exchanged, peak, zero_bytes, unique_cost=sum(costs))
+
+
+def dion_scheme(model, shapes, ranks) -> Row:
+    matrices = per_expert_items(shapes)
+    by_shape: dict = {}
+    for shape in matrices:
+        by_shape.setdefault(shape, []).append(shape)
+    loads, sent, received = [0] * ranks, [0.0] * ranks, [0.0] * ranks
+    largest = [0] * ranks
+    for shape, same in by_shape.items():
+        size, cost = numel(shape), newton_schulz_cost(shape)
+        for start in range(0, len(same), ranks):
+            count = min(ranks, len(same) - start)
+            shard = size / ranks
+            for rank in range(ranks):
+                holds = rank < count
+                # There and back: this rank's shards of the batch's other matrices out, its matrix's shards in.
+                sent[rank] += 2 * (count - holds) * shard
+                received[rank] += 2 * holds * (ranks - 1) * shard
+                if holds:
+                    loads[rank] += cost
+                    largest[rank] = max(largest[rank], size)
+    partition = _even_partition(shapes, ranks)
+    fsdp = 2 * (ranks - 1) * partition
+    zero_bytes = fsdp * ELEMENT_BYTES
+    peak = partition * STATE_BYTES + max(largest) * NS_WORKSPACE_BYTES
+    return _row(model, ranks, DION, loads, (fsdp + max(sent)) * ELEMENT_BYTES, (fsdp + max(received)) * ELEMENT_BYTES,
+                peak, zero_bytes)
+
+
+def plan(model: str, shapes, ranks: int) -> list[Row]:
+    costs = [newton_schulz_cost(s) for s in shapes]
+    rows = [owner_scheme(model, shapes, costs, ranks, OWNER)]
+    fused = any(len(s) == 3 for s in shapes)
+    if fused:
+        as_one = [newton_schulz_cost((s[0], s[1] * s[2]) if len(s) == 3 else s) for s in shapes]
+        rows.append(owner_scheme(model, shapes, costs, ranks, OWNER_3D_AS_ONE,
+                                 owners=assign_owners(as_one, ranks)))
+    rows.append(owner_scheme(model, shapes, costs, ranks, ROUND_ROBIN, owners=[i % ranks for i in range(len(shapes))]))
+    if fused:
+        items = per_expert_items(shapes)
+        rows.append(owner_scheme(model, items, [newton_schulz_cost(s) for s in items], ranks, PER_EXPERT))
+    rows.append(upstream_scheme(model, shapes, ranks))
+    rows.append(dion_scheme(model, shapes, ranks))
+    return rows
+
+
+COLUMNS = [("ranks", "ranks", "{}"), ("scheme", "scheme", "{}"), ("ns_max_over_mean", "NS max/mean (x)", "{:.3f}"),
+           ("idle_share", "idle share of NS (%)", "{:.1f}"), ("ns_max_tflop", "NS TFLOP busiest rank", "{:.3g}"),
+           ("sent_gib", "sent GiB/rank", "{:.3g}"), ("received_gib", "received GiB/rank", "{:.3g}"),
+           ("zero_rs_ag_gib", "ZeRO RS+AG GiB/rank", "{:.3g}"), ("bytes_over_zero", "bytes / ZeRO (x)", "{:.3f}"),
+           ("owner_peak_gib", "owner peak GiB", "{:.3g}")]
+
+
+def markdown(rows: list[Row], meta: dict, sizes: dict) -> str:
+    lines = ["# Muon owner plan at scale", ""]
+    lines += [f"- {key}: {value}" for key, value in meta.items()]
+    for model, (count, elements) in sizes.items():
+        lines += ["", f"## {model}: {count} Muon tensors, {elements:,} elements", "",
+                  "| " + " | ".join(title for _, title, _ in COLUMNS) + " |",
+                  "|" + "---|" * len(COLUMNS)]
+        for row in rows:
+            if row.model == model:
+                values = asdict(row)
+                values["idle_share"] *= 100
+                cells = [fmt.format(values[key]) for key, _, fmt in COLUMNS]
+                lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def figure(rows: list[Row], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(row.model for row in rows))
+    fig, axes = plt.subplots(2, len(models), figsize=(4.2 * len(models), 7.5), squeeze=False)
+    for column, model in enumerate(models):
+        schemes = list(dict.fromkeys(row.scheme for row in rows if row.model == model))
+        for scheme in schemes:
+            mine = [row for row in rows if row.model == model and row.scheme == scheme]
+            ranks = [row.ranks for row in mine]
+            axes[0][column].plot(ranks, [row.ns_max_over_mean for row in mine], marker="o", label=scheme,
+                                 color=COLORS[scheme])
+            axes[1][column].plot(ranks, [row.bytes_over_zero for row in mine], marker="o", label=scheme,
+                                 color=COLORS[scheme])
+        for axis, title in ((axes[0][column], "Newton-Schulz max / mean"), (axes[1][column], "bytes / ZeRO RS+AG")):
+            axis.set_xscale("log", base=2)
+            axis.set_yscale("log")
+            axis.set_xticks(list(RANKS), [str(r) for r in RANKS])
+            axis.axhline(1.1, color="grey", linestyle=":", linewidth=1)
+            axis.set_xlabel("data-parallel ranks")
+            axis.set_title(f"{model}: {title}", fontsize=9)
+            axis.grid(True, which="both", alpha=0.3)
+        axes[0][column].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="benchmarks/results/owner-plan")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = provenance()
+    rows, sizes = [], {}
+    for model, build in MODELS.items():
+        shapes = build()
+        sizes[model] = (len(shapes), sum(numel(s) for s in shapes))
+        for ranks in RANKS:
+            rows.extend(plan(model, shapes, ranks))
+    (out / "owner_plan.json").write_text(json.dumps({"meta": meta, "models": {m: {"tensors": c, "elements": e}
+                                                                              for m, (c, e) in sizes.items()},
+                                                     "rows": [asdict(row) for row in rows]}, indent=1) + "\n")
+    (out / "owner_plan.md").write_text(markdown(rows, meta, sizes))
+    figure(rows, out / "owner_plan.png")
+    print((out / "owner_plan.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

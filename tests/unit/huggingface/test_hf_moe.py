@@ -1,0 +1,189 @@
+"""Mixture-of-experts models of the installed transformers train under the Trainer and accelerate, routing unevenly.
+
+Two tiny architectures, one of each kind transformers 5 has: Mixtral, whose experts are fused 3-D parameters
+([experts, 2 * intermediate, hidden] and [experts, hidden, intermediate], one module that runs only the experts its
+tokens chose), and Switch Transformers, whose experts are one module each (called only when a token chose them).
+Rank 0's sequences repeat one token, so every position of them has the same hidden state and the router sends them
+all to the same experts: the other experts get no token there while rank 1's random tokens reach them. The MoE
+blocks are ZeRO-3 leaf modules the way users mark them: accelerate's `ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES`
+under the Trainer, `DeepSpeedPlugin(transformer_moe_cls_names=...)` in a raw accelerate loop (both call
+`deepspeed.utils.set_z3_leaf_modules`). Each run must finish and equal the single-process torch reference
+(hf_harness.py) on the same batches.
+"""
+
+import os
+
+import pytest
+import torch
+
+import deepspeed
+import deepspeed.comm as dist
+from unit.common import DistributedTest
+
+from hf_harness import (ADAM_EPS, SAMPLES, SEQ, VOCAB, TokenDataset, accelerate, assert_changes_match,
+                        auto_config, full_fp32_params, reference_training, saved_model, schedule_lrs, step_batches,
+                        transformers, use_deepspeed_state)
+
+MICRO, GAS, STEPS, WARMUP = 2, 2, 4, 1
+LR, WEIGHT_DECAY, CLIP, BETAS = 3e-3, 0.01, 0.5, (0.9, 0.999)
+TOLERANCE = {"AdamW": 1e-4}
+REPEATED_TOKEN = 7
+
+
+def mixtral_config():
+    """Fused experts: 4 of them, top-2; no auxiliary loss (it is not a per-token mean, so ranks would not add up)."""
+    return transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                                      num_local_experts=4, num_experts_per_tok=2, output_router_logits=False,
+                                      router_jitter_noise=0.0, tie_word_embeddings=False)
+
+
+def switch_config():
+    """Per-expert modules: 4 experts, top-1, every feed-forward layer sparse; no dropout, jitter or capacity limit."""
+    return transformers.SwitchTransformersConfig(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=32, expert_capacity=SEQ,
+                                                 num_layers=2, num_decoder_layers=2, num_heads=4, num_experts=4,
+                                                 encoder_sparse_step=1, decoder_sparse_step=1, dropout_rate=0.0,
+                                                 router_jitter_noise=0.0, decoder_start_token_id=0, pad_token_id=0)
+
+
+# name: (config, auto class, MoE block class accelerate marks as a leaf, router class whose choices are recorded)
+ARCHITECTURES = {
+    "mixtral": (mixtral_config, "AutoModelForCausalLM", "MixtralSparseMoeBlock", "MixtralTopKRouter"),
+    "switch": (switch_config, "AutoModelForSeq2SeqLM", "SwitchTransformersSparseMLP",
+               "SwitchTransformersTop1Router"),
+}
+
+
+class UnevenDataset(TokenDataset):
+    """Every micro-batch rank 0 takes (accelerate gives rank r the micro-batches r, r + W, ...) repeats one token."""
+
+    def __init__(self, world_size: int) -> None:
+        super().__init__()
+        for index in range(SAMPLES):
+            if (index // MICRO) % world_size == 0:
+                self.tokens[index] = REPEATED_TOKEN
+
+
+class RoutingRecorder:
+    """The experts each router of the model chose, over the whole run (forward hooks on the router modules)."""
+
+    def __init__(self, model, router_class: str) -> None:
+        self.chosen = {}
+        for name, module in model.named_modules():
+            if type(module).__name__ == router_class:
+                self.chosen[name] = set()
+                module.register_forward_hook(self._hook(name))
+
+    def _hook(self, name):
+
+        def record(_module, _inputs, output):
+            choice = output[2] if isinstance(output[2], torch.Tensor) and not output[2].is_floating_point() else None
+            if choice is None:  # Switch: a one-hot mask of the chosen expert first
+                choice = output[0].reshape(-1, output[0].shape[-1]).nonzero()[:, 1]
+            self.chosen[name].update(choice.reshape(-1).tolist())
+
+        return record
+
+    def assert_uneven(self) -> None:
+        """Rank 1 used an expert that rank 0's tokens skipped, at some router."""
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, self.chosen)
+        skipped = {name: everyone[1][name] - everyone[0][name] for name in self.chosen}
+        assert any(skipped.values()), f"routing was not uneven: {everyone}"
+
+
+def reference(model_dir: str, auto_class: str, world_size: int):
+    batches = step_batches(UnevenDataset(world_size), STEPS, MICRO * GAS * world_size)
+    lrs = schedule_lrs(LR, STEPS, WARMUP)
+    expected, losses = reference_training(model_dir, batches, lrs, "AdamW", WEIGHT_DECAY, BETAS, CLIP, base_lr=LR,
+                                          auto_class=auto_class)
+    start = {n: p.detach().clone() for n, p in
+             getattr(transformers, auto_class).from_pretrained(model_dir, dtype=torch.float32).named_parameters()}
+    return start, expected, losses
+
+
+class TestTrainerMoE(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("stage", [2, 3])
+    @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+    def test_uneven_routing_equals_reference(self, arch, stage, class_tmpdir, tmpdir):
+        make_config, auto_class, block_class, router_class = ARCHITECTURES[arch]
+        model_dir = saved_model(str(class_tmpdir), make_config(), auto_class)
+        start, expected, expected_losses = reference(model_dir, auto_class, dist.get_world_size())
+
+        os.environ["ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES"] = block_class
+        use_deepspeed_state()
+        args = transformers.TrainingArguments(
+            output_dir=str(tmpdir), per_device_train_batch_size=MICRO, gradient_accumulation_steps=GAS,
+            max_steps=STEPS, learning_rate=LR, warmup_steps=WARMUP, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0],
+            adam_beta2=BETAS[1], adam_epsilon=ADAM_EPS, max_grad_norm=CLIP, logging_steps=1, save_strategy="no",
+            report_to=[], seed=0, train_sampling_strategy="sequential", disable_tqdm=True,
+            deepspeed=auto_config(stage, "AdamW"), accelerator_config={"use_configured_state": True})
+        model = getattr(transformers, auto_class).from_pretrained(model_dir, dtype=torch.float32)
+        routing = RoutingRecorder(model, router_class)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=UnevenDataset(dist.get_world_size()))
+        trainer.train()
+
+        engine = trainer.model_wrapped
+        assert isinstance(engine, deepspeed.DeepSpeedEngine) and engine.zero_optimization_stage() == stage
+        assert engine.global_steps == STEPS
+        routing.assert_uneven()
+        blocks = [m for m in engine.module.modules() if type(m).__name__ == block_class]
+        assert blocks and all(deepspeed.utils.z3_leaf_module(m) for m in blocks)
+        assert_changes_match(start, full_fp32_params(engine), expected, TOLERANCE["AdamW"])
+        # Switch's forward takes **kwargs but ignores num_items_in_batch, so the Trainer (believing its loss a sum
+        # over the items) scales its mean loss by the accumulation steps and the processes: a transformers
+        # behaviour, the same with upstream DeepSpeed. The gradients are that many times larger; clipping (active
+        # at every step here) makes the updates the reference's all the same.
+        scale = 1 if arch == "mixtral" else GAS * dist.get_world_size()
+        logged = [entry["loss"] / scale for entry in trainer.state.log_history if "loss" in entry]
+        assert logged == pytest.approx(expected_losses, rel=1e-5)
+
+
+class TestAccelerateMoE(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("stage", [2, 3])
+    @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+    def test_transformer_moe_cls_names_equals_reference(self, arch, stage, class_tmpdir):
+        make_config, auto_class, block_class, router_class = ARCHITECTURES[arch]
+        model_dir = saved_model(str(class_tmpdir), make_config(), auto_class)
+        start, expected, expected_losses = reference(model_dir, auto_class, dist.get_world_size())
+
+        use_deepspeed_state()
+        config = auto_config(stage, "AdamW")
+        config["optimizer"]["params"].update({"betas": list(BETAS), "eps": ADAM_EPS})
+        config["gradient_clipping"] = CLIP
+        plugin = accelerate.utils.DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=stage == 3,
+                                                  gradient_accumulation_steps=GAS,
+                                                  transformer_moe_cls_names=block_class)
+        accelerator = accelerate.Accelerator(deepspeed_plugin=plugin)
+        model = getattr(transformers, auto_class).from_pretrained(model_dir, dtype=torch.float32)
+        routing = RoutingRecorder(model, router_class)
+        loader = torch.utils.data.DataLoader(UnevenDataset(dist.get_world_size()), batch_size=MICRO, shuffle=False)
+        optimizer = accelerate.utils.DummyOptim(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+        scheduler = accelerate.utils.DummyScheduler(optimizer, total_num_steps=STEPS * accelerator.num_processes,
+                                                    warmup_num_steps=WARMUP)
+        engine, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+        assert all(deepspeed.utils.z3_leaf_module(m) for m in engine.module.modules()
+                   if type(m).__name__ == block_class)
+
+        losses, micro_losses = [], []
+        for batch in loader:
+            with accelerator.accumulate(engine):
+                loss = engine(**batch).loss
+                micro_losses.append(accelerator.gather(loss.detach().float()).mean())
+                accelerator.backward(loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            if len(micro_losses) == GAS:
+                losses.append(torch.stack(micro_losses).mean().item())
+                micro_losses = []
+                if len(losses) == STEPS:
+                    break
+        assert engine.global_steps == STEPS
+        routing.assert_uneven()
+        assert losses == pytest.approx(expected_losses, rel=1e-5)
+        assert_changes_match(start, full_fp32_params(engine), expected, TOLERANCE["AdamW"])
