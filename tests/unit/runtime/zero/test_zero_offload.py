@@ -178,10 +178,15 @@ class TestOffloadStaging(DistributedTest):
 
     @pytest.mark.parametrize("optimizer, dtype", [("muon", "bf16"), ("muon", "fp16"), ("adamw", "bf16"),
                                                   ("adamw", "fp16")])
-    @pytest.mark.parametrize("stage", [1, 2, 3])
+    @pytest.mark.parametrize("stage", [1, 2, 3, "3+offload_param"])
     def test_staged_steps_equal_direct_ones(self, stage, dtype, optimizer):
         gas = 2
+        # "3+offload_param": the lp partitions in host memory too, where the host step writes the weights directly.
+        offload_param = stage == "3+offload_param"
+        stage = 3 if offload_param else stage
         config = offload_config(stage, dtype, MUON if optimizer == "muon" else None, clip=1.0, gas=gas)
+        if offload_param:
+            config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
         batches = global_batches(4, 8 * gas, HIDDEN)
         overflow = {0: float("inf")} if dtype == "fp16" else None
         direct, _ = initialize(make_model(HIDDEN), config)
