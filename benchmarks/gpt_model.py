@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -22,6 +23,9 @@ class GPTConfig:
     n_head: int = 12
     seq_len: int = 1024
     vocab_size: int = 50304
+    # Recompute each block's activations in the backward (torch.utils.checkpoint, non-reentrant) instead of keeping
+    # them: only the blocks' inputs stay alive between the forward and the backward.
+    activation_checkpointing: bool = False
 
 
 class CausalSelfAttention(nn.Module):
@@ -98,7 +102,10 @@ class GPT(nn.Module):
         positions = torch.arange(idx.size(1), device=idx.device)
         x = self.embed_tokens(idx) + self.embed_positions(positions)
         for block in self.blocks:
-            x = block(x)
+            if self.cfg.activation_checkpointing and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         logits = self.lm_head(self.ln_f(x))
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
 

@@ -38,10 +38,10 @@ def _values(advice: str, *names: str) -> dict[str, Missing]:
     return {name: Missing(advice, is_value=True) for name in names}
 
 
-ZERO3 = ("this part of ZeRO stage 3 (external parameters, parameter offload, tiled linear layers) is "
-         "not implemented; stage 3 gathers each module's own parameters around its forward and backward, "
-         "deepspeed.zero.Init partitions parameters at construction, and deepspeed.zero.GatheredParameters makes "
-         "any of them whole")
+ZERO3 = ("this part of ZeRO stage 3 (external parameters, upstream's parameter-offload classes, tiled linear layers) "
+         "is not implemented; stage 3 gathers each module's own parameters around its forward and backward (from "
+         "host memory under zero_optimization.offload_param), deepspeed.zero.Init partitions parameters at "
+         "construction, and deepspeed.zero.GatheredParameters makes any of them whole")
 NATIVE_OPS = ("this fork builds one native op, cpu_adam (CPUAdamBuilder). It steps DeepSpeedCPUAdam, which "
               "optimizer.type Adam and AdamW build under zero_optimization.offload_optimizer device 'cpu', and runs "
               "the element-wise work of Muon's host step under that offload; otherwise the config's optimizer types "

@@ -203,12 +203,17 @@ def build_zero_optimizer(engine, basic_optimizer):
     if config.zero_optimization_stage == 3:
         from deepspeed.runtime.zero.param_residency import ResidencyOptions
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+        from deepspeed.runtime.zero.partition_placement import PartitionPlacement
         residency = ResidencyOptions(persistence_threshold=int(zero.param_persistence_threshold),
                                      model_persistence_threshold=int(zero.model_persistence_threshold),
                                      prefetch_numel=int(zero.prefetch_bucket_size),
                                      max_live_numel=int(zero.max_live_parameters))
+        try:
+            placement = PartitionPlacement.from_config(engine.device, zero.offload_param)
+        except ValueError as error:
+            raise DeepSpeedConfigError(str(error)) from None
         return DeepSpeedZeroOptimizer_Stage3(engine.module, basic_optimizer, param_names, options, loss_scaler,
-                                             engine.dp_process_group, engine.device, residency)
+                                             engine.dp_process_group, engine.device, residency, placement)
     return DeepSpeedZeroOptimizer(basic_optimizer, param_names, options, loss_scaler, engine.dp_process_group,
                                   engine.device)
 
@@ -216,7 +221,8 @@ def build_zero_optimizer(engine, basic_optimizer):
 def _offload_section(config: DeepSpeedConfig):
     """zero_optimization.offload_optimizer when it offloads to the CPU, else None; NVMe is refused.
 
-    (offload_param needs stage 3, which the config validation and the stage check above already refuse.)
+    (offload_param needs stage 3, which the config validation refuses otherwise; its placement is
+    zero/partition_placement.py's.)
     """
     if not offloads_optimizer(config):
         return None
@@ -260,10 +266,6 @@ def _reject_unimplemented_stage3(zero) -> None:
         raise DeepSpeedConfigError(f"zero_optimization.offload_optimizer.ratio {zero.offload_optimizer.ratio} "
                                    "(partial offload) is not implemented in this fork: every master and all "
                                    "optimizer state go to the CPU; use 1.0")
-    if zero.has_param_offload:
-        device = getattr(zero.offload_param.device, "value", zero.offload_param.device)
-        raise DeepSpeedConfigError(f"zero_optimization.offload_param.device '{device}' is "
-                                   "not implemented in this fork; expected 'none' (or remove the section)")
 
 
 def _checks_overflow(config: DeepSpeedConfig) -> bool:

@@ -51,6 +51,8 @@ def gather_init_shards(param: torch.Tensor) -> torch.Tensor:
     world_size = dist.get_world_size(group)
     if world_size == 1:
         return shard[:param.ds_numel].clone()
+    # A shard kept in host memory (remote_device="cpu") is gathered on the accelerator, where the collective runs.
+    shard = shard.to(param._ds_compute_device)
     rows = torch.empty(world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
     dist.all_gather_into_tensor(rows, shard, group=group)
     return rows[:param.ds_numel]
@@ -74,15 +76,28 @@ def _shard_range(numel: int, rank: int, world_size: int) -> tuple:
     return lo, min(lo + size, numel)
 
 
-def _model_dtype(config: Any) -> Optional[torch.dtype]:
-    """fp16 / bf16 from a DeepSpeed config (dict or JSON path), else None (parameters keep their dtype)."""
+def _config_dict(config: Any) -> dict:
+    """A DeepSpeed config (dict, JSON path or DeepSpeedConfig) as a dict ({} for None)."""
     if config is None:
-        return None
+        return {}
     if isinstance(config, (str, os.PathLike)):
         with open(config) as handle:
-            config = json.load(handle)
-    if not isinstance(config, dict):
-        config = getattr(config, "_param_dict", {})
+            return json.load(handle)
+    return config if isinstance(config, dict) else getattr(config, "_param_dict", {})
+
+
+def _offload_param(config: Any) -> tuple:
+    """("cpu", pin_memory) when the config's zero_optimization.offload_param offloads to the CPU, else (None, False)
+    (NVMe is refused by deepspeed.initialize, naming the key)."""
+    section = (_config_dict(config).get("zero_optimization") or {}).get("offload_param") or {}
+    if section.get("device") != "cpu":
+        return None, False
+    return "cpu", bool(section.get("pin_memory", True))
+
+
+def _model_dtype(config: Any) -> Optional[torch.dtype]:
+    """fp16 / bf16 from a DeepSpeed config (dict or JSON path), else None (parameters keep their dtype)."""
+    config = _config_dict(config)
     if config.get("fp16", {}).get("enabled", False):
         return torch.float16
     if config.get("bf16", config.get("bfloat16", {})).get("enabled", False):
@@ -112,8 +127,12 @@ class Init(contextlib.ContextDecorator):
         module: an already-built model whose parameters are partitioned now (upstream's conversion use).
         data_parallel_group: the group parameters are split over (default: the world, or `mpu`'s data-parallel
             group).
-        mem_efficient_linear, pin_memory: accepted for upstream compatibility; no effect here.
-        remote_device: None or the accelerator ("cuda", "cpu" on the CPU accelerator); offload devices are refused.
+        mem_efficient_linear: accepted for upstream compatibility; no effect here.
+        remote_device: the accelerator ("cuda"): shards on the accelerator; "cpu": shards in host memory
+            (page-locked with `pin_memory` where there is an accelerator), for parameter offload
+            (`zero_optimization.offload_param`); "nvme" is refused. None: the config's
+            `zero_optimization.offload_param` device (and its `pin_memory`), else the accelerator.
+        pin_memory: with remote_device "cpu", keep the shards page-locked.
         config_dict_or_path, config: the DeepSpeed config (dict or JSON path): its fp16 / bf16 section sets the
             dtype the shards are kept in.
         enabled: False makes the context do nothing.
@@ -136,7 +155,12 @@ class Init(contextlib.ContextDecorator):
         self.enabled = enabled
         if not enabled:
             return
-        refused = {"remote_device": remote_device not in (None, get_accelerator().device_name()),
+        if remote_device is None:
+            # As upstream: the config's offload_param decides where the shards live when the call does not.
+            remote_device, configured_pin = _offload_param(config_dict_or_path if config_dict_or_path is not None
+                                                           else config)
+            pin_memory = pin_memory or configured_pin
+        refused = {"remote_device": remote_device not in (None, "cpu", get_accelerator().device_name()),
                    "zero_param_parallel_group": zero_param_parallel_group is not None,
                    "zero_quantized_weights": zero_quantized_weights,
                    "zero_quantized_nontrainable_weights": zero_quantized_nontrainable_weights,
@@ -144,7 +168,7 @@ class Init(contextlib.ContextDecorator):
                    "param_swapper": param_swapper is not None}
         for key, is_set in refused.items():
             if is_set:
-                raise NotProvidedError(f"deepspeed.zero.Init({key}=...) is not provided by this fork (offload, "
+                raise NotProvidedError(f"deepspeed.zero.Init({key}=...) is not provided by this fork (NVMe offload, "
                                        "ZeRO++ and hierarchical partitioning are not implemented); remove it")
         if not dist.is_initialized():
             dist.init_distributed(dist_backend=get_accelerator().communication_backend_name())
@@ -161,6 +185,10 @@ class Init(contextlib.ContextDecorator):
             local_rank = int(os.environ.get("LOCAL_RANK", 0))
             accelerator.set_device(local_rank)
             self.device = torch.device(accelerator.device_name(local_rank))
+        # Where the shards are kept: host memory for remote_device "cpu" (one whole parameter at a time visits the
+        # accelerator, for the broadcast of rank 0's value, only when there are several ranks).
+        self.shard_device = torch.device("cpu") if remote_device == "cpu" else self.device
+        self.pin_memory = bool(pin_memory) and self.shard_device.type == "cpu" and self.device.type != "cpu"
         self._depth: Dict[int, int] = {}
         self._originals: Dict[type, Callable] = {}
         self._next_id = 0
@@ -256,14 +284,15 @@ class Init(contextlib.ContextDecorator):
         return flat.view(value.shape)
 
     def _partition(self, param: torch.nn.Parameter) -> None:
-        value = param.data.to(self.device).contiguous()
+        value = param.data
         if self.world_size > 1:
-            value = self._rank0_value(value)
+            value = self._rank0_value(value.to(self.device).contiguous())
         dtype = self.dtype if (self.dtype is not None and value.is_floating_point()) else value.dtype
         lo, hi = _shard_range(value.numel(), self.rank, self.world_size)
-        shard = torch.zeros(shard_numel(value.numel(), self.world_size), dtype=dtype, device=self.device)
+        shard = torch.zeros(shard_numel(value.numel(), self.world_size), dtype=dtype, device=self.shard_device,
+                            pin_memory=self.pin_memory)
         shard[:hi - lo].copy_(value.reshape(-1)[lo:hi])
-        param.data = torch.empty(0, dtype=dtype, device=self.device)
+        param.data = torch.empty(0, dtype=dtype, device=self.shard_device)
         param.ds_tensor = shard
         param.ds_shape = value.shape
         param.ds_numel = value.numel()
@@ -271,6 +300,7 @@ class Init(contextlib.ContextDecorator):
         param.ds_status = ZeroParamStatus.NOT_AVAILABLE
         param.ds_persist = False
         param._ds_init_group = self.group
+        param._ds_compute_device = self.device
         self._next_id += 1
 
 

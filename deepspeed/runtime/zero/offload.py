@@ -32,18 +32,23 @@ class HostOffload:
         pin_memory: allocate the host buffers and masters page-locked (faster, asynchronous copies); only where
             the device is an accelerator.
         staged: copy through staging buffers; default: when the device is not the CPU.
+        weights_on_host: the lp partitions themselves live in host memory (stage 3's `offload_param`): the host
+            step writes the weights there, with no staging buffer and no copy back.
     """
 
     def __init__(self, partition_numels: Sequence[int], grad_dtype: torch.dtype, lp_dtype: torch.dtype,
-                 device: torch.device, pin_memory: bool, staged: Optional[bool] = None) -> None:
+                 device: torch.device, pin_memory: bool, staged: Optional[bool] = None,
+                 weights_on_host: bool = False) -> None:
         self.device = device
         self.is_staged = device.type != "cpu" if staged is None else staged
         self.pin_memory = pin_memory and self.is_staged and device.type != "cpu"
+        self.weights_on_host = weights_on_host
         self._grads: List[Tensor] = []
         self._lp: List[Tensor] = []
         if self.is_staged:
             self._grads = [self._empty(numel, grad_dtype) for numel in partition_numels]
-            self._lp = [self._empty(numel, lp_dtype) for numel in partition_numels]
+            if not weights_on_host:
+                self._lp = [self._empty(numel, lp_dtype) for numel in partition_numels]
         self._grads_arrived: Optional[object] = None
         self._lp_sent: List[Optional[object]] = [None] * len(partition_numels)
         # Stretches of each group's gradient partition already on their way to the host (`send_grad_range`), and the
@@ -77,7 +82,7 @@ class HostOffload:
             master = self._empty(lp.numel(), torch.float32)
             master.copy_(lp)
             masters.append(master)
-            if self.is_staged:
+            if self._lp:
                 self._lp[group].copy_(lp)
         return masters
 
@@ -141,7 +146,7 @@ class HostOffload:
     def lp_targets(self, lp_partitions: Sequence[Tensor]) -> List[Tensor]:
         """Where the host step writes the updated weights in the model dtype: the staging buffers (once their
         previous copy to the device has finished), or the lp partitions themselves on a CPU-only run."""
-        if not self.is_staged:
+        if not self._lp:
             return list(lp_partitions)
         for group in range(len(self._lp)):
             self._wait_for_send(group)
@@ -163,7 +168,7 @@ class HostOffload:
             is_written: the step already wrote the weights into `lp_targets()` (the fused op does); else they are
                 cast from the master here.
         """
-        if not self.is_staged:
+        if not self._lp:
             if not is_written:
                 lp_partition.copy_(master)
             return

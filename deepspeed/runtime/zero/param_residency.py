@@ -16,6 +16,12 @@ their pieces in the rows) one copy op stitching them; a release swaps each param
 storage. With one partition per group (one rank) the partition holds every parameter whole: the forward and
 backward use views of it and nothing is copied or freed; persistent parameters and GatheredParameters still get
 copies of their own.
+
+Parameter offload (`offload_param`, partition_placement.py) changes only where the pack copy reads from: the
+partitions are host memory, so every unit is fetched into its buffer on the accelerator (one rank too) and released
+after use. Gathers started ahead of use (prefetch) run, where the accelerator has streams, on a fetch stream of
+their own, so the host-to-device copies overlap the computation of the unit in use; the computation waits for a
+unit's fetch only when it reaches that unit.
 """
 
 from dataclasses import dataclass, field
@@ -28,6 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 import deepspeed.comm as dist
 from deepspeed.runtime.zero.flat_layout import GroupLayout
 from deepspeed.runtime.zero.gather_plan import GatherPlan, Run, plan_gather
+from deepspeed.runtime.zero.partition_placement import PartitionPlacement
 from deepspeed.runtime.zero.weak_hook import weak_hook
 from deepspeed.utils.z3_leaf_module import z3_leaf_module
 
@@ -46,14 +53,20 @@ def _full_numel(param: torch.Tensor) -> int:
 
 class _Copies:
     """Fixed copies between fixed views, issued as one op: `copy_` for one, a foreach copy for several (on an
-    accelerator one launch for all of them)."""
+    accelerator one launch for all of them). Copies from host memory (parameter offload) are issued one by one,
+    asynchronously from page-locked memory (`non_blocking`)."""
 
-    def __init__(self, targets: List[torch.Tensor], sources: List[torch.Tensor]):
+    def __init__(self, targets: List[torch.Tensor], sources: List[torch.Tensor], non_blocking: bool = False):
         self.targets = targets
         self.sources = sources
+        self.non_blocking = non_blocking
+        self.is_cross_device = any(t.device != s.device for t, s in zip(targets, sources))
 
     def __call__(self) -> None:
-        if len(self.targets) == 1:
+        if self.is_cross_device:
+            for target, source in zip(self.targets, self.sources):
+                target.copy_(source, non_blocking=self.non_blocking)
+        elif len(self.targets) == 1:
             self.targets[0].copy_(self.sources[0])
         elif self.targets:
             torch._foreach_copy_(self.targets, self.sources)
@@ -82,6 +95,7 @@ class _Unit:
     status: ZeroParamStatus = ZeroParamStatus.NOT_AVAILABLE
     is_in_place: bool = False
     work: Optional[object] = None
+    fetched: Optional[object] = None  # event recorded on the fetch stream after an asynchronous fetch
     position: Optional[int] = None
     waiting_grads: set = field(default_factory=set)
     # Elements of the unit's parameters: what the prefetch bucket and the live limit count, as upstream's do (the
@@ -128,12 +142,18 @@ class ParamResidency:
         options: ResidencyOptions.
         on_unused: called with the parameters of a leaf module that got no gradient in a backward, when the leaf's
             backward is over (the reducer treats them as zero gradients then, on every rank at the same point).
+        placement: where the lp partitions live and where the parameters are used (default: both on the
+            partitions' device).
     """
 
     def __init__(self, module: torch.nn.Module, keys: Dict[torch.nn.Parameter, Tuple[int, int]],
                  layouts: Sequence[GroupLayout], lp_partitions: Sequence[torch.Tensor], dp_group,
                  options: ResidencyOptions,
-                 on_unused: Optional[Callable[[List[torch.nn.Parameter]], None]] = None):
+                 on_unused: Optional[Callable[[List[torch.nn.Parameter]], None]] = None,
+                 placement: Optional[PartitionPlacement] = None):
+        self.placement = placement or PartitionPlacement(lp_partitions[0].device if lp_partitions else
+                                                         torch.device("cpu"))
+        self._fetch_stream = None  # created with the first asynchronous fetch from host partitions
         self.layouts = list(layouts)
         self.lp_partitions = list(lp_partitions)
         self.dp_group = dp_group
@@ -150,6 +170,7 @@ class ParamResidency:
         self._unit_of = {id(p): unit for unit in self._units for p in unit.params}
         self._order: List[_Unit] = []
         self._recording = True
+        self._in_backward = False
         self._handles = self._register_hooks(module)
         self._live_numel = 0  # parameter elements of partitioned units with a gather buffer: what max_live bounds
         for unit in self._units:
@@ -205,19 +226,20 @@ class ParamResidency:
         plan = plan_gather(self.layouts, [self.keys[p] for p in params], self.dp_world_size)
         shapes = [getattr(p, "ds_shape", p.shape) for p in params]
         partition = self.lp_partitions[plan.keys[0][0]]
-        buffer = torch.empty(plan.numel, dtype=partition.dtype, device=partition.device)
+        buffer = torch.empty(plan.numel, dtype=partition.dtype, device=self.placement.compute_device)
         views = [buffer[start:start + shape.numel()].view(shape) for start, shape in zip(plan.param_offsets, shapes)]
         rows = buffer[:plan.rows_numel]
         own_row = rows[self.dp_rank * plan.row_numel:(self.dp_rank + 1) * plan.row_numel]
         pack = _Copies([own_row[run.target_offset:run.target_offset + run.numel] for run in plan.packs[self.dp_rank]],
-                       [self._partition_slice(run) for run in plan.packs[self.dp_rank]])
+                       [self._partition_slice(run) for run in plan.packs[self.dp_rank]],
+                       non_blocking=self.placement.non_blocking)
         stitch = _Copies([buffer[run.target_offset:run.target_offset + run.numel] for run in plan.stitches],
                          [buffer[run.source_offset:run.source_offset + run.numel] for run in plan.stitches])
         # Views are built on allocated storage; freed at once (a gather allocates), so building the units holds at
         # most one unit whole.
         buffer.untyped_storage().resize_(0)
         in_place = None
-        if self.dp_world_size == 1 and not persistent:
+        if self.dp_world_size == 1 and not persistent and self.placement.uses_partitions_in_place:
             # One partition holds every parameter whole. Persistent parameters keep storage of their own: they are
             # saved with the model's state dict, which would otherwise write the whole partition.
             in_place = []
@@ -361,6 +383,14 @@ class ParamResidency:
         if not unit.waiting_grads:
             self.release(unit)
 
+    def begin_backward(self) -> None:
+        """A backward starts: forwards run from now on are activation checkpointing's recomputations, whose
+        following units (in forward order) the backward has already passed; they are not prefetched."""
+        self._in_backward = True
+
+    def end_backward(self) -> None:
+        self._in_backward = False
+
     def end_of_forward_trace(self) -> None:
         """Stop recording the unit order (called after the first backward)."""
         self._recording = False
@@ -393,10 +423,39 @@ class ParamResidency:
 
     def _fill_rows(self, unit: _Unit, async_op: bool) -> None:
         """Pack this rank's row and all-gather the rows, in place: the row is both what this rank sends and where
-        its own part lands."""
+        its own part lands. A prefetch from host partitions runs on the fetch stream (`_fetch_stream_for`)."""
+        stream = self._fetch_stream_for(async_op)
+        if stream is None:
+            self._pack_and_gather(unit, async_op)
+            return
+        from deepspeed.accelerator import get_accelerator
+
+        accelerator = get_accelerator()
+        # After what the current stream has queued: the buffer may reuse memory a released unit's kernels still read.
+        stream.wait_stream(accelerator.current_stream())
+        with accelerator.stream(stream):
+            self._pack_and_gather(unit, async_op)
+            unit.fetched = accelerator.Event()
+            unit.fetched.record()
+
+    def _pack_and_gather(self, unit: _Unit, async_op: bool) -> None:
         unit.pack()
         if self.dp_world_size > 1:
             unit.work = dist.all_gather_into_tensor(unit.rows, unit.own_row, group=self.dp_group, async_op=async_op)
+
+    def _fetch_stream_for(self, async_op: bool):
+        """The stream a gather ahead of use copies from host partitions on, or None (the current stream): only for
+        offloaded partitions on an accelerator with streams."""
+        if not (async_op and self.placement.is_offloaded):
+            return None
+        if self._fetch_stream is None:
+            from deepspeed.accelerator import get_accelerator
+
+            stream_type = get_accelerator().Stream
+            if stream_type is None or self.placement.compute_device.type == "cpu":
+                return None
+            self._fetch_stream = stream_type()
+        return self._fetch_stream
 
     def _finish_gather(self, unit: _Unit) -> None:
         self._complete(unit)
@@ -408,6 +467,12 @@ class ParamResidency:
         if unit.work is not None:
             unit.work.wait()
             unit.work = None
+        if unit.fetched is not None:
+            # The computation (current stream) reads the buffer only after the fetch stream filled it.
+            from deepspeed.accelerator import get_accelerator
+
+            get_accelerator().current_stream().wait_event(unit.fetched)
+            unit.fetched = None
         unit.stitch()
 
     def _show(self, unit: _Unit, values: List[torch.Tensor]) -> None:
@@ -442,7 +507,7 @@ class ParamResidency:
         unit.waiting_grads = set()
 
     def _prefetch_after(self, unit: _Unit) -> None:
-        if self._recording or self.options.prefetch_numel <= 0 or unit.position is None:
+        if self._recording or self._in_backward or self.options.prefetch_numel <= 0 or unit.position is None:
             return
         budget = min(self.options.prefetch_numel, self.options.max_live_numel - self._live_numel)
         for following in self._order[unit.position + 1:]:

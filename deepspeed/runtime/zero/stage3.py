@@ -2,9 +2,10 @@
 
 Layouts, gradient reduction (reduce-scatter into the partition during backward), fp32 masters, the transactional
 step, Muon's whole-matrix owners and the checkpoint state are stage 2's (stage_1_and_2.py). What differs is where
-the lp weights live: each rank keeps only its lp partition of each group, and `ParamResidency`
-(param_residency.py) gathers a module's parameters around their use. After a step the masters are copied into the
-lp partition and nothing is all-gathered: the next forward gathers what it needs.
+the lp weights live: each rank keeps only its lp partition of each group, where `PartitionPlacement`
+(partition_placement.py) says (the accelerator, or host memory under `offload_param`), and `ParamResidency`
+(param_residency.py) gathers a module's parameters onto the accelerator around their use. After a step the masters
+are copied into the lp partition and nothing is all-gathered: the next forward gathers what it needs.
 """
 
 from typing import Dict, List, Optional
@@ -14,6 +15,7 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.runtime.zero.init_partition import gather_init_shards, is_init_partitioned
 from deepspeed.runtime.zero.param_residency import ParamResidency, ResidencyOptions, ZeroParamStatus
+from deepspeed.runtime.zero.partition_placement import PartitionPlacement
 from deepspeed.runtime.zero.options import ZeroOptions
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
@@ -25,17 +27,21 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (upst
         module: the model whose parameters are partitioned (its submodules get gather/release hooks).
         init_optimizer, param_names, options, loss_scaler, dp_group, device: as DeepSpeedZeroOptimizer's.
         residency_options: persistence threshold and prefetch size.
+        placement: where the lp partitions live (default: on `device`).
     """
 
     def __init__(self, module: torch.nn.Module, init_optimizer: torch.optim.Optimizer,
                  param_names: Dict[torch.nn.Parameter, str], options: ZeroOptions, loss_scaler,
                  dp_group=None, device: Optional[torch.device] = None,
-                 residency_options: Optional[ResidencyOptions] = None):
+                 residency_options: Optional[ResidencyOptions] = None,
+                 placement: Optional[PartitionPlacement] = None):
+        self.placement = placement or PartitionPlacement(device or torch.device("cpu"))
         super().__init__(init_optimizer, param_names, options, loss_scaler, dp_group, device)
         self._materialise_frozen(module)
         keys = {param: param._zero_index for params in self.bit16_groups for param in params}
         self.residency = ParamResidency(module, keys, self.layouts, self.fp16_partitioned_groups_flat, dp_group,
-                                        residency_options or ResidencyOptions(), on_unused=self._no_grads)
+                                        residency_options or ResidencyOptions(), on_unused=self._no_grads,
+                                        placement=self.placement)
 
     def _no_grads(self, params: List[torch.nn.Parameter]) -> None:
         """Parameters of a leaf module that get no gradient in this backward (see ParamResidency)."""
@@ -50,7 +56,7 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (upst
         """
         self.fp16_partitioned_groups_flat = []
         for params, layout in zip(self.bit16_groups, self.layouts):
-            partition = torch.zeros(layout.partition_size, dtype=self.options.model_dtype, device=self.device)
+            partition = self.placement.zeros(layout.partition_size, self.options.model_dtype)
             base = layout.partition_range(self.dp_rank)[0]
             fragments: Dict[int, list] = {}
             for fragment in layout.fragments(self.dp_rank):
@@ -92,14 +98,27 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (upst
     def _lp_partition(self, group: int) -> torch.Tensor:
         return self.fp16_partitioned_groups_flat[group]
 
+    def _lp_partitions_on_host(self) -> bool:
+        return self.placement.is_offloaded
+
+    def _buffers_dead_during_step(self) -> List[torch.Tensor]:
+        """The lp partitions, as at stages 1-2, unless they live in host memory: Newton-Schulz runs on the
+        accelerator, so a host partition is no workspace for it."""
+        return [] if self.placement.is_offloaded else super()._buffers_dead_during_step()
+
     @property
     def fp32_partitioned_groups_flat(self) -> List[torch.Tensor]:
         return self.single_partition_of_fp32_groups
+
+    def backward_prologue(self, is_boundary: bool) -> None:
+        super().backward_prologue(is_boundary)
+        self.residency.begin_backward()
 
     def backward_epilogue(self, is_boundary: bool) -> None:
         super().backward_epilogue(is_boundary)
         # Units whose parameters got no gradient in this backward are still gathered.
         self.residency.release_all()
+        self.residency.end_backward()
         self.residency.end_of_forward_trace()
 
     def _publish(self, is_written: bool) -> None:

@@ -119,14 +119,21 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
             return None
         return HostOffload([layout.partition_size for layout in self.layouts], self.options.accum_dtype,
                            self.options.model_dtype, self.device, offload.pin_memory,
-                           staged=self.device.type != "cpu" or self.stage_offload_on_cpu)
+                           staged=self.device.type != "cpu" or self.stage_offload_on_cpu,
+                           weights_on_host=self._lp_partitions_on_host())
+
+    def _lp_partitions_on_host(self) -> bool:
+        """Whether the lp partitions live in host memory (stage 3's parameter offload); never at stages 0-2."""
+        return False
 
     def _create_hp_partitions(self) -> None:
         lp_partitions = [self._lp_partition(g).detach() for g in range(len(self.layouts))]
         if self._offload is not None:
             self.single_partition_of_fp32_groups = self._offload.host_masters(lp_partitions)
         else:
-            self.single_partition_of_fp32_groups = [lp.to(torch.float32, copy=True) for lp in lp_partitions]
+            # On the device even when the lp partitions live in host memory (stage 3's offload_param).
+            self.single_partition_of_fp32_groups = [lp.to(device=self.device, dtype=torch.float32, copy=True)
+                                                    for lp in lp_partitions]
 
     def _configure_basic_optimizer(self) -> None:
         """Tell the basic optimizer what it may use: on the accelerator, buffers dead during its step; offloaded, that

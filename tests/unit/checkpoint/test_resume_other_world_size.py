@@ -1,6 +1,7 @@
-"""Resume at another world size or ZeRO stage (0-3), with or without optimizer offload: a checkpoint saved by N ranks
-loads into M ranks (M != N, 1 included) with every fp32 master and every optimizer-state tensor (Adam moments and
-step, Muon momentum) equal bit for bit to the saved one, gathered; loss scaler, LR scheduler and counters as saved.
+"""Resume at another world size or ZeRO stage (0-3), with or without optimizer offload (and, at stage 3, parameter
+offload): a checkpoint saved by N ranks loads into M ranks (M != N, 1 included) with every fp32 master and every
+optimizer-state tensor (Adam moments and step, Muon momentum) equal bit for bit to the saved one, gathered; loss
+scaler, LR scheduler and counters as saved.
 Its universal (per-parameter) form loads to the same state.
 
 Continued training is checked against an oracle at the new world size: a fresh engine given the saved state through
@@ -47,17 +48,22 @@ SAVED_AT_TWO = {
 SAVED_ELSEWHERE = {(2, "muon", "bf16"): (2, 0), (1, "adamw", "fp16"): (2, )}
 # With optimizer offload (fp32 masters and state on the host), saved at 2 ranks and loaded with offload at 1 and 3.
 OFFLOADED_AT_TWO = {(2, "muon", "bf16"): (2, 3), (3, "adamw", "fp16"): (3, 1), (1, "muon-options", "fp16"): (2, )}
+# With both offloads at stage 3 (the lp weights in host memory too), saved at 2 ranks and loaded with both at 1 and 3,
+# and with the optimizer's alone at stage 2.
+PARAMS_OFFLOADED_AT_TWO = {(3, "muon", "bf16"): (3, 2), (3, "adamw", "fp16"): (3, )}
 OFFLOAD = {"device": "cpu", "pin_memory": True}
 
 
-def _name(stage, optimizer, dtype, offload=False):
-    return f"stage{stage}-{optimizer}-{dtype}" + ("-offload" if offload else "")
+def _name(stage, optimizer, dtype, offload=False, offload_param=False):
+    return f"stage{stage}-{optimizer}-{dtype}" + ("-offload" if offload else "") + ("-params" if offload_param else "")
 
 
-def _config(stage, dtype, optimizer, offload=False):
+def _config(stage, dtype, optimizer, offload=False, offload_param=False):
     config = checkpoint_config(stage, dtype, optimizer)
     if offload:
         config["zero_optimization"]["offload_optimizer"] = dict(OFFLOAD)
+    if offload_param and stage == 3:
+        config["zero_optimization"]["offload_param"] = dict(OFFLOAD)
     return config
 
 
@@ -71,11 +77,11 @@ def _batches(steps, seed):
     return global_batches(steps, MICRO * dist.get_world_size(), HIDDEN, seed=seed)
 
 
-def _save_all(root, combos, offload=False):
+def _save_all(root, combos, offload=False, offload_param=False):
     """Train k steps, save, convert to the universal form; rank 0 records the gathered state."""
     for (stage, optimizer, dtype) in combos:
-        directory = os.path.join(str(root), _name(stage, optimizer, dtype, offload))
-        engine = new_engine(_config(stage, dtype, optimizer, offload))
+        directory = os.path.join(str(root), _name(stage, optimizer, dtype, offload, offload_param))
+        engine = new_engine(_config(stage, dtype, optimizer, offload, offload_param))
         train(engine, _batches(K, seed=11), dtype, _poisoned(dtype))
         engine.save_checkpoint(directory)
         snapshot = full_snapshot(engine)
@@ -100,6 +106,14 @@ class SavedOffloadedAtTwo(DistributedFixture):
 
     def run(self, class_tmpdir):
         _save_all(os.path.join(str(class_tmpdir), "world2"), OFFLOADED_AT_TWO, offload=True)
+
+
+class SavedParamsOffloadedAtTwo(DistributedFixture):
+    world_size = 2
+
+    def run(self, class_tmpdir):
+        _save_all(os.path.join(str(class_tmpdir), "world2"), PARAMS_OFFLOADED_AT_TWO, offload=True,
+                  offload_param=True)
 
 
 class SavedAtOne(DistributedFixture):
@@ -137,13 +151,15 @@ def _set_through_public_setters(engine, reference):
         setattr(engine, key, counters[key])
 
 
-def _resume_and_compare(directory, stage, optimizer, dtype, offload=False):
+def _resume_and_compare(directory, stage, optimizer, dtype, offload=False, offload_param=False):
     reference = _reference(directory)
     where = f"{os.path.basename(directory)} at {reference['world_size']} ranks -> stage {stage} at " \
         f"{dist.get_world_size()} ranks"
-    config = _config(stage, dtype, optimizer, offload)
+    config = _config(stage, dtype, optimizer, offload, offload_param)
     loaded = new_engine(config, seed=1)
     assert loaded.optimizer.cpu_offload == offload, where
+    assert getattr(getattr(loaded.optimizer, "placement", None), "is_offloaded", False) == (offload_param and
+                                                                                            stage == 3), where
     loaded.load_checkpoint(directory)
     got = full_snapshot(loaded)
     for key in ("params", "masters", "states", "counters"):
@@ -190,6 +206,16 @@ class TestResumeAtOtherWorldSize(DistributedTest):
             directory = os.path.join(str(class_tmpdir), "world2", _name(saved_stage, optimizer, dtype, offload=True))
             for stage in stages:
                 _resume_and_compare(directory, stage, optimizer, dtype, offload=True)
+
+    @pytest.mark.world_size([1, 3])
+    def test_saved_with_both_offloads_at_two(self, SavedParamsOffloadedAtTwo, class_tmpdir):
+        for (saved_stage, optimizer, dtype), stages in PARAMS_OFFLOADED_AT_TWO.items():
+            directory = os.path.join(str(class_tmpdir), "world2",
+                                     _name(saved_stage, optimizer, dtype, offload=True, offload_param=True))
+            for stage in stages:
+                regrouped = _resume_and_compare(directory, stage, optimizer, dtype, offload=True, offload_param=True)
+                if stage == stages[0]:
+                    _universal_equals(directory, stage, optimizer, dtype, regrouped)
 
     @pytest.mark.world_size(2)
     def test_saved_at_one_and_three(self, SavedAtOne, SavedAtThree, class_tmpdir):

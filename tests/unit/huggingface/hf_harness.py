@@ -118,6 +118,55 @@ def auto_config(stage: int, optimizer: Optional[str], offload: bool = False) -> 
     return config
 
 
+def guide_zero3_offload_config(optimizer: str = "AdamW") -> dict:
+    """The transformers DeepSpeed guide's ZeRO-3 example as users copy it: both offloads to pinned host memory,
+    "auto" wherever the Trainer fills a value, WarmupLR. `optimizer` other than the guide's AdamW swaps only the
+    optimizer's type (Muon's own lr and its fp32 Newton-Schulz as the reference computes it)."""
+    params = {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}
+    if optimizer == "Muon":
+        params.update({"muon_lr": MUON_LR, "ns_method": "standard", "ns_dtype": "fp32"})
+    return {
+        "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+                 "hysteresis": 2, "min_loss_scale": 1},
+        "bf16": {"enabled": "auto"},
+        "optimizer": {"type": optimizer, "params": params},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                     "warmup_num_steps": "auto"}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "offload_param": {"device": "cpu", "pin_memory": True},
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "sub_group_size": 1e9,
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+            "stage3_max_live_parameters": 1e9,
+            "stage3_max_reuse_distance": 1e9,
+            "stage3_gather_16bit_weights_on_model_save": True,
+        },
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "steps_per_print": 2000,
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "wall_clock_breakdown": False,
+    }
+
+
+def warmup_lrs(lr: float, steps: int, warmup_steps: int) -> List[float]:
+    """The lr of each step under WarmupLR as the Trainer fills it (min 0, max lr, log warmup, then constant)."""
+    from deepspeed.runtime.lr_schedules import WarmupLR
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    scheduler = WarmupLR(optimizer, warmup_min_lr=0, warmup_max_lr=lr, warmup_num_steps=max(1, warmup_steps))
+    lrs = [optimizer.param_groups[0]["lr"]]
+    for _ in range(steps - 1):
+        scheduler.step()
+        lrs.append(optimizer.param_groups[0]["lr"])
+    return lrs
+
+
 def schedule_lrs(lr: float, steps: int, warmup_steps: int, count: Optional[int] = None) -> List[float]:
     """The lr of each of `count` (default `steps`) steps under the config's WarmupDecayLR as the Trainer fills it
     (min 0, max lr, log warmup, `steps` in all)."""
@@ -171,12 +220,13 @@ def decayed_names(model) -> set:
 def reference_training(model_dir: str, batches: Sequence[torch.Tensor], lrs: Sequence[float], optimizer: Optional[str],
                        weight_decay: float, betas: Tuple[float, float], clip: float, base_lr: float,
                        muon_lr: Optional[float] = None,
-                       auto_class: str = "AutoModelForCausalLM") -> Tuple[Dict[str, torch.Tensor], List[float]]:
+                       auto_class: str = "AutoModelForCausalLM",
+                       eps: float = ADAM_EPS) -> Tuple[Dict[str, torch.Tensor], List[float]]:
     """Single-process fp32 training from the saved model: mean token loss of each step's batch, clipping to `clip`
     (torch's clip_grad_norm_), then AdamW (torch's) or Muon (momentum 0.95, Nesterov, Newton-Schulz, decoupled
     decay) with Adam for the rest. Muon's lr follows the schedule scaled by muon_lr / base_lr (the configured lr).
-    `optimizer` None is the Trainer's own AdamW: no decay on biases and norm weights. Returns the final
-    parameters and each step's loss."""
+    `optimizer` None is the Trainer's own AdamW: no decay on biases and norm weights; `eps` is Adam's. Returns the
+    final parameters and each step's loss."""
     model = getattr(transformers, auto_class).from_pretrained(model_dir, dtype=torch.float32)
     named = dict(model.named_parameters())
     adam = {n: p for n, p in named.items() if optimizer != "Muon" or not is_muon_param(n, p)}
@@ -184,7 +234,7 @@ def reference_training(model_dir: str, batches: Sequence[torch.Tensor], lrs: Seq
     decayed = decayed_names(model) if optimizer is None else set(adam)
     adamw = torch.optim.AdamW([{"params": [p for n, p in adam.items() if n in decayed], "weight_decay": weight_decay},
                                {"params": [p for n, p in adam.items() if n not in decayed], "weight_decay": 0.0}],
-                              lr=lrs[0], betas=betas, eps=ADAM_EPS)
+                              lr=lrs[0], betas=betas, eps=eps)
     momenta = {n: torch.zeros_like(p) for n, p in muon.items()}
     losses = []
     for tokens, lr in zip(batches, lrs):

@@ -18,8 +18,13 @@ PARTITION_ALL = {"stage": 3, "stage3_param_persistence_threshold": 0}
 TOLERANCE = {"fp32": 5e-6, "fp16": 3e-3, "bf16": 2e-2}
 
 
-def stage3(config, **zero):
-    config["zero_optimization"] = {**PARTITION_ALL, **zero}
+# zero_optimization.offload_param as users copy it: each rank's lp partitions in (pinned) host memory, fetched to
+# the accelerator around each module's use. Every oracle below runs with it on and off.
+OFFLOAD_PARAM = {"offload_param": {"device": "cpu", "pin_memory": True}}
+
+
+def stage3(config, offload_param=False, **zero):
+    config["zero_optimization"] = {**PARTITION_ALL, **(OFFLOAD_PARAM if offload_param else {}), **zero}
     return config
 
 
@@ -31,14 +36,15 @@ class TestStage3AdamWParity(DistributedTest):
     # One rank uses the lp partition in place (no gather); 2 and 3 all-gather, with parameters cut by partitions.
     world_size = [1, 2, 3]
 
+    @pytest.mark.parametrize("offload_param", [False, True])
     @pytest.mark.parametrize("dtype,gas", [("fp32", 1), ("fp32", 2), ("fp16", 1), ("bf16", 2)])
-    def test_matches_single_process_adamw(self, dtype, gas):
+    def test_matches_single_process_adamw(self, dtype, gas, offload_param):
         import deepspeed.comm as dist
         micro = 4
         model = make_model(HIDDEN, nlayers=3)
         batches = global_batches(6, micro * gas * dist.get_world_size(), HIDDEN)
         reference = reference_adamw(model, batches, dtype=dtype, clip=0.5)
-        config = stage3(make_config(3, dtype, micro=micro, gas=gas, clip=0.5))
+        config = stage3(make_config(3, dtype, micro=micro, gas=gas, clip=0.5), offload_param)
         if dtype == "fp16":
             config["fp16"]["initial_scale_power"] = 4
         engine, _ = initialize(model, config)
@@ -58,14 +64,15 @@ class TestStage3AdamWParity(DistributedTest):
 class TestStage3MuonParity(DistributedTest):
     world_size = [1, 2, 3]
 
+    @pytest.mark.parametrize("offload_param", [False, True])
     @pytest.mark.parametrize("reduce_scatter,gas", [(True, 1), (False, 2)])
-    def test_fp32_update_equals_reference(self, reduce_scatter, gas):
+    def test_fp32_update_equals_reference(self, reduce_scatter, gas, offload_param):
         torch.manual_seed(0)
         model = TinyNet()
         batches = global_batches(4, 16 * gas * 3, HIDDEN)
         import deepspeed.comm as dist
         micro = 16 * 3 // dist.get_world_size()
-        config = stage3(muon_config(3, micro=micro, gas=gas), reduce_scatter=reduce_scatter)
+        config = stage3(muon_config(3, micro=micro, gas=gas), offload_param, reduce_scatter=reduce_scatter)
         reference = reference_muon(model, batches, config["optimizer"]["params"])
         engine, _, _, _ = deepspeed.initialize(model=model, config=config)
         for step, batch in enumerate(batches):
@@ -84,12 +91,13 @@ class TestStage3MuonParity(DistributedTest):
         assert total.item() == matrices
 
     @pytest.mark.world_size(2)
+    @pytest.mark.parametrize("offload_param", [False, True])
     @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-    def test_low_precision_update_tracks_reference(self, dtype):
+    def test_low_precision_update_tracks_reference(self, dtype, offload_param):
         torch.manual_seed(0)
         model = TinyNet()
         batches = global_batches(4, 32, HIDDEN)
-        config = stage3(muon_config(3, dtype, micro=16))
+        config = stage3(muon_config(3, dtype, micro=16), offload_param)
         scale = 2.0**16 if dtype == "fp16" else 1.0
         reference = reference_muon(model, batches, config["optimizer"]["params"], dtype=dtype, loss_scale=scale)
         engine, _, _, _ = deepspeed.initialize(model=model, config=config)
@@ -116,15 +124,16 @@ def _snapshot(engine):
 class TestStage3OverflowOracle(DistributedTest):
     world_size = [1, 2]
 
+    @pytest.mark.parametrize("offload_param", [False, True])
     @pytest.mark.parametrize("optimizer,dtype", [("adamw", "fp16"), ("adamw", "bf16"), ("muon", "fp16")])
-    def test_skipped_step_equals_never_taking_it(self, optimizer, dtype):
+    def test_skipped_step_equals_never_taking_it(self, optimizer, dtype, offload_param):
         k = 2
         if optimizer == "muon":
-            config = stage3(muon_config(3, dtype, micro=8))
+            config = stage3(muon_config(3, dtype, micro=8), offload_param)
             config["fp16"]["initial_scale_power"] = 8
             new_model = TinyNet
         else:
-            config = stage3(make_config(3, dtype, micro=4))
+            config = stage3(make_config(3, dtype, micro=4), offload_param)
             new_model = lambda: make_model(HIDDEN, nlayers=2)  # noqa: E731
         if dtype == "bf16":
             config["bf16"]["check_grad_overflow"] = True
@@ -190,7 +199,7 @@ def fp32_masters_of(param):
     ("zero_hpz_partition_size", 2),
     ("zero_quantized_weights", True),
     ("mics_shard_size", 2),
-    ("offload_param", {"device": "cpu"}),
+    ("offload_param", {"device": "nvme", "nvme_path": "/tmp"}),
 ])
 class TestStage3BadConfigs(DistributedTest):
     world_size = 1
@@ -205,9 +214,10 @@ class TestStage3BadConfigs(DistributedTest):
 class TestStage3Checkpoint(DistributedTest):
     world_size = [1, 2]
 
+    @pytest.mark.parametrize("offload_param", [False, True])
     @pytest.mark.parametrize("optimizer,dtype", [("adamw", "fp16"), ("adamw", "bf16"), ("muon", "fp16"),
                                                  ("muon", "bf16")])
-    def test_resume_equals_uninterrupted(self, tmpdir, optimizer, dtype):
+    def test_resume_equals_uninterrupted(self, tmpdir, optimizer, dtype, offload_param):
         import os
 
         import deepspeed.comm as dist
@@ -219,7 +229,7 @@ class TestStage3Checkpoint(DistributedTest):
         directory = [directory]
         dist.broadcast_object_list(directory, src=0)
         directory = directory[0]
-        config = stage3(checkpoint_config(3, dtype, optimizer, gas=2))
+        config = stage3(checkpoint_config(3, dtype, optimizer, gas=2), offload_param)
 
         def snapshot(engine):
             return {**full_snapshot(engine), "lp": lp_partitions(engine)}
@@ -250,11 +260,12 @@ class TestStage3Checkpoint(DistributedTest):
 class TestStage3GatherAndSave(DistributedTest):
     world_size = [1, 2]
 
-    def test_gathered_parameters_and_save_16bit_model(self, tmpdir):
+    @pytest.mark.parametrize("offload_param", [False, True])
+    def test_gathered_parameters_and_save_16bit_model(self, tmpdir, offload_param):
         import os
 
         import deepspeed.comm as dist
-        config = stage3(make_config(3, "bf16", micro=4), stage3_gather_16bit_weights_on_model_save=True)
+        config = stage3(make_config(3, "bf16", micro=4), offload_param, stage3_gather_16bit_weights_on_model_save=True)
         engine, _ = initialize(make_model(HIDDEN, nlayers=2), config)
         train_steps(engine, global_batches(2, 8, HIDDEN), "bf16")
         weight = engine.module.linears[0].weight

@@ -77,11 +77,11 @@ class TestInitAllocates1OverN(DistributedTest):
             assert param.ds_tensor.numel() == -(-param.ds_numel // world_size)
 
 
-def build(model_class, under_init, config, *args):
+def build(model_class, under_init, config, *args, remote_device=None):
     torch.manual_seed(0)
     if not under_init:
         return model_class(*args)
-    with deepspeed.zero.Init(config_dict_or_path=config):
+    with deepspeed.zero.Init(config_dict_or_path=config, remote_device=remote_device, pin_memory=True):
         return model_class(*args)
 
 
@@ -91,7 +91,8 @@ class TestInitParity(DistributedTest):
 
     @pytest.mark.parametrize("optimizer,dtype,offload", [("adamw", "bf16", False), ("adamw", "fp16", False),
                                                          ("muon", "fp32", False), ("adamw", "bf16", True),
-                                                         ("muon", "fp32", True)])
+                                                         ("muon", "fp32", True), ("adamw", "bf16", "both"),
+                                                         ("muon", "fp16", "both")])
     def test_same_masters_and_losses(self, optimizer, dtype, offload):
         if optimizer == "muon":
             config = muon_config(3, dtype, micro=8)
@@ -103,12 +104,20 @@ class TestInitParity(DistributedTest):
         if offload:
             # The host masters are built from the lp partitions that adopting the Init shards filled.
             config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        # "both": the weights too (offload_param), built under Init(remote_device="cpu"): shards in host memory.
+        remote_device = None
+        if offload == "both":
+            config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+            remote_device = "cpu"
         batches = global_batches(3, config["train_micro_batch_size_per_gpu"] * dist.get_world_size(), HIDDEN)
         results = []
         for under_init in (False, True):
-            model = build(args[0], under_init, config, *args[1:])
+            model = build(args[0], under_init, config, *args[1:], remote_device=remote_device)
+            if under_init and remote_device == "cpu":
+                assert all(p.ds_tensor.device.type == "cpu" for p in model.parameters())
             engine = deepspeed.initialize(model=model, config=config)[0]
-            assert engine.optimizer.cpu_offload == offload
+            assert engine.optimizer.cpu_offload == bool(offload)
+            assert engine.optimizer.placement.is_offloaded == (offload == "both")
             if optimizer == "muon":
                 tags = {name: p.use_muon for name, p in engine.module.named_parameters()}
                 assert tags == {name: name.endswith("weight") for name in tags}, tags

@@ -178,10 +178,15 @@ class TestOffloadStaging(DistributedTest):
 
     @pytest.mark.parametrize("optimizer, dtype", [("muon", "bf16"), ("muon", "fp16"), ("adamw", "bf16"),
                                                   ("adamw", "fp16")])
-    @pytest.mark.parametrize("stage", [1, 2, 3])
+    @pytest.mark.parametrize("stage", [1, 2, 3, "3+offload_param"])
     def test_staged_steps_equal_direct_ones(self, stage, dtype, optimizer):
         gas = 2
+        # "3+offload_param": the lp partitions in host memory too, where the host step writes the weights directly.
+        offload_param = stage == "3+offload_param"
+        stage = 3 if offload_param else stage
         config = offload_config(stage, dtype, MUON if optimizer == "muon" else None, clip=1.0, gas=gas)
+        if offload_param:
+            config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
         batches = global_batches(4, 8 * gas, HIDDEN)
         overflow = {0: float("inf")} if dtype == "fp16" else None
         direct, _ = initialize(make_model(HIDDEN), config)
@@ -375,10 +380,10 @@ class TestOffloadConfig(DistributedTest):
         nvme["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": "/tmp"}
         with pytest.raises(DeepSpeedConfigError, match="offload_optimizer.device 'nvme' is not implemented"):
             initialize(model, nvme)
-        # Parameter offload is another feature: refused by name, also beside optimizer offload.
+        # Parameter offload to NVMe is refused by name, also beside optimizer offload (to the CPU it runs).
         params_too = offload_config(3, "fp32")
-        params_too["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
-        with pytest.raises(DeepSpeedConfigError, match="zero_optimization.offload_param.device 'cpu' is not "
+        params_too["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": "/tmp"}
+        with pytest.raises(DeepSpeedConfigError, match="zero_optimization.offload_param.device 'nvme' is not "
                            "implemented"):
             initialize(model, params_too)
         client = torch.optim.AdamW(model.parameters())

@@ -1,0 +1,47 @@
+"""ZeRO-3 with both offloads, bytes per rank on the host and the accelerator (benchmarks/zero3_offload.py, CPU size).
+
+The benchmark's tiny GPT trained on gloo CPU ranks with `offload_param` and `offload_optimizer`; between the last
+backward and its step each rank's storages, by where the engine keeps them, must match the formula
+(`expected_model_state_bytes`): on the host the lp partition 2 P / N, the fp32 masters 4 P / N and the optimizer
+state (8 bytes per Adam element, 4 per Muon matrix element, over N); on the accelerator the reduced gradients
+2 P / N. At N = 2 a rank holding the whole lp weights, or the lp partitions left on the accelerator, or masters not
+offloaded, is off by 100% in one place. Padding (partitions of equal size, Muon's whole matrices per owner) and
+Adam's step counters are the only difference allowed (1%).
+"""
+
+import importlib.util
+import os
+
+import pytest
+
+from unit.common import DistributedTest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+BENCHMARK = os.path.join(REPO_ROOT, "benchmarks", "zero3_offload.py")
+TOLERANCE = 0.01
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("zero3_offload", BENCHMARK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class TestZero3OffloadBytesPerRank(DistributedTest):
+    world_size = [1, 2]
+
+    @pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+    def test_host_and_accelerator_bytes_match_the_formula(self, optimizer):
+        bench = load_benchmark()
+        # Every parameter partitioned (the tiny model's would all stay whole under the default threshold).
+        args = bench.parse_args(["--size", "tiny", "--persistence-threshold", "0", "--warmup", "1", "--steps", "1"])
+        result = bench.measure_rank(args, optimizer)
+        assert result["skipped_steps"] == 0 and result["tokens_per_s"] > 0
+        got, expected = result["model_state_bytes"], result["expected_model_state_bytes"]
+        what = f"rank of {result['world_size']}, {optimizer}: measured {got}, expected {expected}"
+        for place in ("host", "accelerator"):
+            assert got[place].keys() == expected[place].keys(), what
+            for kind, bytes_ in expected[place].items():
+                assert abs(got[place][kind] - bytes_) <= TOLERANCE * max(bytes_, 1) + 64, (place, kind, what)
+        assert set(got["host"]) == {"lp", "masters", "optimizer_state"}, what

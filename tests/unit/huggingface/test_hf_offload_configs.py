@@ -1,0 +1,212 @@
+"""The ZeRO-3 offload configs users copy run unchanged: the transformers guide's and accelerate's.
+
+- The transformers DeepSpeed guide's ZeRO-3 example (hf_harness.guide_zero3_offload_config: optimizer and parameters
+  offloaded to pinned host memory, "auto" values, WarmupLR), through the real Trainer on 2 CPU ranks: training equals
+  the single-process torch reference, `save_model` exports the trained weights and zero_to_fp32 reads the checkpoint
+  back to the fp32 masters, and a run resumed from the Trainer's checkpoint continues bit for bit.
+- accelerate's ZeRO-3 offload answers (`offload_optimizer_device` and `offload_param_device` "cpu",
+  `zero3_init_flag`, `zero3_save_16bit_model`) as a DeepSpeedPlugin without a config file, with the user's torch
+  AdamW (accelerate swaps in DeepSpeedCPUAdam): training equals the reference, `get_state_dict` exports the weights,
+  and `save_state` / `load_state` continue bit for bit.
+"""
+
+import os
+
+import pytest
+import torch
+
+import deepspeed
+import deepspeed.comm as dist
+from unit.common import DistributedFixture, DistributedTest
+
+from hf_harness import (MUON_LR, TokenDataset, accelerate, assert_changes_match, full_fp32_params,
+                        guide_zero3_offload_config, llama_config, reference_training, saved_model, step_batches,
+                        transformers, use_deepspeed_state, warmup_lrs)
+from test_hf_trainer import (BETAS, CLIP, GAS, LR, MICRO, STEPS, TOLERANCE, WARMUP, WEIGHT_DECAY, initial_weights,
+                             logged_losses, train_with_trainer, training_args)
+
+SAVE_AT = STEPS // 2
+
+
+def assert_offloaded(engine) -> None:
+    """What the copied config asks for is what runs: stage 3, masters and weights' partitions in host memory."""
+    assert engine.zero_optimization_stage() == 3
+    assert engine.optimizer.cpu_offload and engine.optimizer.placement.is_offloaded
+    assert all(p.device.type == "cpu" for p in engine.optimizer.fp16_partitioned_groups_flat)
+
+
+class TestGuideZero3OffloadTrainer(DistributedTest):
+    world_size = 2
+
+    @pytest.mark.parametrize("optimizer", ["AdamW", "Muon"])
+    def test_trains_exports_and_consolidates_like_the_reference(self, optimizer, class_tmpdir, tmpdir):
+        model_dir = saved_model(str(class_tmpdir), llama_config())
+        batches = step_batches(TokenDataset(), STEPS, MICRO * GAS * dist.get_world_size())
+        expected, expected_losses = reference_training(model_dir, batches, warmup_lrs(LR, STEPS, WARMUP), optimizer,
+                                                       WEIGHT_DECAY, BETAS, CLIP, base_lr=LR, muon_lr=MUON_LR)
+        start = initial_weights(model_dir)
+
+        use_deepspeed_state()
+        output = os.path.join(str(tmpdir), "run")
+        trainer = train_with_trainer(model_dir, output, guide_zero3_offload_config(optimizer), save_strategy="steps",
+                                     save_steps=STEPS)
+        engine = trainer.model_wrapped
+        assert isinstance(engine, deepspeed.DeepSpeedEngine)
+        assert_offloaded(engine)
+        assert engine.global_steps == STEPS and engine.skipped_steps == 0
+        assert logged_losses(trainer) == pytest.approx(expected_losses, rel=1e-5)
+        masters = full_fp32_params(engine)
+        assert_changes_match(start, masters, expected, TOLERANCE[optimizer])
+
+        # The 16-bit export (the model dtype: fp32 on CPU) holds the engine's weights.
+        trainer.save_model(os.path.join(str(tmpdir), "exported"))
+        named = dict(engine.module.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(named.values())):
+            trained = {name: p.detach().cpu().clone() for name, p in named.items()}
+        transformers.integrations.deepspeed.unset_hf_deepspeed_config()
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(str(tmpdir), "exported"),
+                                                                     dtype=torch.float32).state_dict()
+        for name, value in trained.items():
+            assert torch.equal(reloaded[name], value), name
+        # zero_to_fp32 on the Trainer's checkpoint gives the fp32 masters.
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        consolidated = get_fp32_state_dict_from_zero_checkpoint(os.path.join(output, f"checkpoint-{STEPS}"))
+        for name, value in masters.items():
+            assert torch.equal(consolidated[name], value), name
+
+
+def guide_run_dir(class_tmpdir) -> str:
+    return os.path.join(str(class_tmpdir), "guide-zero3-offload")
+
+
+class UninterruptedGuideTrainer(DistributedFixture):
+    """STEPS Trainer steps under the guide's config with a checkpoint halfway (one DeepSpeed Accelerator per process:
+    the resumed run is the test's own processes)."""
+    world_size = 2
+
+    def run(self, class_tmpdir):
+        model_dir = saved_model(str(class_tmpdir), llama_config())
+        use_deepspeed_state()
+        directory = guide_run_dir(class_tmpdir)
+        trainer = train_with_trainer(model_dir, directory, guide_zero3_offload_config("Muon"), save_strategy="steps",
+                                     save_steps=SAVE_AT)
+        record = {"losses": logged_losses(trainer), "params": full_fp32_params(trainer.model_wrapped)}
+        if dist.get_rank() == 0:
+            torch.save(record, os.path.join(directory, "uninterrupted.pt"))
+
+
+class TestGuideZero3OffloadTrainerResume(DistributedTest):
+    world_size = 2
+
+    def test_resume_from_checkpoint_equals_uninterrupted(self, UninterruptedGuideTrainer, class_tmpdir):
+        model_dir = saved_model(str(class_tmpdir), llama_config())
+        directory = guide_run_dir(class_tmpdir)
+        whole = torch.load(os.path.join(directory, "uninterrupted.pt"), weights_only=True)
+        use_deepspeed_state()
+        args = training_args(os.path.join(directory, "resumed"), guide_zero3_offload_config("Muon"))
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        resumed = transformers.Trainer(model=model, args=args, train_dataset=TokenDataset())
+        resumed.train(resume_from_checkpoint=os.path.join(directory, f"checkpoint-{SAVE_AT}"))
+        engine = resumed.model_wrapped
+        assert_offloaded(engine)
+        assert engine.global_steps == STEPS
+        assert logged_losses(resumed, after_step=SAVE_AT) == whole["losses"][SAVE_AT:]
+        got = full_fp32_params(engine)
+        assert got.keys() == whole["params"].keys()
+        for name, value in whole["params"].items():
+            assert torch.equal(got[name], value), name
+
+
+# ------------------------------------------------------------------------------------------------ accelerate
+ACCELERATE_CLIP = 1.0
+
+
+def accelerate_prepared(model_dir: str):
+    """What `accelerate config`'s ZeRO-3 offload answers build: a DeepSpeedPlugin without a config file, the user's
+    torch AdamW at a constant lr (accelerate swaps it for DeepSpeedCPUAdam with the same lr and decay)."""
+    use_deepspeed_state()
+    plugin = accelerate.utils.DeepSpeedPlugin(zero_stage=3, offload_optimizer_device="cpu",
+                                              offload_param_device="cpu", zero3_init_flag=True,
+                                              zero3_save_16bit_model=True, gradient_accumulation_steps=GAS,
+                                              gradient_clipping=ACCELERATE_CLIP)
+    accelerator = accelerate.Accelerator(deepspeed_plugin=plugin)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert hasattr(next(model.parameters()), "ds_id"), "zero3_init_flag: the model is built partitioned"
+    loader = torch.utils.data.DataLoader(TokenDataset(), batch_size=MICRO, shuffle=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    engine, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    assert_offloaded(engine)
+    return accelerator, engine, optimizer, loader
+
+
+def accelerate_train(accelerator, engine, optimizer, loader, steps: int) -> list:
+    """`steps` optimizer steps of GAS micro-batches; each step's loss averaged over ranks and micro-batches."""
+    losses, micro_losses = [], []
+    for batch in loader:
+        with accelerator.accumulate(engine):
+            loss = engine(**batch).loss
+            micro_losses.append(accelerator.gather(loss.detach().float()).mean())
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        if len(micro_losses) == GAS:
+            losses.append(torch.stack(micro_losses).mean().item())
+            micro_losses = []
+            if len(losses) == steps:
+                break
+    return losses
+
+
+def accelerate_dir(class_tmpdir) -> str:
+    return os.path.join(str(class_tmpdir), "accelerate-zero3-offload")
+
+
+class UninterruptedAccelerateOffload(DistributedFixture):
+    """SAVE_AT steps, save_state, the rest; records the losses, masters and exported weights."""
+    world_size = 2
+
+    def run(self, class_tmpdir):
+        model_dir = saved_model(str(class_tmpdir), llama_config())
+        directory = accelerate_dir(class_tmpdir)
+        accelerator, engine, optimizer, loader = accelerate_prepared(model_dir)
+        first = accelerate_train(accelerator, engine, optimizer, loader, SAVE_AT)
+        accelerator.save_state(os.path.join(directory, "state"))
+        rest = accelerate_train(accelerator, engine, optimizer, accelerator.skip_first_batches(loader, SAVE_AT * GAS),
+                                STEPS - SAVE_AT)
+        exported = accelerator.get_state_dict(engine)
+        record = {"losses": first + rest, "params": full_fp32_params(engine)}
+        named = dict(engine.module.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(named.values())):
+            record["trained"] = {name: p.detach().cpu().clone() for name, p in named.items()}
+        if dist.get_rank() == 0:
+            record["exported"] = {name: value.cpu().clone() for name, value in exported.items()}
+            torch.save(record, os.path.join(directory, "uninterrupted.pt"))
+
+
+class TestAccelerateZero3Offload(DistributedTest):
+    world_size = 2
+
+    def test_trains_exports_and_resumes(self, UninterruptedAccelerateOffload, class_tmpdir):
+        model_dir = saved_model(str(class_tmpdir), llama_config())
+        directory = accelerate_dir(class_tmpdir)
+        whole = torch.load(os.path.join(directory, "uninterrupted.pt"), weights_only=True)
+        # The uninterrupted run against the reference: DeepSpeedCPUAdam with torch AdamW's default betas and eps.
+        batches = step_batches(TokenDataset(), STEPS, MICRO * GAS * dist.get_world_size())
+        expected, expected_losses = reference_training(model_dir, batches, [LR] * STEPS, "AdamW", WEIGHT_DECAY,
+                                                       (0.9, 0.999), ACCELERATE_CLIP, base_lr=LR, eps=1e-8)
+        assert whole["losses"] == pytest.approx(expected_losses, rel=1e-5)
+        assert_changes_match(initial_weights(model_dir), whole["params"], expected, TOLERANCE["AdamW"])
+        # get_state_dict: the 16-bit consolidation (fp32 here) of the trained weights.
+        assert whole["exported"].keys() == whole["trained"].keys()
+        for name, value in whole["trained"].items():
+            assert torch.equal(whole["exported"][name], value), name
+
+        accelerator, engine, optimizer, loader = accelerate_prepared(model_dir)
+        accelerator.load_state(os.path.join(directory, "state"))
+        assert engine.global_steps == SAVE_AT
+        remaining = accelerator.skip_first_batches(loader, SAVE_AT * GAS)
+        losses = accelerate_train(accelerator, engine, optimizer, remaining, STEPS - SAVE_AT)
+        assert losses == whole["losses"][SAVE_AT:]
+        got = full_fp32_params(engine)
+        for name, value in whole["params"].items():
+            assert torch.equal(got[name], value), name
