@@ -33,8 +33,8 @@ class ExpertModel(torch.nn.Module):
     """SimpleModel's interface with a mixture-of-experts layer as transformers 5 stores it: a router and one fused
     parameter [experts, hidden, hidden] of which each sample uses its router's top expert, then a Linear head.
 
-    Muon orthogonalises each expert's matrix on its own; at stage 3 the fused tensor (1,024 elements) is partitioned,
-    so its experts lie in different ranks' partitions.
+    Muon orthogonalises each expert's matrix on its own; at stage 3 the fused tensor's weights (1,024 elements, above
+    checkpoint_config's persistence threshold) are partitioned over the ranks.
     """
 
     def __init__(self, hidden=HIDDEN, experts=EXPERTS):
