@@ -194,6 +194,8 @@ def deepspeed_config(mode: Mode, settings: Settings) -> dict:
 
 def unsupported_reason(mode: Mode, settings: Settings) -> Optional[str]:
     """Why `mode` cannot run in its tree with these settings (None: it can); recorded instead of a result."""
+    if mode.backend == "ddp" and mode.optimizer == "muon" and settings.model.n_experts:
+        return ("torch.optim.Muon takes 2-D parameters only; the fused expert weights [experts, out, in] are 3-D")
     if mode.tree == THIS_TREE:
         return None
     if mode.backend == "ddp":

@@ -1,8 +1,12 @@
-"""A GPT-2-small-like decoder for the benchmarks (nanoGPT's shape, synthetic tokens).
+"""A GPT-2-small-like decoder for the benchmarks (nanoGPT's shape, synthetic tokens), dense or mixture-of-experts.
 
 Parameter names follow the Muon tagging rule of `deepspeed.tag_muon_params`: the token and position
 tables are called `embed_*` and the tied output head `lm_head`, so Muon gets exactly the hidden matrices
 (attention qkv and projection, MLP fc and projection) and Adam everything else.
+
+With `n_experts` > 0 every block's MLP is a mixture of experts as transformers 5 stores them: a router (a matrix
+[experts, d_model], Muon's under both split rules) and fused expert weights [experts, out, in] (`experts_fc`,
+`experts_proj`), each token sent to its `top_k` experts. Plain torch, so upstream releases run it too.
 """
 
 import math
@@ -26,6 +30,8 @@ class GPTConfig:
     # Recompute each block's activations in the backward (torch.utils.checkpoint, non-reentrant) instead of keeping
     # them: only the blocks' inputs stay alive between the forward and the backward.
     activation_checkpointing: bool = False
+    n_experts: int = 0  # 0: a dense MLP; else a mixture of this many experts per block
+    top_k: int = 2  # experts per token (with n_experts > 0)
 
 
 class CausalSelfAttention(nn.Module):
@@ -57,6 +63,38 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
+class MoEMLP(nn.Module):
+    """Top-k routed experts with fused weights: `experts_fc` [experts, 4 * d_model, d_model] and `experts_proj`
+    [experts, d_model, 4 * d_model], no biases (a per-expert bias would be a 2-D tensor Muon takes for a matrix).
+
+    Each token goes to the `top_k` experts its router scores highest, weighted by the softmax of those scores;
+    each expert runs on its tokens only (Mixtral's eager loop), so the work per token is that of top_k dense MLPs.
+    """
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        if not 1 <= cfg.top_k <= cfg.n_experts:
+            raise ValueError(f"top_k ({cfg.top_k}) must be between 1 and n_experts ({cfg.n_experts})")
+        self.top_k = cfg.top_k
+        self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=False)
+        self.experts_fc = nn.Parameter(torch.empty(cfg.n_experts, 4 * cfg.d_model, cfg.d_model))
+        self.experts_proj = nn.Parameter(torch.empty(cfg.n_experts, cfg.d_model, 4 * cfg.d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.size(-1))
+        weights, chosen = torch.topk(self.router(tokens), self.top_k, dim=-1)
+        weights = torch.softmax(weights.float(), dim=-1).to(tokens.dtype)
+        out = torch.zeros_like(tokens)
+        for expert in range(self.experts_fc.size(0)):
+            token_index, slot = torch.where(chosen == expert)
+            if token_index.numel() == 0:
+                continue
+            hidden = F.gelu(tokens[token_index] @ self.experts_fc[expert].T, approximate="tanh")
+            contribution = (hidden @ self.experts_proj[expert].T) * weights[token_index, slot, None]
+            out.index_add_(0, token_index, contribution.to(out.dtype))
+        return out.view_as(x)
+
+
 class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig):
@@ -64,7 +102,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        self.mlp = MoEMLP(cfg) if cfg.n_experts else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -86,8 +124,10 @@ class GPT(nn.Module):
         self.lm_head.weight = self.embed_tokens.weight
         self.apply(self._init_weights)
         for name, param in self.named_parameters():
-            if name.endswith("proj.weight"):
+            if name.endswith("proj.weight") or name.endswith("experts_proj"):
                 nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+            elif name.endswith("experts_fc"):
+                nn.init.normal_(param, mean=0.0, std=0.02)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -117,8 +157,14 @@ def is_hidden_matrix(name: str, param: torch.Tensor) -> bool:
 
 
 def hidden_matrix_shapes(model: nn.Module) -> list:
-    """Shapes of the matrices Muon orthogonalises, in the model's parameter order."""
-    return [tuple(p.shape) for name, p in model.named_parameters() if is_hidden_matrix(name, p)]
+    """Shapes of the matrices Muon orthogonalises, in the model's parameter order: a fused expert tensor
+    [experts, out, in] is `experts` matrices of (out, in), as Newton-Schulz sees it. (Under ZeRO the engine keeps a
+    fused tensor whole on one owner, so with several ranks an owner split of these matrices is a lower bound.)"""
+    shapes = []
+    for name, p in model.named_parameters():
+        if is_hidden_matrix(name, p):
+            shapes += [tuple(p.shape[-2:])] * math.prod(p.shape[:-2]) if p.ndim == 3 else [tuple(p.shape)]
+    return shapes
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -45,6 +45,12 @@ MODEL_PRESETS = {
     # 1.11B parameters; one GPU, bf16, ZeRO-2 against DDP (NPROC=1; run_all.sh picks it for this preset).
     "gpt-1.1b": {"layers": 20, "d_model": 2048, "heads": 16, "seq_len": 1024, "vocab": 50304,
                  "modes": "ds-z2-bf16-muon,ds-z2-bf16-adamw,ddp-bf16-muon,ddp-bf16-adamw"},
+    # A small mixture-of-experts GPT: GPT-2 small's blocks with 8 fused experts, top-2 (521M parameters, about
+    # a third of them used per token); one GPU (run_all.sh picks NPROC=1 for it), ZeRO-2 and ZeRO-3 bf16, and DDP
+    # AdamW (torch.optim.Muon takes no 3-D parameters).
+    "moe-gpt": {"layers": 12, "d_model": 768, "heads": 12, "seq_len": 1024, "vocab": 50304, "experts": 8,
+                "top_k": 2, "modes": "ds-z2-bf16-muon,ds-z2-bf16-adamw,ds-z3-bf16-muon,ds-z3-bf16-adamw,"
+                                     "ddp-bf16-adamw"},
 }
 SMOKE_DEFAULTS = {
     "layers": 2, "d_model": 64, "heads": 2, "seq_len": 64, "vocab": 512, "micro_batch": 2, "grad_accum": 2,
@@ -69,6 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     size.add_argument("--heads", type=int)
     size.add_argument("--seq-len", type=int)
     size.add_argument("--vocab", type=int)
+    size.add_argument("--experts", type=int, default=0,
+                      help="mixture of experts: fused expert weights per block (0: dense MLP)")
+    size.add_argument("--top-k", type=int, default=2, help="experts per token (with --experts)")
     size.add_argument("--micro-batch", type=int, default=8, help="sequences per GPU per micro-step")
     size.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
     method = parser.add_argument_group("method")
@@ -259,7 +268,7 @@ def _plan(args, deepspeed, device: torch.device, world: int):
     selected = ALL_MODES if args.modes == "all" else [MODES_BY_NAME[name] for name in args.modes.split(",")]
     selected = [mode.in_tree(args.tree) for mode in selected]
     fused = args.fused_adamw if args.fused_adamw is not None else device.type == "cuda"
-    model_cfg = GPTConfig(args.layers, args.d_model, args.heads, args.seq_len, args.vocab)
+    model_cfg = GPTConfig(args.layers, args.d_model, args.heads, args.seq_len, args.vocab, args.experts, args.top_k)
     settings = Settings(model_cfg, args.micro_batch, args.grad_accum, args.clip, args.muon_lr, args.adam_lr,
                         args.momentum, args.ns_method, args.ns_steps, args.ns_dtype, args.overlap_comm,
                         args.bucket_size, fused, args.seed, args.ns_cuda_graph)
@@ -288,6 +297,7 @@ def _plan(args, deepspeed, device: torch.device, world: int):
                                                                       "command": " ".join(sys.argv)},
         "args": vars(args) | {"fused_adamw": fused},
         "model": {"n_layer": args.layers, "d_model": args.d_model, "n_head": args.heads, "seq_len": args.seq_len,
+                  "n_experts": args.experts, "top_k": args.top_k,
                   "vocab_size": args.vocab, "parameters": count_parameters(shape_model),
                   "muon_matrices": [list(s) for s in shapes]},
         "tokens_per_step": args.micro_batch * args.seq_len * args.grad_accum * world,

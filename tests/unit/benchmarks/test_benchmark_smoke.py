@@ -32,13 +32,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_smoke_run_writes_every_mode_and_target(tmp_path):
+def run_smoke(tmp_path, *flags) -> dict:
+    """benchmarks/muon_zero_bench.py --smoke on two gloo processes; returns its JSON results."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "--master_port", str(free_port()), BENCHMARK, "--smoke", "--out-dir", str(tmp_path)]
+           "--master_port", str(free_port()), BENCHMARK, "--smoke", "--out-dir", str(tmp_path), *flags]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, f"{' '.join(cmd)} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    return json.loads((tmp_path / "muon_zero_bench.json").read_text())
+
+
+def test_smoke_run_writes_every_mode_and_target(tmp_path):
+    run_smoke(tmp_path)
 
     for suffix in (".json", ".md", "_profile.txt"):
         assert (tmp_path / f"muon_zero_bench{suffix}").stat().st_size > 0, suffix
@@ -62,6 +68,23 @@ def test_smoke_run_writes_every_mode_and_target(tmp_path):
     assert all(target["value"] is not None for target in targets.values()), targets
     engine_call = results["ns_standalone"]["owner_subset"]["engine_call_ms"]
     assert set(engine_call) == {"standard", "gram", "gram_sym"}
+
+
+def test_smoke_run_of_a_mixture_of_experts_gpt(tmp_path):
+    """--experts 4 --top-k 2: fused expert weights [experts, out, in], each expert one Newton-Schulz matrix; DDP's
+    torch.optim.Muon cannot take them and is recorded as not run, with the reason."""
+    modes = ["ds-z2-bf16-muon", "ds-z2-bf16-adamw", "ddp-bf16-muon"]
+    results = run_smoke(tmp_path, "--experts", "4", "--top-k", "2", "--modes", ",".join(modes), "--blocks", "2",
+                        "--profile-steps", "0", "--standalone-reps", "1")
+    model = results["model"]
+    assert (model["n_experts"], model["top_k"]) == (4, 2)
+    # Per layer: qkv, attention proj, 4 experts x (fc, proj), the router.
+    assert len(model["muon_matrices"]) == model["n_layer"] * (2 + 4 * 2 + 1)
+    assert [4 * model["d_model"], model["d_model"]] in model["muon_matrices"]
+    assert "2-D parameters only" in results["modes"]["ddp-bf16-muon"]["not_run"]
+    for name in modes[:2]:
+        assert results["summary"][name]["step_ms"]["median"] > 0 and results["summary"][name]["peak_mem_gib"]
+    assert all(calls == 1 for calls in results["summary"]["ds-z2-bf16-muon"]["ns_calls_per_rank"])
 
 
 def test_report_renders_results_written_before_the_back_to_back_phase(tmp_path):

@@ -23,7 +23,32 @@ POISON = float("inf")
 # momentum kept in bf16.
 MUON_VARIANTS = {"muon": {}, "muon-options": {"normuon": True, "ns_coefficients": "polar_express",
                                               "momentum_dtype": "bf16"},
-                 "bf16-momentum": {"momentum_dtype": "bf16"}}
+                 "bf16-momentum": {"momentum_dtype": "bf16"}, "muon-experts": {}}
+# Cases whose model is ExpertModel (a fused expert tensor) rather than SimpleModel; plain Muon otherwise.
+EXPERT_CASES = ("muon-experts", )
+EXPERTS = 4
+
+
+class ExpertModel(torch.nn.Module):
+    """SimpleModel's interface with a mixture-of-experts layer as transformers 5 stores it: a router and one fused
+    parameter [experts, hidden, hidden] of which each sample uses its router's top expert, then a Linear head.
+
+    Muon orthogonalises each expert's matrix on its own; at stage 3 the fused tensor's weights (1,024 elements, above
+    checkpoint_config's persistence threshold) are partitioned over the ranks.
+    """
+
+    def __init__(self, hidden=HIDDEN, experts=EXPERTS):
+        super().__init__()
+        self.router = torch.nn.Linear(hidden, experts, bias=False)
+        self.experts = torch.nn.Parameter(torch.randn(experts, hidden, hidden) / hidden**0.5)
+        self.head = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x, y):
+        logits = self.router(x)
+        route = logits.argmax(dim=-1)
+        gate = torch.softmax(logits.float(), dim=-1).gather(1, route[:, None]).to(x.dtype)
+        hidden = torch.einsum("bi,boi->bo", x, self.experts[route]) * gate
+        return torch.nn.functional.cross_entropy(self.head(torch.tanh(hidden)), y)
 
 
 def checkpoint_config(stage, dtype, optimizer="adamw", gas=1, scheduler=True):
@@ -60,8 +85,14 @@ def checkpoint_config(stage, dtype, optimizer="adamw", gas=1, scheduler=True):
     return config
 
 
-def new_engine(config, seed=0, hidden=HIDDEN, nlayers=NLAYERS):
-    engine, _, _, _ = deepspeed.initialize(model=make_model(hidden, nlayers, seed=seed), config=config)
+def new_engine(config, seed=0, hidden=HIDDEN, nlayers=NLAYERS, case=None):
+    """An engine of `config` over SimpleModel, or over ExpertModel when `case` is one of EXPERT_CASES."""
+    if case in EXPERT_CASES:
+        torch.manual_seed(seed)
+        model = ExpertModel(hidden)
+    else:
+        model = make_model(hidden, nlayers, seed=seed)
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config)
     return engine
 
 

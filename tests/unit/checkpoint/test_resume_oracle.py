@@ -3,7 +3,8 @@ everything equals the uninterrupted k + n run bit for bit.
 
 The distributed fixture trains the uninterrupted run in its own processes, saving a checkpoint after k
 steps and recording what the run looks like at the save and at the end; the test then resumes in new
-processes from a model with other initial weights. Covered: stages 0/1/2/3 x fp32/fp16/bf16 x AdamW/Muon x
+processes from a model with other initial weights. Covered: stages 0/1/2/3 x fp32/fp16/bf16 x AdamW/Muon/Muon on a
+model with a fused expert tensor [experts, hidden, hidden] (resume_harness.ExpertModel) x
 gradient accumulation 1/2, an overflow-skipped step just before the save and another after the resume
 (fp16, bf16), gradient clipping, and an LR schedule (WarmupLR for AdamW, WarmupCosineLR for Muon). At stage 3 the
 weight matrices are partitioned (the biases stay whole) and the weights compared are gathered from the partitions.
@@ -55,7 +56,7 @@ class UninterruptedRuns(DistributedFixture):
     def run(self, class_tmpdir, stage, optimizer):
         for dtype, gas in COMBOS:
             directory = _combo_dir(class_tmpdir, stage, optimizer, dtype, gas)
-            engine = new_engine(checkpoint_config(stage, dtype, optimizer, gas), seed=0)
+            engine = new_engine(checkpoint_config(stage, dtype, optimizer, gas), seed=0, case=optimizer)
             batches = batches_for(engine, K + N)
             train(engine, batches[:K], dtype, _poisoned_before_save(dtype))
             assert engine.skipped_steps == len(_poisoned_before_save(dtype))
@@ -69,14 +70,14 @@ class UninterruptedRuns(DistributedFixture):
 class TestResumeOracle(DistributedTest):
     world_size = 2
 
-    @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+    @pytest.mark.parametrize("optimizer", ["adamw", "muon", "muon-experts"])
     @pytest.mark.parametrize("stage", [0, 1, 2, 3])
     def test_resume_equals_uninterrupted(self, UninterruptedRuns, class_tmpdir, stage, optimizer):
         for dtype, gas in COMBOS:
             where = f"stage {stage} {optimizer} {dtype} gas {gas}"
             directory = _combo_dir(class_tmpdir, stage, optimizer, dtype, gas)
             reference = torch.load(rank_file(directory, "reference"), map_location="cpu", weights_only=True)
-            engine = new_engine(checkpoint_config(stage, dtype, optimizer, gas), seed=1)
+            engine = new_engine(checkpoint_config(stage, dtype, optimizer, gas), seed=1, case=optimizer)
             load_path, client_state = engine.load_checkpoint(directory)
             assert load_path == _model_file(directory, stage), where
             assert client_state == {}, where
@@ -86,7 +87,7 @@ class TestResumeOracle(DistributedTest):
             if dtype != "fp32":
                 # The oracle can only see a master restored from the lp weights if the two differ.
                 assert any(not torch.equal(m, p.float()) for m, p in zip(after_load["masters"], after_load["params"]))
-            if optimizer == "muon":
+            if optimizer != "adamw":
                 dtypes = _momentum_dtypes(after_load["local_states"])
                 assert dtypes and dtypes == _momentum_dtypes(reference["at_save"]["local_states"]), where
 

@@ -2,7 +2,8 @@
 offload): a checkpoint saved by N ranks loads into M ranks (M != N, 1 included) with every fp32 master and every
 optimizer-state tensor (Adam moments and step, Muon momentum) equal bit for bit to the saved one, gathered; loss
 scaler, LR scheduler and counters as saved.
-Its universal (per-parameter) form loads to the same state.
+Its universal (per-parameter) form loads to the same state. The cases include a model with a fused expert tensor
+(resume_harness.ExpertModel) under Muon.
 
 Continued training is checked against an oracle at the new world size: a fresh engine given the saved state through
 the public setters (safe_set_full_fp32_param / safe_set_full_optimizer_state, the scaler's and scheduler's
@@ -43,9 +44,13 @@ SAVED_AT_TWO = {
     (0, "muon", "fp16"): (2, ),
     (2, "muon", "fp32"): (2, ),
     (2, "muon-options", "bf16"): (2, 3),
+    # A fused expert tensor [experts, hidden, hidden] (resume_harness.ExpertModel), each expert a Muon matrix.
+    (3, "muon-experts", "bf16"): (3, 2),
+    (1, "muon-experts", "fp16"): (1, 3),
+    (2, "muon-experts", "fp32"): (2, ),
 }
 # Saved at 1 and at 3 ranks, loaded at 2.
-SAVED_ELSEWHERE = {(2, "muon", "bf16"): (2, 0), (1, "adamw", "fp16"): (2, )}
+SAVED_ELSEWHERE = {(2, "muon", "bf16"): (2, 0), (1, "adamw", "fp16"): (2, ), (3, "muon-experts", "bf16"): (3, )}
 # With optimizer offload (fp32 masters and state on the host), saved at 2 ranks and loaded with offload at 1 and 3.
 OFFLOADED_AT_TWO = {(2, "muon", "bf16"): (2, 3), (3, "adamw", "fp16"): (3, 1), (1, "muon-options", "fp16"): (2, )}
 # With both offloads at stage 3 (the lp weights in host memory too), saved at 2 ranks and loaded with both at 1 and 3,
@@ -81,7 +86,7 @@ def _save_all(root, combos, offload=False, offload_param=False):
     """Train k steps, save, convert to the universal form; rank 0 records the gathered state."""
     for (stage, optimizer, dtype) in combos:
         directory = os.path.join(str(root), _name(stage, optimizer, dtype, offload, offload_param))
-        engine = new_engine(_config(stage, dtype, optimizer, offload, offload_param))
+        engine = new_engine(_config(stage, dtype, optimizer, offload, offload_param), case=optimizer)
         train(engine, _batches(K, seed=11), dtype, _poisoned(dtype))
         engine.save_checkpoint(directory)
         snapshot = full_snapshot(engine)
@@ -156,7 +161,7 @@ def _resume_and_compare(directory, stage, optimizer, dtype, offload=False, offlo
     where = f"{os.path.basename(directory)} at {reference['world_size']} ranks -> stage {stage} at " \
         f"{dist.get_world_size()} ranks"
     config = _config(stage, dtype, optimizer, offload, offload_param)
-    loaded = new_engine(config, seed=1)
+    loaded = new_engine(config, seed=1, case=optimizer)
     assert loaded.optimizer.cpu_offload == offload, where
     assert getattr(getattr(loaded.optimizer, "placement", None), "is_offloaded", False) == (offload_param and
                                                                                             stage == 3), where
@@ -168,7 +173,7 @@ def _resume_and_compare(directory, stage, optimizer, dtype, offload=False, offlo
         # The masters can only be seen to come from the fp32 file if they differ from the 16-bit weights.
         assert any(not torch.equal(m, p.float()) for m, p in zip(got["masters"], got["params"])), where
 
-    oracle = new_engine(config, seed=2)
+    oracle = new_engine(config, seed=2, case=optimizer)
     _set_through_public_setters(oracle, reference)
     assert_identical(full_snapshot(oracle), got, f"{where}: oracle before training")
     batches = _batches(N, seed=12)
@@ -183,7 +188,7 @@ def _universal_equals(directory, stage, optimizer, dtype, regrouped):
     """The universal form (tag from latest_universal) loads to the same state as the ZeRO form."""
     config = checkpoint_config(stage, dtype, optimizer)
     config["checkpoint"] = {"load_universal": True}
-    engine = new_engine(config, seed=3)
+    engine = new_engine(config, seed=3, case=optimizer)
     load_path, _ = engine.load_checkpoint(directory)
     assert load_path == os.path.join(directory, f"global_step{K}_universal", "mp_rank_00_model_states.pt")
     assert_identical(full_snapshot(engine), regrouped, f"{directory}: universal form at stage {stage}")

@@ -14,15 +14,16 @@ import deepspeed
 import deepspeed.comm as dist
 from deepspeed.utils import safe_get_full_fp32_param
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-from unit.checkpoint.resume_harness import HIDDEN, NLAYERS, batches_for, checkpoint_config, new_engine, train
+from unit.checkpoint.resume_harness import (EXPERTS, HIDDEN, NLAYERS, batches_for, checkpoint_config, new_engine,
+                                            train)
 from unit.common import DistributedFixture, DistributedTest
 from unit.simple_model import SimpleModel
 
 REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, os.pardir))
 
 
-def _trained(stage, optimizer, dtype="bf16"):
-    engine = new_engine(checkpoint_config(stage, dtype, optimizer))
+def _trained(stage, optimizer, dtype="bf16", config=None):
+    engine = new_engine(config or checkpoint_config(stage, dtype, optimizer), case=optimizer)
     train(engine, batches_for(engine, 3), dtype)
     return engine
 
@@ -32,7 +33,7 @@ class TestConsolidation(DistributedTest):
 
     @pytest.mark.parametrize("stage", [0, 1, 2])
     def test_equals_full_fp32_params(self, class_tmpdir, stage):
-        for optimizer in ("adamw", "muon"):
+        for optimizer in ("adamw", "muon", "muon-experts"):
             directory = os.path.join(str(class_tmpdir), f"consolidate-{stage}-{optimizer}")
             engine = _trained(stage, optimizer)
             engine.save_checkpoint(directory)
@@ -46,6 +47,33 @@ class TestConsolidation(DistributedTest):
             assert any(not torch.equal(state[name], p.detach().float().cpu())
                        for name, p in engine.module.named_parameters())
             dist.barrier()
+
+
+class TestExpertTensorAtStage3(DistributedTest):
+    world_size = 2
+
+    def test_zero_to_fp32_and_16bit_export_give_the_expert_tensor(self, class_tmpdir):
+        """A fused expert tensor [experts, hidden, hidden] partitioned over the ranks comes back whole: zero_to_fp32
+        gives its fp32 master, the 16-bit export its bf16 weights, bit for bit."""
+        directory = os.path.join(str(class_tmpdir), "experts-3")
+        config = checkpoint_config(3, "bf16", "muon-experts")
+        config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+        engine = _trained(3, "muon-experts", config=config)
+        experts = engine.module.experts
+        # Partitioned (not persistent): outside a gather the parameter is an empty placeholder.
+        assert experts.numel() == 0 and tuple(experts.ds_shape) == (EXPERTS, HIDDEN, HIDDEN)
+        master = safe_get_full_fp32_param(experts).cpu()
+        with deepspeed.zero.GatheredParameters([experts]):
+            weights = experts.detach().cpu().clone()
+        assert not torch.equal(master, weights.float())  # the export and the masters are different bits
+        engine.save_checkpoint(directory)
+        assert engine.save_16bit_model(directory, "export.bin") is True
+        if dist.get_rank() == 0:
+            state = get_fp32_state_dict_from_zero_checkpoint(directory)
+            assert state["experts"].dtype == torch.float32 and torch.equal(state["experts"], master)
+            exported = torch.load(os.path.join(directory, "export.bin"), weights_only=True)["experts"]
+            assert exported.dtype == torch.bfloat16 and torch.equal(exported, weights)
+        dist.barrier()
 
 
 class TiedFrozenNet(torch.nn.Module):

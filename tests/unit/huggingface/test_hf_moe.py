@@ -7,8 +7,10 @@ Rank 0's sequences repeat one token, so every position of them has the same hidd
 all to the same experts: the other experts get no token there while rank 1's random tokens reach them. The MoE
 blocks are ZeRO-3 leaf modules the way users mark them: accelerate's `ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES`
 under the Trainer, `DeepSpeedPlugin(transformer_moe_cls_names=...)` in a raw accelerate loop (both call
-`deepspeed.utils.set_z3_leaf_modules`). Each run must finish and equal the single-process torch reference
-(hf_harness.py) on the same batches.
+`deepspeed.utils.set_z3_leaf_modules`). Each run must finish and equal a single-process torch reference on the same
+batches: torch's AdamW (hf_harness.py), or for Muon a float64 Muon written out here, with the default split's groups
+(routers and experts to Muon, a fused 3-D expert tensor orthogonalised expert by expert; embeddings, head and
+vectors to Adam).
 """
 
 import os
@@ -20,14 +22,20 @@ import deepspeed
 import deepspeed.comm as dist
 from unit.common import DistributedTest
 
-from hf_harness import (ADAM_EPS, SAMPLES, SEQ, VOCAB, TokenDataset, accelerate, assert_changes_match,
+from hf_harness import (ADAM_EPS, MUON_LR, SAMPLES, SEQ, VOCAB, TokenDataset, accelerate, assert_changes_match,
                         auto_config, full_fp32_params, reference_training, saved_model, schedule_lrs, step_batches,
                         transformers, use_deepspeed_state)
 
 MICRO, GAS, STEPS, WARMUP = 2, 2, 4, 1
 LR, WEIGHT_DECAY, CLIP, BETAS = 3e-3, 0.01, 0.5, (0.9, 0.999)
-TOLERANCE = {"AdamW": 1e-4}
+# Relative error of each parameter's change after STEPS steps: fp32 against torch's fp32 AdamW, and the engine's
+# fp32 Newton-Schulz against the float64 reference (summation order across ranks and micro-batches, amplified a
+# little by Newton-Schulz). A reference orthogonalising each fused expert tensor as one matrix is off by 4.6 on
+# Mixtral's gate_up_proj.
+TOLERANCE = {"AdamW": 1e-4, "Muon": 1e-3}
+OPTIMIZERS = ["AdamW", "Muon"]
 REPEATED_TOKEN = 7
+MUON_MOMENTUM, NS_COEFFICIENTS, NS_STEPS = 0.95, (3.4445, -4.7750, 2.0315), 5
 
 
 def mixtral_config():
@@ -92,25 +100,109 @@ class RoutingRecorder:
         assert any(skipped.values()), f"routing was not uneven: {everyone}"
 
 
-def reference(model_dir: str, auto_class: str, world_size: int):
+def adam_names(model) -> set:
+    """The default split's ("hidden") Adam group, as docs/muon.md states it: embeddings, the output head and every
+    parameter of fewer than two dims. Everything else, routers and experts included, is Muon's."""
+    modules = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)] + [model.get_output_embeddings()]
+    ids = {id(p) for module in modules for p in module.parameters()}
+    # A ZeRO-3 parameter's own shape is its placeholder's; ds_shape is the parameter's.
+    return {name for name, p in model.named_parameters() if len(getattr(p, "ds_shape", p.shape)) < 2 or id(p) in ids}
+
+
+def newton_schulz_fp64(matrix: torch.Tensor) -> torch.Tensor:
+    """Keller Jordan's quintic iteration on one matrix, in float64."""
+    a, b, c = NS_COEFFICIENTS
+    x = matrix.double()
+    transposed = x.size(0) > x.size(1)
+    x = x.T if transposed else x
+    x = x / (x.norm() + 1e-7)
+    for _ in range(NS_STEPS):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if transposed else x
+
+
+def muon_reference_training(model_dir: str, auto_class: str, batches, lrs):
+    """float64, one process: the mean token loss of each step's batch, torch's clip_grad_norm_, then Muon (momentum
+    0.95, Nesterov, decoupled decay, its lr the schedule's times MUON_LR / LR) on the default split's Muon group,
+    every matrix of it orthogonalised on its own (a 3-D tensor [experts, out, in] one expert at a time), and torch's
+    AdamW on the rest. Returns the final parameters (fp32) and each step's loss."""
+    # Mixtral: the eager loop over experts (the default grouped matmul has no float64 kernel).
+    options = {"experts_implementation": "eager"} if auto_class == "AutoModelForCausalLM" else {}
+    model = getattr(transformers, auto_class).from_pretrained(model_dir, dtype=torch.float64, **options)
+    for module in model.modules():
+        if type(module).__name__ == "SwitchTransformersTop1Router":
+            # Switch's router casts its weight to its `dtype` (router_dtype, float32 at most) at every forward.
+            module.dtype = torch.float64
+    named = dict(model.named_parameters())
+    adam = adam_names(model)
+    adamw = torch.optim.AdamW([p for n, p in named.items() if n in adam], lr=lrs[0], betas=BETAS, eps=ADAM_EPS,
+                              weight_decay=WEIGHT_DECAY)
+    muon = {n: p for n, p in named.items() if n not in adam}
+    momenta = {n: torch.zeros_like(p) for n, p in muon.items()}
+    losses = []
+    for tokens, lr in zip(batches, lrs):
+        model.zero_grad()
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        for group in adamw.param_groups:
+            group["lr"] = lr
+        adamw.step()
+        muon_lr = lr * MUON_LR / LR
+        with torch.no_grad():
+            for name, param in muon.items():
+                momenta[name].lerp_(param.grad, 1 - MUON_MOMENTUM)
+                direction = param.grad.lerp(momenta[name], MUON_MOMENTUM)
+                rows, cols = param.shape[-2:]
+                update = torch.stack([newton_schulz_fp64(matrix) for matrix in direction.reshape(-1, rows, cols)])
+                param.mul_(1 - muon_lr * WEIGHT_DECAY)
+                param.add_(update.reshape(param.shape) * max(1.0, rows / cols)**0.5, alpha=-muon_lr)
+    return {n: p.detach().float() for n, p in model.named_parameters()}, losses
+
+
+def reference(model_dir: str, auto_class: str, world_size: int, optimizer: str):
     batches = step_batches(UnevenDataset(world_size), STEPS, MICRO * GAS * world_size)
     lrs = schedule_lrs(LR, STEPS, WARMUP)
-    expected, losses = reference_training(model_dir, batches, lrs, "AdamW", WEIGHT_DECAY, BETAS, CLIP, base_lr=LR,
-                                          auto_class=auto_class)
+    if optimizer == "Muon":
+        expected, losses = muon_reference_training(model_dir, auto_class, batches, lrs)
+    else:
+        expected, losses = reference_training(model_dir, batches, lrs, optimizer, WEIGHT_DECAY, BETAS, CLIP,
+                                              base_lr=LR, auto_class=auto_class)
     start = {n: p.detach().clone() for n, p in
              getattr(transformers, auto_class).from_pretrained(model_dir, dtype=torch.float32).named_parameters()}
     return start, expected, losses
 
 
+def assert_default_split(engine, router_class: str) -> None:
+    """Muon took what the reference gave it: every matrix but embeddings and head, routers and experts included."""
+    model = engine.module
+    muon = {name for name, p in model.named_parameters() if p.use_muon}
+    assert muon == set(dict(model.named_parameters())) - adam_names(model)
+    routers = [name for name, module in model.named_modules() if type(module).__name__ == router_class]
+    assert routers and all(any(name.startswith(router) for name in muon) for router in routers)
+    assert any(".experts." in name for name in muon)
+
+
+def test_split_log_line_counts_the_experts_matrices_and_names_the_routers():
+    """The line docs/muon.md quotes: Mixtral's 2 routers and 4 fused tensors of 4 experts each go to Muon."""
+    model = transformers.AutoModelForCausalLM.from_config(mixtral_config())
+    assert deepspeed.tag_muon_params(model).summary("hidden") == (
+        "Muon param split (hidden): Muon 14 tensors = 26 matrices (18,688 params; fused experts 4 tensors = 16 "
+        "matrices, routers 2), Adam 7 tensors (4,256 params): embedding 1 (2,048), head 1 (2,048), vector 5 (160)")
+
+
 class TestTrainerMoE(DistributedTest):
     world_size = 2
 
+    @pytest.mark.parametrize("optimizer", OPTIMIZERS)
     @pytest.mark.parametrize("stage", [2, 3])
     @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
-    def test_uneven_routing_equals_reference(self, arch, stage, class_tmpdir, tmpdir):
+    def test_uneven_routing_equals_reference(self, arch, stage, optimizer, class_tmpdir, tmpdir):
         make_config, auto_class, block_class, router_class = ARCHITECTURES[arch]
         model_dir = saved_model(str(class_tmpdir), make_config(), auto_class)
-        start, expected, expected_losses = reference(model_dir, auto_class, dist.get_world_size())
+        start, expected, expected_losses = reference(model_dir, auto_class, dist.get_world_size(), optimizer)
 
         os.environ["ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES"] = block_class
         use_deepspeed_state()
@@ -119,7 +211,7 @@ class TestTrainerMoE(DistributedTest):
             max_steps=STEPS, learning_rate=LR, warmup_steps=WARMUP, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0],
             adam_beta2=BETAS[1], adam_epsilon=ADAM_EPS, max_grad_norm=CLIP, logging_steps=1, save_strategy="no",
             report_to=[], seed=0, train_sampling_strategy="sequential", disable_tqdm=True,
-            deepspeed=auto_config(stage, "AdamW"), accelerator_config={"use_configured_state": True})
+            deepspeed=auto_config(stage, optimizer), accelerator_config={"use_configured_state": True})
         model = getattr(transformers, auto_class).from_pretrained(model_dir, dtype=torch.float32)
         routing = RoutingRecorder(model, router_class)
         trainer = transformers.Trainer(model=model, args=args, train_dataset=UnevenDataset(dist.get_world_size()))
@@ -131,7 +223,9 @@ class TestTrainerMoE(DistributedTest):
         routing.assert_uneven()
         blocks = [m for m in engine.module.modules() if type(m).__name__ == block_class]
         assert blocks and all(deepspeed.utils.z3_leaf_module(m) for m in blocks)
-        assert_changes_match(start, full_fp32_params(engine), expected, TOLERANCE["AdamW"])
+        if optimizer == "Muon":
+            assert_default_split(engine, router_class)
+        assert_changes_match(start, full_fp32_params(engine), expected, TOLERANCE[optimizer])
         # Switch's forward takes **kwargs but ignores num_items_in_batch, so the Trainer (believing its loss a sum
         # over the items) scales its mean loss by the accumulation steps and the processes: a transformers
         # behaviour, the same with upstream DeepSpeed. The gradients are that many times larger; clipping (active
@@ -144,15 +238,16 @@ class TestTrainerMoE(DistributedTest):
 class TestAccelerateMoE(DistributedTest):
     world_size = 2
 
+    @pytest.mark.parametrize("optimizer", OPTIMIZERS)
     @pytest.mark.parametrize("stage", [2, 3])
     @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
-    def test_transformer_moe_cls_names_equals_reference(self, arch, stage, class_tmpdir):
+    def test_transformer_moe_cls_names_equals_reference(self, arch, stage, optimizer, class_tmpdir):
         make_config, auto_class, block_class, router_class = ARCHITECTURES[arch]
         model_dir = saved_model(str(class_tmpdir), make_config(), auto_class)
-        start, expected, expected_losses = reference(model_dir, auto_class, dist.get_world_size())
+        start, expected, expected_losses = reference(model_dir, auto_class, dist.get_world_size(), optimizer)
 
         use_deepspeed_state()
-        config = auto_config(stage, "AdamW")
+        config = auto_config(stage, optimizer)
         config["optimizer"]["params"].update({"betas": list(BETAS), "eps": ADAM_EPS})
         config["gradient_clipping"] = CLIP
         plugin = accelerate.utils.DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=stage == 3,
@@ -162,10 +257,10 @@ class TestAccelerateMoE(DistributedTest):
         model = getattr(transformers, auto_class).from_pretrained(model_dir, dtype=torch.float32)
         routing = RoutingRecorder(model, router_class)
         loader = torch.utils.data.DataLoader(UnevenDataset(dist.get_world_size()), batch_size=MICRO, shuffle=False)
-        optimizer = accelerate.utils.DummyOptim(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-        scheduler = accelerate.utils.DummyScheduler(optimizer, total_num_steps=STEPS * accelerator.num_processes,
+        dummy = accelerate.utils.DummyOptim(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+        scheduler = accelerate.utils.DummyScheduler(dummy, total_num_steps=STEPS * accelerator.num_processes,
                                                     warmup_num_steps=WARMUP)
-        engine, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+        engine, wrapped, loader, scheduler = accelerator.prepare(model, dummy, loader, scheduler)
         assert all(deepspeed.utils.z3_leaf_module(m) for m in engine.module.modules()
                    if type(m).__name__ == block_class)
 
@@ -175,9 +270,9 @@ class TestAccelerateMoE(DistributedTest):
                 loss = engine(**batch).loss
                 micro_losses.append(accelerator.gather(loss.detach().float()).mean())
                 accelerator.backward(loss)
-                optimizer.step()
+                wrapped.step()
                 scheduler.step()
-                optimizer.zero_grad()
+                wrapped.zero_grad()
             if len(micro_losses) == GAS:
                 losses.append(torch.stack(micro_losses).mean().item())
                 micro_losses = []
@@ -186,4 +281,6 @@ class TestAccelerateMoE(DistributedTest):
         assert engine.global_steps == STEPS
         routing.assert_uneven()
         assert losses == pytest.approx(expected_losses, rel=1e-5)
-        assert_changes_match(start, full_fp32_params(engine), expected, TOLERANCE["AdamW"])
+        if optimizer == "Muon":
+            assert_default_split(engine, router_class)
+        assert_changes_match(start, full_fp32_params(engine), expected, TOLERANCE[optimizer])

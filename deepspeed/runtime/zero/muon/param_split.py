@@ -12,6 +12,11 @@ Two rules, chosen by `optimizer.params.param_split`:
   "embed" nor "lm_head".
 
 A parameter that already has a `use_muon` attribute keeps it: the user's choice wins under both rules.
+
+Mixture-of-experts models need no rule of their own: a router's weight (a matrix [experts, hidden]) is a hidden
+matrix, so Muon takes it under both rules, and its bias, where it has one, is a vector for Adam; a fused expert
+tensor [experts, out, in] goes to Muon whole, which orthogonalises it as `experts` matrices (`matrix_blocks`). The
+log line counts both: Muon's tensors as the matrices Newton-Schulz sees, and the router weights among them.
 """
 
 from collections.abc import Iterable
@@ -20,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deepspeed.runtime.constants import MUON_PARAM_SPLITS as PARAM_SPLITS
+from deepspeed.runtime.zero.muon.math.update import matrix_blocks
 
 DEFAULT_PARAM_SPLIT = "hidden"
 _EMBEDDINGS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
@@ -36,6 +42,8 @@ class ParamSplit:
 
     muon: list = field(default_factory=list)  # (name, numel)
     adam: list = field(default_factory=list)  # (name, numel, reason)
+    matrices: dict = field(default_factory=dict)  # Muon tensor name -> the matrices Newton-Schulz sees in it
+    routers: list = field(default_factory=list)  # names of the Muon tensors that are MoE routers' weights
 
     def summary(self, rule: str) -> str:
         muon_numel = sum(numel for _, numel in self.muon)
@@ -45,8 +53,21 @@ class ParamSplit:
             count, total = reasons.get(reason, (0, 0))
             reasons[reason] = (count + 1, total + numel)
         detail = ", ".join(f"{reason} {count} ({total:,})" for reason, (count, total) in sorted(reasons.items()))
-        return (f"Muon param split ({rule}): Muon {len(self.muon)} tensors ({muon_numel:,} params), "
+        return (f"Muon param split ({rule}): Muon {len(self.muon)} tensors{self._muon_detail(muon_numel)}, "
                 f"Adam {len(self.adam)} tensors ({adam_numel:,} params){': ' + detail if detail else ''}")
+
+    def _muon_detail(self, muon_numel: int) -> str:
+        """' (n params)', or for a model with batched tensors or routers ' = m matrices (n params; ...)'."""
+        batched = {name: count for name, count in self.matrices.items() if count > 1}
+        notes = []
+        if batched:
+            # Tensors of more than two dims other than conv kernels: in practice fused experts [experts, out, in].
+            notes.append(f"fused experts {len(batched)} tensors = {sum(batched.values())} matrices")
+        if self.routers:
+            notes.append(f"routers {len(self.routers)}")
+        if not notes:
+            return f" ({muon_numel:,} params)"
+        return f" = {sum(self.matrices.values())} matrices ({muon_numel:,} params; {', '.join(notes)})"
 
 
 def _head_modules(model: torch.nn.Module) -> set:
@@ -64,6 +85,13 @@ def _head_modules(model: torch.nn.Module) -> set:
         if name.split(".")[-1] == "lm_head":
             heads.add(id(module))
     return heads
+
+
+def _router_params(model: torch.nn.Module) -> set:
+    """ids of the parameters of MoE routers: modules whose class name contains "Router" (transformers names every
+    router so: MixtralTopKRouter, Qwen3MoeTopKRouter, SwitchTransformersTop1Router, ...) and their submodules."""
+    return {id(param) for module in model.modules() if "router" in type(module).__name__.lower()
+            for param in module.parameters()}
 
 
 def _hidden_rule(model: torch.nn.Module) -> dict:
@@ -104,6 +132,7 @@ def tag_muon_params(model: torch.nn.Module, param_split: str = DEFAULT_PARAM_SPL
     if param_split not in PARAM_SPLITS:
         raise ValueError(f"param_split must be one of {list(PARAM_SPLITS)}, got {param_split!r}")
     reasons = _hidden_rule(model) if param_split == "hidden" else None
+    routers = _router_params(model)
     split = ParamSplit()
     named: Iterable = model.named_parameters()
     for name, param in named:
@@ -117,6 +146,10 @@ def tag_muon_params(model: torch.nn.Module, param_split: str = DEFAULT_PARAM_SPL
         numel = _shape(param).numel()
         if param.use_muon:
             split.muon.append((name, numel))
+            if len(_shape(param)) >= 2:
+                split.matrices[name] = matrix_blocks(_shape(param))[0]
+            if id(param) in routers:
+                split.routers.append(name)
         else:
             split.adam.append((name, numel, reason or "tagged use_muon=False"))
     return split

@@ -37,6 +37,37 @@ class WithOutputEmbeddings(torch.nn.Module):
         return self.output
 
 
+class TopKRouter(torch.nn.Module):
+    """A router as transformers names them (class name ending in Router): a matrix [experts, dim] and a bias."""
+
+    def __init__(self, experts, dim):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(experts, dim))
+        self.bias = torch.nn.Parameter(torch.zeros(experts))
+
+
+class FusedExperts(torch.nn.Module):
+    """transformers 5's fused experts: [experts, 2 * intermediate, dim] and [experts, dim, intermediate]."""
+
+    def __init__(self, experts, dim, intermediate):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.zeros(experts, 2 * intermediate, dim))
+        self.down_proj = torch.nn.Parameter(torch.zeros(experts, dim, intermediate))
+
+
+class TinyMoE(torch.nn.Module):
+    """Embedding, attention, one MoE block (router + 4 fused experts), a norm and an untied head."""
+
+    def __init__(self, vocab=50, dim=8, experts=4, intermediate=6):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(vocab, dim)
+        self.attn = torch.nn.Linear(dim, 3 * dim, bias=False)
+        self.gate = TopKRouter(experts, dim)
+        self.experts = FusedExperts(experts, dim, intermediate)
+        self.norm = torch.nn.LayerNorm(dim, bias=False)
+        self.lm_head = torch.nn.Linear(dim, vocab, bias=False)
+
+
 def muon_names(model):
     return sorted(name for name, p in model.named_parameters() if p.use_muon)
 
@@ -50,6 +81,28 @@ def test_hidden_rule_gives_embeddings_head_and_vectors_to_adam():
                        "ln_f.weight": "vector", "ln_f.bias": "vector"}
     assert split.summary("hidden") == ("Muon param split (hidden): Muon 2 tensors (256 params), Adam 5 tensors "
                                        "(568 params): embedding 2 (528), vector 3 (40)")
+
+
+@pytest.mark.parametrize("rule", ["hidden", "upstream"])
+def test_moe_router_and_experts_go_to_muon_and_the_log_line_counts_their_matrices(rule):
+    model = TinyMoE()
+    split = deepspeed.tag_muon_params(model, rule)
+    # The router's weight is a hidden matrix; its bias a vector (Adam); each fused tensor is 4 matrices.
+    assert muon_names(model) == ["attn.weight", "experts.down_proj", "experts.gate_up_proj", "gate.weight"]
+    assert split.routers == ["gate.weight"]
+    assert split.matrices == {"attn.weight": 1, "gate.weight": 1, "experts.gate_up_proj": 4, "experts.down_proj": 4}
+    adam = ("embedding 1 (400), head 1 (400), vector 2 (12)" if rule == "hidden" else
+            "named embed or lm_head 2 (800), vector 2 (12)")
+    assert split.summary(rule) == (f"Muon param split ({rule}): Muon 4 tensors = 10 matrices (800 params; fused "
+                                   f"experts 2 tensors = 8 matrices, routers 1), Adam 4 tensors (812 params): {adam}")
+
+
+def test_a_router_tagged_for_adam_is_not_counted_among_muons_routers():
+    model = TinyMoE()
+    model.gate.weight.use_muon = False
+    split = deepspeed.tag_muon_params(model)
+    assert split.routers == [] and ("gate.weight", 32, "tagged use_muon=False") in split.adam
+    assert "routers" not in split.summary("hidden")
 
 
 def test_the_models_own_output_embeddings_are_the_head():
