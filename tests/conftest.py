@@ -31,9 +31,36 @@ def _same_version_prefix(expected: str, actual: str | None) -> bool:
     return version.parse(actual).release[: len(want)] == want
 
 
+def _torch_requirement() -> str | None:
+    """The torch specifier of requirements/requirements.txt (e.g. ">=2.0.0"), None when it names no bound."""
+    from packaging.requirements import Requirement
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "requirements", "requirements.txt")
+    with open(path) as f:
+        for line in f:
+            line = line.split("#")[0].strip()
+            if line and Requirement(line).name == "torch":
+                return str(Requirement(line).specifier) or None
+    return None
+
+
+def torch_requirement_problem(torch_version: str, requirement: str | None) -> str | None:
+    """Why `torch_version` falls outside `requirement` (a specifier such as ">=2.0.0"), or None when it is inside."""
+    from packaging.specifiers import SpecifierSet
+
+    if requirement is None or SpecifierSet(requirement).contains(torch_version.split("+")[0], prereleases=True):
+        return None
+    return (f"torch {torch_version} is outside the project's requirement torch{requirement} "
+            "(requirements/requirements.txt)")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def check_environment(pytestconfig: pytest.Config) -> None:
-    """Stop the session when --torch_ver / --cuda_ver disagree with the torch in use."""
+    """Stop the session when --torch_ver / --cuda_ver disagree with the torch in use.
+
+    Without --torch_ver the torch in use is checked against the project's own requirement: a torch the project
+    allows passes silently, one outside it is reported (the run goes on, as upstream's does without the option).
+    """
     import torch
 
     checks = (
@@ -41,18 +68,13 @@ def check_environment(pytestconfig: pytest.Config) -> None:
         ("cuda", pytestconfig.getoption("cuda_ver"), torch.version.cuda),
     )
     for name, expected, actual in checks:
-        if expected is None and actual is None:
-            continue  # a CPU build has no CUDA version to verify
-        if expected is None:
-            warnings.warn(
-                f"Running test without verifying {name} version, please provide an expected {name} "
-                f"version with --{name}_ver",
-                stacklevel=2,
-            )
-        elif not _same_version_prefix(expected, actual):
+        if expected is not None and not _same_version_prefix(expected, actual):
             pytest.exit(
                 f"expected {name} version {expected} did not match found {name} version {actual}", returncode=2
             )
+    problem = torch_requirement_problem(torch.__version__, _torch_requirement())
+    if pytestconfig.getoption("torch_ver") is None and problem is not None:
+        warnings.warn(problem, stacklevel=2)
 
 
 @pytest.hookimpl(tryfirst=True)
