@@ -4,6 +4,7 @@ install brings everything the suite imports, so no test skips for a package the 
 import importlib.util
 import os
 import re
+import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -90,3 +91,16 @@ def test_ci_runs_the_mutation_check():
     # The Muon suite must be shown able to fail on every CI run (docs/muon-regression-suite.md).
     ci = read(".ci", "run")
     assert re.search(r"^python tools/mutation_check\.py --only [a-z,]+$", ci, flags=re.MULTILINE), ci
+
+
+def test_the_muon_suite_collects_from_the_repository_root():
+    # `pytest tests/unit/ops/muon -n 2` from the root of a clone: pytest must find tests/pytest.ini (rootdir tests/,
+    # its markers and addopts) and the harness's imports must resolve without PYTHONPATH.
+    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    # One file of the suite, the one with a nightly test, which tests/pytest.ini's addopts deselect.
+    result = subprocess.run([sys.executable, "-m", "pytest", "tests/unit/ops/muon/test_mutation_check.py",
+                             "--collect-only", "-q", "-p", "no:cacheprovider"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert re.search(r"^\d+/\d+ tests collected \(1 deselected\)", result.stdout, flags=re.MULTILINE), result.stdout
