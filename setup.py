@@ -1,5 +1,5 @@
-"""Install the DeepSpeed Muon/ZeRO fork: `pip install -e .` or `pip install -e ".[dev]"` (tests), `".[dev,hf]"` (with
-the Hugging Face integration tests' transformers and accelerate).
+"""Install the DeepSpeed Muon/ZeRO fork: `pip install -e .`, or `pip install -e ".[dev]"` for everything the tests use
+(pytest, matplotlib, and transformers and accelerate, which the `hf` extra alone also installs).
 
 Native ops are compiled just in time by default. To compile them at install instead, set `DS_BUILD_OPS=1` (every
 op) or `DS_BUILD_<OP>=1` (one op, e.g. DS_BUILD_CPU_ADAM; it overrides DS_BUILD_OPS) and install without build
@@ -20,8 +20,16 @@ from op_builder.all_ops import ALL_OPS  # noqa: E402 (the checkout's op_builder,
 
 
 def read_requirements(name):
+    """The requirements listed in requirements/NAME, following `-r OTHER` lines as pip does."""
+    requirements = []
     with open(os.path.join(HERE, "requirements", name)) as f:
-        return [line.strip() for line in f if line.strip() and not line.startswith("#")]
+        for line in f:
+            line = line.split("#")[0].strip()
+            if line.startswith("-r "):
+                requirements += read_requirements(line[len("-r "):].strip())
+            elif line:
+                requirements.append(line)
+    return requirements
 
 
 def git_info():

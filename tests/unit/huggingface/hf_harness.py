@@ -23,9 +23,9 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 
-transformers = pytest.importorskip("transformers", reason="the Hugging Face tests need the hf extra: "
-                                   "pip install -e '.[dev,hf]'")
-accelerate = pytest.importorskip("accelerate", reason="the Hugging Face tests need the hf extra")
+transformers = pytest.importorskip("transformers", reason="the Hugging Face tests need the dev extra: "
+                                   "pip install -e '.[dev]'")
+accelerate = pytest.importorskip("accelerate", reason="the Hugging Face tests need the dev extra")
 
 VOCAB, SEQ, SAMPLES = 64, 16, 64
 # Adam's eps far above the gradients' scale keeps the update sensitive to it: a gradient off by the accumulation
