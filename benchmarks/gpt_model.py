@@ -10,7 +10,7 @@ With `n_experts` > 0 every block's MLP is a mixture of experts as transformers 5
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,8 @@ class GPTConfig:
     n_head: int = 12
     seq_len: int = 1024
     vocab_size: int = 50304
+    # The options below are keyword-only: a positional size list cannot shift into them.
+    _: KW_ONLY
     # Recompute each block's activations in the backward (torch.utils.checkpoint, non-reentrant) instead of keeping
     # them: only the blocks' inputs stay alive between the forward and the backward.
     activation_checkpointing: bool = False

@@ -268,7 +268,8 @@ def _plan(args, deepspeed, device: torch.device, world: int):
     selected = ALL_MODES if args.modes == "all" else [MODES_BY_NAME[name] for name in args.modes.split(",")]
     selected = [mode.in_tree(args.tree) for mode in selected]
     fused = args.fused_adamw if args.fused_adamw is not None else device.type == "cuda"
-    model_cfg = GPTConfig(args.layers, args.d_model, args.heads, args.seq_len, args.vocab, args.experts, args.top_k)
+    model_cfg = GPTConfig(args.layers, args.d_model, args.heads, args.seq_len, args.vocab, n_experts=args.experts,
+                          top_k=args.top_k)
     settings = Settings(model_cfg, args.micro_batch, args.grad_accum, args.clip, args.muon_lr, args.adam_lr,
                         args.momentum, args.ns_method, args.ns_steps, args.ns_dtype, args.overlap_comm,
                         args.bucket_size, fused, args.seed, args.ns_cuda_graph)
