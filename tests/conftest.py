@@ -31,6 +31,8 @@ _share_cores_among_xdist_workers()
 # The checkout's deepspeed wins over an installed one; sys.path[0] stays pytest's rootdir entry.
 sys.path.insert(1, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
 
+from unit.torch_requirement import torch_requirement, torch_requirement_problem  # noqa: E402
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--torch_ver", default=None, type=str, help="torch version the run must use, e.g. 2.13")
@@ -45,29 +47,6 @@ def _same_version_prefix(expected: str, actual: str | None) -> bool:
         return False
     want = version.parse(expected).release
     return version.parse(actual).release[: len(want)] == want
-
-
-def _torch_requirement() -> str | None:
-    """The torch specifier of requirements/requirements.txt (e.g. ">=2.0.0"), None when it names no bound."""
-    from packaging.requirements import Requirement
-
-    path = os.path.join(os.path.dirname(__file__), os.pardir, "requirements", "requirements.txt")
-    with open(path) as f:
-        for line in f:
-            line = line.split("#")[0].strip()
-            if line and Requirement(line).name == "torch":
-                return str(Requirement(line).specifier) or None
-    return None
-
-
-def torch_requirement_problem(torch_version: str, requirement: str | None) -> str | None:
-    """Why `torch_version` falls outside `requirement` (a specifier such as ">=2.0.0"), or None when it is inside."""
-    from packaging.specifiers import SpecifierSet
-
-    if requirement is None or SpecifierSet(requirement).contains(torch_version.split("+")[0], prereleases=True):
-        return None
-    return (f"torch {torch_version} is outside the project's requirement torch{requirement} "
-            "(requirements/requirements.txt)")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -88,7 +67,7 @@ def check_environment(pytestconfig: pytest.Config) -> None:
             pytest.exit(
                 f"expected {name} version {expected} did not match found {name} version {actual}", returncode=2
             )
-    problem = torch_requirement_problem(torch.__version__, _torch_requirement())
+    problem = torch_requirement_problem(torch.__version__, torch_requirement())
     if pytestconfig.getoption("torch_ver") is None and problem is not None:
         warnings.warn(problem, stacklevel=2)
 

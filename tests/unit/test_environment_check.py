@@ -1,7 +1,7 @@
 """The session's environment check (tests/conftest.py): silent for a torch the project allows, loud otherwise."""
 
 import torch
-from conftest import _torch_requirement, torch_requirement_problem
+from unit.torch_requirement import torch_requirement, torch_requirement_problem
 
 
 def test_a_torch_the_project_allows_passes_silently():
@@ -15,6 +15,6 @@ def test_a_torch_outside_the_requirement_is_named_with_the_requirement():
 
 
 def test_the_torch_of_this_run_is_one_the_project_allows():
-    requirement = _torch_requirement()
+    requirement = torch_requirement()
     assert requirement is not None, "requirements/requirements.txt names no torch bound"
     assert torch_requirement_problem(torch.__version__, requirement) is None
