@@ -90,7 +90,11 @@ def test_upper_bounds_name_their_reason():
 def test_ci_runs_the_mutation_check():
     # The Muon suite must be shown able to fail on every CI run (docs/muon-regression-suite.md).
     ci = read(".ci", "run")
-    assert re.search(r"^python tools/mutation_check\.py --only [a-z,]+$", ci, flags=re.MULTILINE), ci
+    mutation_check = re.search(r"^python tools/mutation_check\.py --only [a-z,]+ --skip-baseline$", ci,
+                               flags=re.MULTILINE)
+    assert mutation_check, ci
+    # --skip-baseline is sound only after the README's test command has passed the unmutated suite.
+    assert ci.index('bash -c "$test_command"') < mutation_check.start(), ci
 
 
 def test_the_muon_suite_collects_from_the_repository_root():
