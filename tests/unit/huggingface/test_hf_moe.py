@@ -21,6 +21,7 @@ import torch
 import deepspeed
 import deepspeed.comm as dist
 from unit.common import DistributedTest
+from unit.ops.muon_math.reference import newton_schulz_fp64
 
 from hf_harness import (ADAM_EPS, MUON_LR, SAMPLES, SEQ, VOCAB, TokenDataset, accelerate, assert_changes_match,
                         auto_config, full_fp32_params, reference_training, saved_model, schedule_lrs, step_batches,
@@ -35,7 +36,7 @@ LR, WEIGHT_DECAY, CLIP, BETAS = 3e-3, 0.01, 0.5, (0.9, 0.999)
 TOLERANCE = {"AdamW": 1e-4, "Muon": 1e-3}
 OPTIMIZERS = ["AdamW", "Muon"]
 REPEATED_TOKEN = 7
-MUON_MOMENTUM, NS_COEFFICIENTS, NS_STEPS = 0.95, (3.4445, -4.7750, 2.0315), 5
+MUON_MOMENTUM = 0.95
 
 
 def mixtral_config():
@@ -107,19 +108,6 @@ def adam_names(model) -> set:
     ids = {id(p) for module in modules for p in module.parameters()}
     # A ZeRO-3 parameter's own shape is its placeholder's; ds_shape is the parameter's.
     return {name for name, p in model.named_parameters() if len(getattr(p, "ds_shape", p.shape)) < 2 or id(p) in ids}
-
-
-def newton_schulz_fp64(matrix: torch.Tensor) -> torch.Tensor:
-    """Keller Jordan's quintic iteration on one matrix, in float64."""
-    a, b, c = NS_COEFFICIENTS
-    x = matrix.double()
-    transposed = x.size(0) > x.size(1)
-    x = x.T if transposed else x
-    x = x / (x.norm() + 1e-7)
-    for _ in range(NS_STEPS):
-        gram = x @ x.T
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.T if transposed else x
 
 
 def muon_reference_training(model_dir: str, auto_class: str, batches, lrs):

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from unit.common import DistributedTest
+from unit.ops.muon_math.reference import newton_schulz_fp64
 
 from muon_suite import (IN_FEATURES, NUM_CLASSES, fp32_masters, global_batches, initialize, muon_config,
                         relative_error, train)
@@ -21,7 +22,6 @@ EXPERTS, HIDDEN, EXPERT_OUT = 4, 32, 24
 STEPS = 4
 GLOBAL_BATCH = 64
 LR, ADAM_LR, BETA, BETAS, EPS = 0.05, 0.01, 0.95, (0.9, 0.95), 1e-10
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 # Relative error of each parameter's change after 4 steps: what remains is fp32 arithmetic and the reduction's
 # summation order. Orthogonalising the expert tensor as one 4 x 768 matrix gives 0.87 on it.
 TOLERANCE = 1e-3
@@ -41,18 +41,6 @@ class TinyMoE(torch.nn.Module):
         route = torch.arange(x.size(0), device=x.device) % EXPERTS
         h = torch.tanh(torch.einsum("bi,boi->bo", h, self.experts[route]))
         return F.cross_entropy(self.fc3(h), y)
-
-
-def newton_schulz_fp64(matrix: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    a, b, c = NS_COEFFICIENTS
-    x = matrix.double()
-    transposed = x.size(0) > x.size(1)
-    x = x.T if transposed else x
-    x = x / (x.norm() + 1e-7)
-    for _ in range(steps):
-        gram = x @ x.T
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.T if transposed else x
 
 
 def reference_training(model: torch.nn.Module, batches) -> dict:
