@@ -209,21 +209,22 @@ MUTATIONS: Tuple[Mutation, ...] = (
             Patch(STAGE,
                   "            if is_muon_group(group):\n"
                   "                costs = [newton_schulz_cost(full_shape(p), head_count(p)) for p in params]\n"
-                  "                layouts.append(owner_layout(numels, costs, partitions))\n"
+                  "                blocks = [ownership_blocks(full_shape(p), head_count(p)) for p in params]\n"
+                  "                layouts.append(owner_layout(numels, costs, partitions, blocks))\n"
                   "            else:\n"
                   "                layouts.append(even_layout(numels, partitions))\n",
                   "            layouts.append(even_layout(numels, partitions))\n"),
             Patch(MASTER_VIEWS,
-                  "                for index in layout.owned_params(owner_rank(g)):\n"
-                  "                    start, end = layout.param_range(index)\n"
-                  "                    lp = lp_groups[g][index]\n"
-                  "                    view = hp[start - base:end - base].view(full_shape(lp))\n"
-                  "                    # The master stands for the model's matrix: it is orthogonalised in the same "
-                  "heads.\n"
-                  "                    if (num_heads := head_count(lp)) > 1:\n"
+                  "                for piece in layout.fragments(owner_rank(g)):\n"
+                  "                    lp = lp_groups[g][piece.param_index]\n"
+                  "                    shape, num_heads = piece_view(full_shape(lp), head_count(lp), piece.numel)\n"
+                  "                    start = piece.flat_start - base\n"
+                  "                    view = hp[start:start + piece.numel].view(shape)\n"
+                  "                    # The master stands for the model's matrix (or its blocks): orthogonalised "
+                  "in the same heads.\n"
+                  "                    if num_heads > 1:\n"
                   "                        setattr(view, NUM_HEADS_ATTRIBUTE, num_heads)\n"
-                  "                    self.slots[id(view)] = MasterSlot(g, start - base, end - start, "
-                  "full_shape(lp))\n"
+                  "                    self.slots[id(view)] = MasterSlot(g, start, piece.numel, shape)\n"
                   "                    params.append(view)\n",
                   "                for fragment in layout.fragments(owner_rank(g)):\n"
                   "                    cols = full_shape(lp_groups[g][fragment.param_index])[-1]\n"

@@ -4,7 +4,8 @@ Stage 0 keeps one partition (every rank holds all masters; gradients are all-red
 partitions masters and optimizer state, stage 2 also reduces gradients into partitions during backward.
 The model's parameters become views into one flat low-precision ("lp") buffer per group; each rank keeps
 fp32 masters ("hp") for its partition. The wrapped ("basic") optimizer sees only this rank's masters:
-whole matrices for Muon groups (each has exactly one owner, see flat_layout.owner_layout) and one flat
+whole matrices for Muon groups (each has exactly one owner, see flat_layout.owner_layout; a fused expert tensor or
+a per-head matrix may be cut between owners at block boundaries, owner_blocks.py) and one flat
 1-D partition for other groups. So Muon's momentum and Newton-Schulz run in the basic optimizer's step,
 inside the transaction, once per matrix across the group.
 
@@ -28,6 +29,7 @@ from deepspeed.runtime.zero.grad_reducer import GradReducer
 from deepspeed.runtime.zero.master_views import GRAD_DTYPE_SETTABLE, MasterViews
 from deepspeed.runtime.zero.muon.per_head import head_count
 from deepspeed.runtime.zero.offload import HostOffload
+from deepspeed.runtime.zero.owner_blocks import ownership_blocks
 from deepspeed.runtime.zero.options import ZeroOptions
 from deepspeed.runtime.zero.param_groups import is_muon_group
 from deepspeed.runtime.zero.rank_state import DeclaredZeroState, load_zero_state
@@ -92,7 +94,8 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
             numels = [full_shape(p).numel() for p in params]
             if is_muon_group(group):
                 costs = [newton_schulz_cost(full_shape(p), head_count(p)) for p in params]
-                layouts.append(owner_layout(numels, costs, partitions))
+                blocks = [ownership_blocks(full_shape(p), head_count(p)) for p in params]
+                layouts.append(owner_layout(numels, costs, partitions, blocks))
             else:
                 layouts.append(even_layout(numels, partitions))
         return layouts

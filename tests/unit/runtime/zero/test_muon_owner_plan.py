@@ -1,16 +1,23 @@
 """Muon's owner plan on 4 and 8 ranks: matrices of different sizes and a fused expert tensor [experts, out, in].
 
-Each Muon tensor is owned whole by one rank, owners balanced by Newton-Schulz cost with a 3-D tensor counted as a
-batch of `experts` matrices; whatever rank owns what, the update must be the single-process one (stages 1-3).
+Each Muon matrix is owned whole by one rank, owners balanced by Newton-Schulz cost with a 3-D tensor counted as a
+batch of `experts` matrices; the expert tensor, which costs more than the rest together, is cut between ranks at
+expert boundaries, so its experts have different owners. Whatever rank owns what, the update must be the
+single-process one (stages 1-3), and each expert's the float64 Newton-Schulz of its own gradient.
 """
+
+import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import deepspeed
-from deepspeed.runtime.zero.flat_layout import assign_owners, newton_schulz_cost
+from deepspeed.utils import safe_get_full_fp32_param
+from deepspeed.runtime.zero.flat_layout import newton_schulz_cost, owner_layout
+from deepspeed.runtime.zero.owner_blocks import ownership_blocks
 from unit.common import DistributedTest
+from unit.ops.muon_math.reference import muon_update_fp64
 from unit.runtime.engine_harness import relative_error, train_steps
 from unit.runtime.zero.test_muon_zero import masters, muon_config, reference_muon
 from unit.runtime.zero.test_stage3_three_ranks import stage3
@@ -19,6 +26,8 @@ IN, HIDDEN, EXPERTS, CLASSES = 16, 32, 8, 16
 # fp32: the engine and the reference differ only in summation order (the per-rank gradient sums); a matrix
 # orthogonalised in pieces, an expert mixed with another or a step on a loss-scaled gradient is off by 10 % or more.
 TOLERANCE = 2e-5
+# The engine's fp32 Newton-Schulz against a float64 one, per expert.
+FP64_TOLERANCE = 1e-4
 
 
 class ExpertNet(torch.nn.Module):
@@ -52,6 +61,24 @@ def batches(steps, global_batch, seed=1234):
              torch.randint(0, CLASSES, (global_batch, ), generator=generator)) for _ in range(steps)]
 
 
+def experts_fp64(model, batch):
+    """The expert tensor and its full-batch gradient, in float64 (taken before `initialize` partitions anything)."""
+    reference = copy.deepcopy(model).double()
+    x, y = batch
+    reference(x.double(), y).backward()
+    return reference.experts.detach(), reference.experts.grad
+
+
+def per_expert_fp64_update(weight, grad, engine):
+    """The experts' first applied step in float64: each expert's Newton-Schulz of its own full-batch gradient (the
+    momentum starts at zero), times -lr, plus decoupled weight decay."""
+    group = next(g for g in engine.optimizer.optimizer.param_groups if g["use_muon"])
+    lr, decay = group["lr"], group["weight_decay"]
+    update = torch.stack([muon_update_fp64(grad[e], torch.zeros_like(grad[e]), group["momentum"],
+                                           nesterov=group["nesterov"])[0] for e in range(EXPERTS)])
+    return -lr * update - lr * decay * weight
+
+
 def config_for(stage, micro):
     config = muon_config(stage, micro=micro)
     return stage3(config) if stage == 3 else config
@@ -72,6 +99,7 @@ class _OwnerPlanParity:
         data = batches(3, micro * self.world_size)
         config = config_for(stage, micro)
         reference = reference_muon(model, data, config["optimizer"]["params"])
+        expert_weight, expert_grad = experts_fp64(model, data[0])
         engine = deepspeed.initialize(model=model, config=config)[0]
 
         optimizer = engine.optimizer
@@ -81,16 +109,30 @@ class _OwnerPlanParity:
         shapes = [tuple(getattr(p, "ds_shape", p.shape)) for p in optimizer.bit16_groups[muon_group]]
         assert sorted(shapes) == sorted([(HIDDEN, IN), (EXPERTS, HIDDEN), expert_shape, (2 * HIDDEN, HIDDEN),
                                          (CLASSES, 2 * HIDDEN)])
-        # The plan is the cost-balanced one (a fused expert tensor costed as its experts' matrices).
+        # The plan is the engine's cost-balanced one (a fused expert tensor costed as its experts' matrices, and
+        # cut between owners at expert boundaries).
         costs = [newton_schulz_cost(s) for s in shapes]
-        assert list(layout.owners) == assign_owners(costs, self.world_size)
+        numels = [torch.Size(s).numel() for s in shapes]
+        assert layout == owner_layout(numels, costs, self.world_size, [ownership_blocks(s) for s in shapes])
         experts = shapes.index(expert_shape)
         assert costs[experts] == EXPERTS * newton_schulz_cost((HIDDEN, HIDDEN))
-        # The experts cost more than the other four tensors together: their owner owns nothing else.
-        assert list(layout.owners).count(layout.owners[experts]) == 1
+        # The experts cost more than the other four tensors together: three or more ranks own some of them, each
+        # whole experts.
+        pieces = {rank: [f for f in layout.fragments(rank) if f.param_index == experts]
+                  for rank in range(self.world_size)}
+        holders = [rank for rank, found in pieces.items() if found]
+        assert len(holders) >= 3, holders
+        assert all(f.param_start % HIDDEN**2 == 0 and f.numel % HIDDEN**2 == 0 for r in holders for f in pieces[r])
+        expert_param = engine.module.experts
+        first_update = per_expert_fp64_update(expert_weight, expert_grad, engine)
 
         for step, batch in enumerate(data):
+            before = safe_get_full_fp32_param(expert_param).double()
             train_steps(engine, [batch], "fp32")
+            if step == 0:
+                delta = safe_get_full_fp32_param(expert_param).double() - before
+                error = relative_error(delta, first_update)
+                assert error <= FP64_TOLERANCE, f"stage {stage}: experts' first update off fp64 by {error:.2e}"
             assert engine.was_step_applied(), f"step {step} was skipped"
             for index, (got, want) in enumerate(zip(masters(engine), reference[step + 1], strict=True)):
                 start = reference[0][index]
