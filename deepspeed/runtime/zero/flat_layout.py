@@ -252,6 +252,17 @@ def _whole_owner_layout(numels: Sequence[int], costs: Sequence[int], num_partiti
     return GroupLayout(tuple(numels), tuple(offsets), partition_size, num_partitions, tuple(owners))
 
 
+# The most an owner layout's flat buffer may exceed the even layout's before `initialize` warns: each rank's
+# reduce-scatter and all-gather move its padded partition, so the factor is also Muon's bytes over ZeRO's.
+MAX_OWNER_PADDING = 1.5
+
+
+def padding_factor(layout: GroupLayout) -> float:
+    """The layout's flat buffer over the even layout's of the same parameters (>= 1 for an owner layout): what
+    each rank's reduce-scatter and all-gather move for the group over what ZeRO moves for AdamW."""
+    return layout.total_numel / even_layout(layout.numels, layout.num_partitions).total_numel
+
+
 def rank_costs(layout: GroupLayout, costs: Sequence[int]) -> List[float]:
     """Each rank's Newton-Schulz cost under `layout`: a cut parameter's cost shared by its blocks."""
     loads = [0.0] * layout.num_partitions
