@@ -253,14 +253,23 @@ def _whole_owner_layout(numels: Sequence[int], costs: Sequence[int], num_partiti
 
 
 # The most an owner layout's flat buffer may exceed the even layout's before `initialize` warns: each rank's
-# reduce-scatter and all-gather move its padded partition, so the factor is also Muon's bytes over ZeRO's.
+# reduce-scatter and all-gather move its padded partition, so the factor is also Muon's bytes over ZeRO's. Below
+# MIN_PADDING_WARNED elements of padding (a small model) the factor does not matter.
 MAX_OWNER_PADDING = 1.5
+MIN_PADDING_WARNED = 2**24
 
 
 def padding_factor(layout: GroupLayout) -> float:
     """The layout's flat buffer over the even layout's of the same parameters (>= 1 for an owner layout): what
     each rank's reduce-scatter and all-gather move for the group over what ZeRO moves for AdamW."""
     return layout.total_numel / even_layout(layout.numels, layout.num_partitions).total_numel
+
+
+def excess_padding(layout: GroupLayout) -> bool:
+    """Whether an owner layout pads beyond `MAX_OWNER_PADDING` times the even layout, by `MIN_PADDING_WARNED`
+    elements or more: the case where ranks outnumber the matrices and each partition is padded to a whole one."""
+    even = even_layout(layout.numels, layout.num_partitions).total_numel
+    return layout.total_numel > MAX_OWNER_PADDING * even and layout.total_numel - even >= MIN_PADDING_WARNED
 
 
 def rank_costs(layout: GroupLayout, costs: Sequence[int]) -> List[float]:

@@ -23,7 +23,7 @@ import deepspeed.comm as dist
 from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
 from deepspeed.runtime.optimizer_step import StepOutcome, transactional_step
 from deepspeed.runtime.zero import chunked_torch_adam
-from deepspeed.runtime.zero.flat_layout import (MAX_OWNER_PADDING, GroupLayout, even_layout, full_shape,
+from deepspeed.runtime.zero.flat_layout import (GroupLayout, even_layout, excess_padding, full_shape,
                                                 newton_schulz_cost, owner_layout, padding_factor)
 from deepspeed.utils.logging import logger
 from deepspeed.runtime.zero.full_params import FullParamAccess
@@ -98,10 +98,10 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
                 costs = [newton_schulz_cost(full_shape(p), head_count(p)) for p in params]
                 blocks = [ownership_blocks(full_shape(p), head_count(p)) for p in params]
                 layouts.append(owner_layout(numels, costs, partitions, blocks))
-                if (factor := padding_factor(layouts[-1])) > MAX_OWNER_PADDING:
+                if excess_padding(layouts[-1]) and self.dp_rank == 0:
                     logger.warning(f"ZeRO Muon: {len(params)} Muon tensors on {partitions} ranks pad every partition "
-                                   f"to the largest owner's, so each rank moves {factor:.2f}x the bytes of an even "
-                                   f"layout (docs/performance.md, 'Muon at scale')")
+                                   f"to the largest owner's, so each rank moves {padding_factor(layouts[-1]):.2f}x "
+                                   f"the bytes of an even layout (docs/performance.md, 'Muon at scale')")
             else:
                 layouts.append(even_layout(numels, partitions))
         return layouts

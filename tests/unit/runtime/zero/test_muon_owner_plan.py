@@ -79,9 +79,62 @@ def per_expert_fp64_update(weight, grad, engine):
     return -lr * update - lr * decay * weight
 
 
-def config_for(stage, micro):
+def config_for(stage, micro, offload=False):
     config = muon_config(stage, micro=micro)
+    if offload:
+        # ZeRO-Offload: the masters, their state and the basic optimizer's step on the host.
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     return stage3(config) if stage == 3 else config
+
+
+class HeadParameter(torch.nn.Parameter):
+    """A parameter orthogonalised in 8 heads; the count is a class attribute so that the single-process reference's
+    deepcopy (which drops a parameter's instance attributes) keeps it too."""
+
+    muon_num_heads = 8
+
+
+class HeadNet(torch.nn.Module):
+    """A query projection (256 x 32) orthogonalised in 8 heads, which costs more than the other two matrices
+    together, between a 32 x 16 and a 16 x 256 matrix."""
+
+    HEADS = HeadParameter.muon_num_heads
+
+    def __init__(self):
+        super().__init__()
+        self.fc_in = torch.nn.Linear(IN, HIDDEN)
+        self.query = torch.nn.Linear(HIDDEN, self.HEADS * HIDDEN, bias=False)
+        self.query.weight = HeadParameter(self.query.weight.detach().clone())
+        self.fc_out = torch.nn.Linear(self.HEADS * HIDDEN, CLASSES)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.query(torch.tanh(self.fc_in(x))))
+        return F.cross_entropy(self.fc_out(h).float(), y)
+
+
+def check_per_head_cut_equals_single_process(world_size, stage):
+    """A matrix orthogonalised per head is cut between owners at head boundaries, each head whole on one rank, and
+    the update is the single-process one."""
+    torch.manual_seed(0)
+    model = HeadNet()
+    micro = 8
+    data = batches(3, micro * world_size)
+    config = config_for(stage, micro)
+    reference = reference_muon(model, data, config["optimizer"]["params"])
+    engine = deepspeed.initialize(model=model, config=config)[0]
+    optimizer = engine.optimizer
+    (muon_group, ) = [g for g, group in enumerate(optimizer.optimizer.param_groups) if group["use_muon"]]
+    layout = optimizer.layouts[muon_group]
+    query = [i for i, p in enumerate(optimizer.bit16_groups[muon_group]) if p is model.query.weight][0]
+    pieces = [f for rank in range(world_size) for f in layout.fragments(rank) if f.param_index == query]
+    assert len(pieces) >= 2 and all(f.numel % HIDDEN**2 == 0 and f.param_start % HIDDEN**2 == 0 for f in pieces)
+    for step, batch in enumerate(data):
+        train_steps(engine, [batch], "fp32")
+        assert engine.was_step_applied(), f"step {step} was skipped"
+        for index, (got, want) in enumerate(zip(masters(engine), reference[step + 1], strict=True)):
+            start = reference[0][index]
+            error = relative_error(got - start, want - start)
+            assert error <= TOLERANCE, f"stage {stage} step {step} param {index}: relative error {error:.2e}"
 
 
 class _OwnerPlanParity:
@@ -90,14 +143,14 @@ class _OwnerPlanParity:
     # A rank that waits in a collective its peers never join fails in minutes, not at the suite's timeout.
     exec_timeout = 300
 
-    def check_update_equals_single_process(self, stage):
+    def check_update_equals_single_process(self, stage, offload=False):
         expert_shape = (EXPERTS, HIDDEN, HIDDEN)
         micro = 8
         model = new_model()
         # A global batch of 8 x world size (32 or 64) >= every matrix's smaller side: full-rank gradients (see
         # test_muon_zero), so summation-order noise is not amplified by Newton-Schulz.
         data = batches(3, micro * self.world_size)
-        config = config_for(stage, micro)
+        config = config_for(stage, micro, offload)
         reference = reference_muon(model, data, config["optimizer"]["params"])
         expert_weight, expert_grad = experts_fp64(model, data[0])
         engine = deepspeed.initialize(model=model, config=config)[0]
@@ -146,6 +199,13 @@ class TestOwnerPlanFourRanks(_OwnerPlanParity, DistributedTest):
     @pytest.mark.parametrize("stage", [1, 2, 3])
     def test_update_equals_single_process(self, stage):
         self.check_update_equals_single_process(stage)
+
+    def test_offloaded_update_equals_single_process(self):
+        self.check_update_equals_single_process(2, offload=True)
+
+    @pytest.mark.parametrize("stage", [2, 3])
+    def test_per_head_cut_equals_single_process(self, stage):
+        check_per_head_cut_equals_single_process(self.world_size, stage)
 
 
 class TestOwnerPlanEightRanks(_OwnerPlanParity, DistributedTest):
