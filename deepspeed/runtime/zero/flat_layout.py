@@ -67,7 +67,8 @@ class GroupLayout:
 
     @property
     def is_whole_param(self) -> bool:
-        """True when no parameter is split across partitions (owner layout, or a single partition)."""
+        """True when every partition holds whole Muon matrices (an owner layout, which cuts a parameter only between
+        its blocks), or there is a single partition."""
         return self.owners is not None or self.num_partitions == 1
 
     def partition_range(self, rank: int) -> Tuple[int, int]:
@@ -316,25 +317,32 @@ def block_layout(numels: Sequence[int], costs: Sequence[int], blocks: Sequence[i
     best, best_key = None, None
     for partition_size in sorted(candidates):
         layout = _fill(numels, costs, blocks, num_partitions, partition_size)
-        if layout is not None and (best is None or _plan_key(layout, costs) < best_key):
-            best, best_key = layout, _plan_key(layout, costs)
+        key = None if layout is None else _plan_key(layout, costs)
+        if key is not None and (best is None or key < best_key):
+            best, best_key = layout, key
     return best
 
 
 def _fill(numels: Sequence[int], costs: Sequence[int], blocks: Sequence[int], num_partitions: int,
           partition_size: int) -> Optional[GroupLayout]:
     """`block_layout` at one partition size; None when the parameters do not fit."""
-    share = sum(costs) / num_partitions
+    total = sum(costs)
     offsets, owners = [], []
-    rank, used, done = 0, 0, 0.0  # partition being filled, its elements from the front, cost placed so far
+    # The partition being filled, its elements from the front, the cost placed so far and before this rank.
+    rank, used, done, before = 0, 0, 0.0, 0.0
 
     def next_rank() -> bool:
-        nonlocal rank, used
-        rank, used = rank + 1, 0
+        nonlocal rank, used, before
+        rank, used, before = rank + 1, 0, done
         return rank < num_partitions
 
+    def share() -> float:
+        # The cost placed once this rank holds an even share of what is left (a rank that a middle piece overfilled
+        # lowers the next ones' shares, never to nothing).
+        return before + (total - before) / (num_partitions - rank)
+
     for n, cost, count in zip(numels, costs, blocks):
-        goal = (rank + 1) * share  # cost placed once this rank holds its share
+        goal = share()
         last = rank == num_partitions - 1
         if count <= 1 or n % count or n <= partition_size - used and (last or done + cost <= goal):
             # Whole: here if it fits and (rounded) keeps this rank within its share, else on the next rank.
@@ -352,7 +360,7 @@ def _fill(numels: Sequence[int], costs: Sequence[int], blocks: Sequence[int], nu
         if head == 0:
             if used and not next_rank():
                 return None
-            goal = (rank + 1) * share
+            goal = share()
             head = min(count, partition_size // block, max(1, round((goal - done) / block_cost)))
             if head == count:
                 offsets.append(rank * partition_size)
