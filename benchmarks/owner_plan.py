@@ -274,11 +274,21 @@ COLUMNS = [("ranks", "ranks", "{}"), ("scheme", "scheme", "{}"), ("ns_max_over_m
            ("owner_peak_gib", "owner peak GiB", "{:.3g}")]
 
 
+def densest_tensor(shapes) -> tuple:
+    """(shape, its Newton-Schulz cost per element over the model's) of the tensor with the most cost per element."""
+    mean = sum(newton_schulz_cost(s) for s in shapes) / sum(numel(s) for s in shapes)
+    shape = max(shapes, key=lambda s: newton_schulz_cost(s) / numel(s))
+    return shape, newton_schulz_cost(shape) / numel(shape) / mean
+
+
 def markdown(rows: list[Row], meta: dict, sizes: dict) -> str:
     lines = ["# Muon owner plan at scale", ""]
     lines += [f"- {key}: {value}" for key, value in meta.items()]
-    for model, (count, elements) in sizes.items():
+    for model, (count, elements, densest) in sizes.items():
         lines += ["", f"## {model}: {count} Muon tensors, {elements:,} elements", "",
+                  f"Costliest tensor per element: {densest[1]:.2f}x the model's average Newton-Schulz cost per "
+                  f"element ({densest[0]}); a tensor cut over whole partitions makes its ranks do at least that over "
+                  f"an even share.", "",
                   "| " + " | ".join(title for _, title, _ in COLUMNS) + " |",
                   "|" + "---|" * len(COLUMNS)]
         for row in rows:
@@ -329,11 +339,12 @@ def main() -> None:
     rows, sizes = [], {}
     for model, build in MODELS.items():
         shapes = build()
-        sizes[model] = (len(shapes), sum(numel(s) for s in shapes))
+        sizes[model] = (len(shapes), sum(numel(s) for s in shapes), densest_tensor(shapes))
         for ranks in RANKS:
             rows.extend(plan(model, shapes, ranks))
-    (out / "owner_plan.json").write_text(json.dumps({"meta": meta, "models": {m: {"tensors": c, "elements": e}
-                                                                              for m, (c, e) in sizes.items()},
+    (out / "owner_plan.json").write_text(json.dumps({"meta": meta, "models": {
+        m: {"tensors": c, "elements": e, "densest_tensor": list(d[0]), "densest_cost_per_element_over_mean": d[1]}
+        for m, (c, e, d) in sizes.items()},
                                                      "rows": [asdict(row) for row in rows]}, indent=1) + "\n")
     (out / "owner_plan.md").write_text(markdown(rows, meta, sizes))
     figure(rows, out / "owner_plan.png")
