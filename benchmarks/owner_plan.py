@@ -274,10 +274,14 @@ COLUMNS = [("ranks", "ranks", "{}"), ("scheme", "scheme", "{}"), ("ns_max_over_m
            ("owner_peak_gib", "owner peak GiB", "{:.3g}")]
 
 
-def densest_tensor(shapes) -> tuple:
-    """(shape, its Newton-Schulz cost per element over the model's) of the tensor with the most cost per element."""
+def densest_tensor(shapes) -> tuple | None:
+    """(shape, its Newton-Schulz cost per element over the model's) of the tensor with the most cost per element
+    among those the engine may cut between owners (several blocks), or None when there is none."""
+    cuttable = [s for s in shapes if ownership_blocks(s) > 1]
+    if not cuttable:
+        return None
     mean = sum(newton_schulz_cost(s) for s in shapes) / sum(numel(s) for s in shapes)
-    shape = max(shapes, key=lambda s: newton_schulz_cost(s) / numel(s))
+    shape = max(cuttable, key=lambda s: newton_schulz_cost(s) / numel(s))
     return shape, newton_schulz_cost(shape) / numel(shape) / mean
 
 
@@ -285,12 +289,12 @@ def markdown(rows: list[Row], meta: dict, sizes: dict) -> str:
     lines = ["# Muon owner plan at scale", ""]
     lines += [f"- {key}: {value}" for key, value in meta.items()]
     for model, (count, elements, densest) in sizes.items():
-        lines += ["", f"## {model}: {count} Muon tensors, {elements:,} elements", "",
-                  f"Costliest tensor per element: {densest[1]:.2f}x the model's average Newton-Schulz cost per "
-                  f"element ({densest[0]}); a tensor cut over whole partitions makes its ranks do at least that over "
-                  f"an even share.", "",
-                  "| " + " | ".join(title for _, title, _ in COLUMNS) + " |",
-                  "|" + "---|" * len(COLUMNS)]
+        lines += ["", f"## {model}: {count} Muon tensors, {elements:,} elements", ""]
+        if densest is not None:
+            lines += [f"Costliest tensor that may be cut between owners, per element: {densest[1]:.2f}x the model's "
+                      f"average Newton-Schulz cost per element ({densest[0]}); where it fills whole partitions its "
+                      f"ranks do at least that over an even share.", ""]
+        lines += ["| " + " | ".join(title for _, title, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
         for row in rows:
             if row.model == model:
                 values = asdict(row)
@@ -343,7 +347,8 @@ def main() -> None:
         for ranks in RANKS:
             rows.extend(plan(model, shapes, ranks))
     (out / "owner_plan.json").write_text(json.dumps({"meta": meta, "models": {
-        m: {"tensors": c, "elements": e, "densest_tensor": list(d[0]), "densest_cost_per_element_over_mean": d[1]}
+        m: {"tensors": c, "elements": e, "densest_cut_tensor": None if d is None else list(d[0]),
+            "densest_cut_cost_per_element_over_mean": None if d is None else d[1]}
         for m, (c, e, d) in sizes.items()},
                                                      "rows": [asdict(row) for row in rows]}, indent=1) + "\n")
     (out / "owner_plan.md").write_text(markdown(rows, meta, sizes))
