@@ -211,6 +211,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "                costs = [newton_schulz_cost(full_shape(p), head_count(p)) for p in params]\n"
                   "                blocks = [ownership_blocks(full_shape(p), head_count(p)) for p in params]\n"
                   "                layouts.append(owner_layout(numels, costs, partitions, blocks))\n"
+                  "                self._warn_of_padding(layouts[-1])\n"
                   "            else:\n"
                   "                layouts.append(even_layout(numels, partitions))\n",
                   "            layouts.append(even_layout(numels, partitions))\n"),

@@ -98,13 +98,18 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
                 costs = [newton_schulz_cost(full_shape(p), head_count(p)) for p in params]
                 blocks = [ownership_blocks(full_shape(p), head_count(p)) for p in params]
                 layouts.append(owner_layout(numels, costs, partitions, blocks))
-                if excess_padding(layouts[-1]) and self.dp_rank == 0:
-                    logger.warning(f"ZeRO Muon: {len(params)} Muon tensors on {partitions} ranks pad every partition "
-                                   f"to the largest owner's, so each rank moves {padding_factor(layouts[-1]):.2f}x "
-                                   f"the bytes of an even layout (docs/performance.md, 'Muon at scale')")
+                self._warn_of_padding(layouts[-1])
             else:
                 layouts.append(even_layout(numels, partitions))
         return layouts
+
+    def _warn_of_padding(self, layout: GroupLayout) -> None:
+        """Say so once (rank 0) when a Muon group's owner layout pads its partitions far beyond an even layout: ranks
+        outnumber its matrices, and every rank's reduce-scatter and all-gather move the padding."""
+        if excess_padding(layout) and self.dp_rank == 0:
+            logger.warning(f"ZeRO Muon: {len(layout.numels)} Muon tensors on {layout.num_partitions} ranks pad every "
+                           f"partition to the largest owner's, so each rank moves {padding_factor(layout):.2f}x the "
+                           f"bytes of an even layout (docs/performance.md, 'Muon at scale')")
 
     def _flatten_lp_params(self) -> None:
         """Copy each group into one flat lp buffer and make every parameter a view of it."""
