@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from deepspeed.checkpoint.regroup import full_group_state, group_state_for_rank
-from deepspeed.runtime.zero.flat_layout import (GroupLayout, block_layout, newton_schulz_cost, owner_layout,
-                                                padding_factor, rank_costs)
+from deepspeed.runtime.zero.flat_layout import (GroupLayout, block_layout, excess_padding, newton_schulz_cost,
+                                                owner_layout, padding_factor, rank_costs)
 from deepspeed.runtime.zero.muon.math.normuon import NEURON_SECOND_MOMENT, muon_state_shape
 from deepspeed.runtime.zero.muon.math.update import muon_update
 from deepspeed.runtime.zero.owner_blocks import ownership_blocks, piece_rows, piece_view
@@ -140,3 +140,14 @@ def test_piece_state_regroups_between_world_sizes_bit_for_bit(saved, loaded):
             assert sorted(entry) == sorted(reference)
             for key, value in reference.items():
                 assert entry[key].shape == value.shape and torch.equal(entry[key], value), (key, rank)
+
+
+def test_padding_past_the_bound_is_flagged_only_where_it_costs():
+    """Fewer whole matrices than ranks: every partition padded to one matrix. Flagged once the padding is both
+    MAX_OWNER_PADDING times an even layout and MIN_PADDING_WARNED elements; a small model's is not."""
+    big = 4096 * 4096
+    layout = owner_layout([big] * 4, [1] * 4, 64)
+    assert layout.partition_size == big and padding_factor(layout) == pytest.approx(16.0)
+    assert excess_padding(layout)
+    assert not excess_padding(owner_layout([64 * 64] * 4, [1] * 4, 64))
+    assert not excess_padding(owner_layout([big] * 64, [1] * 64, 64))
