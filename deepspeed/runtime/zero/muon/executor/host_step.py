@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from deepspeed.runtime.pinned_memory import empty_pinned
 from deepspeed.runtime.zero.muon.math.ns_common import resolve_ns_dtype
 from deepspeed.runtime.zero.muon.math.update import flat_view, matrix_blocks, stacked_view, update_scale
 
@@ -83,7 +84,8 @@ class HostStep:
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         buffer = self._buffers.get(role)
         if buffer is None or buffer.numel() < nbytes:
-            buffer = self._buffers[role] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
+            buffer = self._buffers[role] = (empty_pinned(nbytes, torch.uint8) if self._pin
+                                            else torch.empty(nbytes, dtype=torch.uint8))
         return buffer[:nbytes].view(dtype)
 
     def ns_dtype(self, configured: torch.dtype | None) -> torch.dtype:
