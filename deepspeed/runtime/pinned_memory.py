@@ -28,8 +28,10 @@ def empty_pinned(numel: int, dtype: torch.dtype) -> torch.Tensor:
     nbytes = numel * torch.empty(0, dtype=dtype).element_size()
     if nbytes < EXACT_PIN_MIN_BYTES or not torch.cuda.is_available():
         return torch.empty(numel, dtype=dtype, pin_memory=True)
-    tensor = torch.empty(numel, dtype=dtype)
     cudart = torch.cuda.cudart()
+    if not hasattr(cudart, "cudaHostRegister"):  # a torch build without the binding: its own pinning
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+    tensor = torch.empty(numel, dtype=dtype)
     status = cudart.cudaHostRegister(tensor.data_ptr(), nbytes, 0)
     if int(status) != 0:
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of host memory failed with CUDA error {int(status)}: "
