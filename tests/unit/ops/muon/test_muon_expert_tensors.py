@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from unit.common import DistributedTest
-from unit.ops.muon_math.reference import newton_schulz_fp64
+from unit.ops.muon.math.reference import newton_schulz_fp64
 
 from muon_suite import (IN_FEATURES, NUM_CLASSES, fp32_masters, global_batches, initialize, muon_config,
                         relative_error, train)

@@ -5,7 +5,7 @@ import random
 
 import pytest
 import torch
-from unit.ops.muon_math.reference import POLAR_EXPRESS_5, newton_schulz_fp64
+from unit.ops.muon.math.reference import POLAR_EXPRESS_5, newton_schulz_fp64
 
 from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 from deepspeed.runtime.zero.muon.math.ns_coefficients import (

@@ -12,7 +12,7 @@ import deepspeed
 from deepspeed.runtime.zero.flat_layout import assign_owners, newton_schulz_cost
 from unit.common import DistributedTest
 from unit.runtime.engine_harness import relative_error, train_steps
-from unit.runtime.zero.test_muon_zero import masters, muon_config, reference_muon
+from unit.ops.muon.zero.test_muon_zero import masters, muon_config, reference_muon
 from unit.runtime.zero.test_stage3_three_ranks import stage3
 
 IN, HIDDEN, EXPERTS, CLASSES = 16, 32, 8, 16

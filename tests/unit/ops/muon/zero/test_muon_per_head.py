@@ -21,7 +21,7 @@ import deepspeed.comm as dist
 from deepspeed.runtime.zero.muon.per_head import head_count
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 from unit.common import DistributedTest
-from unit.ops.muon_math.reference import muon_update_fp64
+from unit.ops.muon.math.reference import muon_update_fp64
 
 D, HEADS, KV_HEADS, LAYERS = 32, 4, 2, 2
 HEAD_DIM = D // HEADS
