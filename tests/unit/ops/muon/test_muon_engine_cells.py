@@ -88,6 +88,7 @@ ORACLE_CELLS = [(2, False), (2, True), (3, False), (3, True)]
 
 
 class TestMuonAccumulation(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("stage, offload", ACCUMULATION_CELLS)
@@ -105,6 +106,7 @@ class TestMuonAccumulation(DistributedTest):
 
 
 class TestMuonWeightDecay(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("stage, offload", [(0, False), (1, False), (2, False), (3, False), (2, True)])
@@ -125,6 +127,7 @@ class TestMuonWeightDecay(DistributedTest):
 
 
 class TestMuonOverflowAtEachCell(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -173,6 +176,7 @@ def resume_config(stage, offload):
 
 class UninterruptedCells(DistributedFixture):
     """K steps (the last one overflowing), save, N more (the second overflowing); records both points."""
+    reuse_dist_env = True
     world_size = 2
 
     def run(self, class_tmpdir, stage, offload):
@@ -189,6 +193,7 @@ class UninterruptedCells(DistributedFixture):
 
 
 class TestMuonResumeAtEachCell(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("stage, offload", ORACLE_CELLS)
@@ -207,6 +212,7 @@ class TestMuonResumeAtEachCell(DistributedTest):
 
 
 class TestMuonOffloadParity(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("stage", [2, 3])
@@ -243,6 +249,7 @@ def universal_config(stage):
 class SavedOnTwoRanks(DistributedFixture):
     """UNIVERSAL_K steps on 2 ranks, save, convert with the ds_to_universal command, 2 more steps; records the state
     at the save and the masters at the end."""
+    reuse_dist_env = True
     world_size = 2
 
     def run(self, class_tmpdir, stage):
@@ -266,6 +273,7 @@ class SavedOnTwoRanks(DistributedFixture):
 
 
 class TestMuonUniversalCheckpoint(DistributedTest):
+    reuse_dist_env = True
     world_size = 1
 
     @pytest.mark.parametrize("stage", [1, 3])

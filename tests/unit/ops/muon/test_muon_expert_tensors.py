@@ -70,6 +70,7 @@ def reference_training(model: torch.nn.Module, batches) -> dict:
 
 
 class TestMuonExpertTensors(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -99,6 +99,7 @@ class _OwnerPlanParity:
 
 
 class TestOwnerPlanFourRanks(_OwnerPlanParity, DistributedTest):
+    reuse_dist_env = True
     world_size = 4
 
     @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -107,6 +108,7 @@ class TestOwnerPlanFourRanks(_OwnerPlanParity, DistributedTest):
 
 
 class TestOwnerPlanEightRanks(_OwnerPlanParity, DistributedTest):
+    reuse_dist_env = True
     world_size = 8
 
     @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -118,6 +118,7 @@ def relative_error(actual, expected):
 
 
 class TestPerHeadUpdate(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("stage,dtype,adjust_lr_fn", [
@@ -163,6 +164,7 @@ def snapshot(engine, with_momenta=True):
 
 
 class TestPerHeadCheckpoints(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("stage,dtype,adjust_lr_fn", [(0, "fp32", "match_rms_adamw"), (1, "fp16", "original"),
@@ -216,6 +218,7 @@ class TestPerHeadCheckpoints(DistributedTest):
 
 
 class TestPerHeadConfigErrors(DistributedTest):
+    reuse_dist_env = True
     world_size = 1
 
     def test_initialize_says_what_is_wrong(self):
