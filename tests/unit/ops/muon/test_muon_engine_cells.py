@@ -13,7 +13,7 @@ and the universal checkpoint, each against a reference that can fail.
 """
 
 import os
-import subprocess
+import runpy
 import sys
 
 import pytest
@@ -29,7 +29,6 @@ GAS, GLOBAL_BATCH, STEPS = 4, 64, 6
 LR, ADAM_LR, WEIGHT_DECAY = 0.05, 0.01, 0.1
 CLIP = 0.2  # below the gradients' norm in these runs (about 0.4), so clipping acts
 TOLERANCE = 1e-3  # relative error of each parameter's change, as test_muon_reference_parity
-REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 4))
 
 
 def cell_config(stage, dtype, gas=GAS, offload=False, weight_decay=0.0, clip=0.0, schedule=False, **fp16):
@@ -263,12 +262,15 @@ class SavedOnTwoRanks(DistributedFixture):
         saved["continued"] = fp32_masters(engine)
         if dist.get_rank() == 0:
             torch.save(saved, os.path.join(directory, "saved.pt"))
-            env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-            command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                       os.path.join(directory, f"global_step{UNIVERSAL_K}"), "--output_folder",
-                       os.path.join(directory, f"global_step{UNIVERSAL_K}_universal")]
-            result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-            assert result.returncode == 0, result.stderr
+            # `python -m deepspeed.checkpoint.ds_to_universal ...` run in this process: a new interpreter costs
+            # seconds (tests/unit/checkpoint/test_resume_other_world_size.py runs the command line itself).
+            argv = sys.argv
+            sys.argv = ["ds_to_universal", "--input_folder", os.path.join(directory, f"global_step{UNIVERSAL_K}"),
+                        "--output_folder", os.path.join(directory, f"global_step{UNIVERSAL_K}_universal")]
+            try:
+                runpy.run_module("deepspeed.checkpoint.ds_to_universal", run_name="__main__")
+            finally:
+                sys.argv = argv
         dist.barrier()
 
 
