@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Prove that the Muon regression suite (tests/unit/ops/muon) can fail.
+"""Prove that the Muon tests (tests/unit/ops/muon: the regression suite and, in sub-folders, the internals) can fail.
 
 For each mutation, the tool copies the working tree (tracked and untracked, non-ignored files, as
 `git ls-files --cached --others --exclude-standard` lists them) into a temporary directory, re-introduces

@@ -126,6 +126,7 @@ def masters(engine):
 
 
 class TestMuonReferenceParity(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("nesterov", [True, False])
@@ -172,6 +173,7 @@ class TestMuonReferenceParity(DistributedTest):
 
 
 class TestMuonReductionOptions(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("zero", [
@@ -195,6 +197,7 @@ class TestMuonReductionOptions(DistributedTest):
 
 
 class TestMuonLossScaleIndependence(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("stage", [0, 1, 2])
@@ -227,6 +230,7 @@ def _muon_snapshot(engine):
 
 
 class TestMuonOverflowOracle(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("nesterov", [True, False])
@@ -260,6 +264,7 @@ class TestMuonOverflowOracle(DistributedTest):
 
 
 class TestMuonWorkSplit(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("stage", [1, 2])
@@ -358,6 +363,7 @@ class TestStepWorkspace(DistributedTest):
     """ZeRO lends the basic optimizer its lp weights as scratch memory for step(): they are dead then, and are
     rewritten from the masters after the step, even one that raises. (The reduced gradients are not lent: the step
     reads them.)"""
+    reuse_dist_env = True
 
     world_size = 2
 

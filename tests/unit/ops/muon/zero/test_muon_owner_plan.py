@@ -19,7 +19,7 @@ from deepspeed.runtime.zero.owner_blocks import ownership_blocks
 from unit.common import DistributedTest
 from unit.ops.muon_math.reference import muon_update_fp64
 from unit.runtime.engine_harness import relative_error, train_steps
-from unit.runtime.zero.test_muon_zero import masters, muon_config, reference_muon
+from unit.ops.muon.zero.test_muon_zero import masters, muon_config, reference_muon
 from unit.runtime.zero.test_stage3_three_ranks import stage3
 
 IN, HIDDEN, EXPERTS, CLASSES = 16, 32, 8, 16
@@ -194,6 +194,7 @@ class _OwnerPlanParity:
 
 
 class TestOwnerPlanFourRanks(_OwnerPlanParity, DistributedTest):
+    reuse_dist_env = True
     world_size = 4
 
     @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -209,6 +210,7 @@ class TestOwnerPlanFourRanks(_OwnerPlanParity, DistributedTest):
 
 
 class TestOwnerPlanEightRanks(_OwnerPlanParity, DistributedTest):
+    reuse_dist_env = True
     world_size = 8
 
     @pytest.mark.parametrize("stage", [1, 2, 3])

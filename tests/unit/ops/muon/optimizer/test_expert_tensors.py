@@ -8,7 +8,7 @@ when the other experts' gradients do. Flattening the tensor into one experts x (
 
 import pytest
 import torch
-from unit.ops.muon_math.reference import muon_update_fp64, normuon_fp64, shape_factor
+from unit.ops.muon.math.reference import muon_update_fp64, normuon_fp64, shape_factor
 
 from deepspeed.runtime.zero.muon.math.update import matrix_blocks, momentum_directions
 from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam

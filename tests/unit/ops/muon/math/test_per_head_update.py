@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from unit.ops.muon_math.reference import muon_update_fp64, shape_factor
+from unit.ops.muon.math.reference import muon_update_fp64, shape_factor
 
 from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam, muon_param_groups

@@ -14,7 +14,7 @@ import torch
 from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 from deepspeed.runtime.zero.muon.math.normuon import NEURON_SECOND_MOMENT, neuron_normalised
 from deepspeed.runtime.zero.muon.original_muon import flat_view
-from unit.ops.muon_math.reference import muon_update_fp64, newton_schulz_fp64, normuon_fp64, shape_factor
+from unit.ops.muon.math.reference import muon_update_fp64, newton_schulz_fp64, normuon_fp64, shape_factor
 
 
 @pytest.mark.parametrize("shape", [(3, 16, 40), (2, 40, 16), (4, 8, 8)])
