@@ -17,7 +17,7 @@ from deepspeed.utils import safe_get_full_fp32_param
 from deepspeed.runtime.zero.flat_layout import newton_schulz_cost, owner_layout
 from deepspeed.runtime.zero.owner_blocks import ownership_blocks
 from unit.common import DistributedTest
-from unit.ops.muon_math.reference import muon_update_fp64
+from unit.ops.muon.math.reference import muon_update_fp64
 from unit.runtime.engine_harness import relative_error, train_steps
 from unit.ops.muon.zero.test_muon_zero import masters, muon_config, reference_muon
 from unit.runtime.zero.test_stage3_three_ranks import stage3
