@@ -165,7 +165,7 @@ def _recording(fold, record):
     """``fold`` recording whether the group's directions were carved from the lent workspace."""
     def recorded(group, *args):
         folded = fold(group, *args)
-        record.append(folded is not None and folded.orthogonalise is not None)
+        record.append(folded is not None and folded.in_workspace is not None)
         return folded
     return recorded
 

@@ -156,7 +156,7 @@ def test_flat_group_with_heads_takes_the_workspace_path_with_the_same_bits():
 
     def counting(group, *args):
         folded = fold(group, *args)
-        in_workspace.append(folded is not None and folded.orthogonalise is not None)
+        in_workspace.append(folded is not None and folded.in_workspace is not None)
         return folded
 
     flat_opt._executor.fold = counting

@@ -340,7 +340,7 @@ class TestMuonWorkSplit(DistributedTest):
             folded = fold(group, *args, **kwargs)
             # The group's gradients as one run, and its directions carved from the lent workspace.
             grads = [p.grad for p in group["params"] if p.grad is not None]
-            if folded is not None and folded.orthogonalise is not None and original_muon.flat_view(grads) is not None:
+            if folded is not None and folded.in_workspace is not None and original_muon.flat_view(grads) is not None:
                 whole_group_steps.append(engine.global_steps)
             return folded
 

@@ -112,7 +112,7 @@ class DeviceStepExecutor(MuonStepExecutor):
             return []
         method, steps, coefficients = group["ns_method"], group["ns_steps"], group["ns_coefficients"]
         dtype = folded.direction.dtype
-        in_workspace: _InWorkspace | None = folded.orthogonalise
+        in_workspace: _InWorkspace | None = folded.in_workspace
         if in_workspace is None:
             return orthogonalise(folded.directions, method, steps, dtype, coefficients)
         workspace = self.workspace

@@ -33,13 +33,14 @@ class FoldedGroup:
 
     ``batches`` holds (params, the factor of their blocks' shape) per batch key, ``directions`` one
     (count * blocks, rows, cols) view per batch, in the same order, of ``direction`` (one 1-D tensor in the
-    Newton-Schulz dtype). ``orthogonalise``: what the executor needs to run Newton-Schulz on them (its own).
+    Newton-Schulz dtype). ``in_workspace``: how the device executor runs their Newton-Schulz in its lent workspace
+    (None: on memory of its own).
     """
 
     batches: list[tuple[list[Tensor], float]]
     direction: Tensor
     directions: list[Tensor]
-    orthogonalise: Any = None
+    in_workspace: Any = None
 
 
 class MuonStepExecutor:
@@ -94,7 +95,7 @@ class MuonStepExecutor:
         in_batch_order = [p for batch in by_key.values() for p in batch]
         momenta = flat_view(self._packed_momenta(in_batch_order, _momentum_dtype(group)))
         numel = momenta.numel()
-        direction, orthogonalise = self._direction_buffer(group, by_key, numel)
+        direction, in_workspace = self._direction_buffer(group, by_key, numel)
         beta, nesterov = group["momentum"], group["nesterov"]
         grads = flat_view([p.grad for p in in_batch_order])
         if grads is not None:
@@ -110,7 +111,7 @@ class MuonStepExecutor:
         directions = _batch_views(direction, by_key)
         batches = [(batch, update_scale(view.size(-2), view.size(-1), group["adjust_lr_fn"]))
                    for batch, view in zip(by_key.values(), directions)]
-        return FoldedGroup(batches, direction, directions, orthogonalise)
+        return FoldedGroup(batches, direction, directions, in_workspace)
 
     def orthogonalise(self, group: dict[str, Any], folded: FoldedGroup | None) -> list[Tensor]:
         """The orthogonalised update of every batch of ``folded``, one Newton-Schulz call for the group."""
@@ -145,8 +146,8 @@ class MuonStepExecutor:
 
     def _direction_buffer(self, group: dict[str, Any], by_key: dict[BatchKey, list[Tensor]], numel: int
                           ) -> tuple[Tensor, Any]:
-        """A 1-D tensor of ``numel`` elements in the Newton-Schulz dtype for the group's directions, and what
-        :meth:`orthogonalise` needs to run on it (the subclass's own)."""
+        """A 1-D tensor of ``numel`` elements in the Newton-Schulz dtype for the group's directions, and
+        ``FoldedGroup.in_workspace``."""
         raise NotImplementedError
 
     def copies_by_param(self, fp16_param_groups: Sequence[Sequence[Tensor]] | None) -> dict[int, Tensor]:
