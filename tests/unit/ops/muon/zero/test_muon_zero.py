@@ -339,15 +339,17 @@ class TestMuonWorkSplit(DistributedTest):
         # done once for the group.
         assert original_muon.flat_view(muon_groups[0]["params"]) is not None
         whole_group_steps = []
-        workspace_step = basic._executor._muon_updates_in_workspace
+        fold = basic._executor.fold
 
-        def counting(*args, **kwargs):
-            updates = workspace_step(*args, **kwargs)
-            if updates is not None:
+        def counting(group, *args, **kwargs):
+            folded = fold(group, *args, **kwargs)
+            # The group's gradients as one run, and its directions carved from the lent workspace.
+            grads = [p.grad for p in group["params"] if p.grad is not None]
+            if folded is not None and folded.in_workspace is not None and original_muon.flat_view(grads) is not None:
                 whole_group_steps.append(engine.global_steps)
-            return updates
+            return folded
 
-        basic._executor._muon_updates_in_workspace = counting
+        basic._executor.fold = counting
         rank = dist.get_rank()
         for step in range(3):
             generator = torch.Generator().manual_seed(step)
