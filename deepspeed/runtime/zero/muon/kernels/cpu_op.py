@@ -2,7 +2,8 @@
 
 The op's ``muon_momentum`` evaluates torch's own ``lerp`` formula and its ``apply_update`` torch's ``mul_`` then
 ``add_``, so both give the bits of the math's torch passes (``math/update.py``: ``fold_and_direction``,
-``apply_update``, whose signatures these functions have; checked by tests/unit/ops/muon/kernels/test_cpu_op_kernels.py),
+``apply_update``, whose signatures these functions have; checked by
+tests/unit/ops/muon/kernels/test_cpu_op_kernels.py),
 in one pass over memory, threaded, with the gradient converted and multiplied by the step's factor as it is read.
 ``apply_update`` also writes each updated param into its copy in the model dtype in the same pass (the weights
 ZeRO-Offload publishes, rounded as torch's ``.to(dtype)`` rounds).

@@ -8,7 +8,8 @@ holds in bf16/fp16 and loss-scaled are read as they are, converted and multiplie
 factor in registers: the torch path first writes them unscaled into fp32 chunks (a copy and a ``mul_``, 14 more
 bytes per element). The kernel evaluates torch's own formulas in fp32 (the factor's product rounded on its own,
 then ``lerp``), so the results are the same bits as the math's torch passes (``math/update.py``
-``fold_and_direction``, whose signature it has; checked on the GPU by tests/unit/ops/muon/kernels/test_fused_momentum.py).
+``fold_and_direction``, whose signature it has; checked on the GPU by
+tests/unit/ops/muon/kernels/test_fused_momentum.py).
 
 Everywhere else (CPU, no Triton, non-contiguous operands) the math's torch passes run.
 """
