@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpt_model import GPT, GPTConfig, count_parameters, is_hidden_matrix  # noqa: E402
 from provenance import provenance  # noqa: E402
+from training_progress import CallBudget, ModeProgress  # noqa: E402
 
 SIZES = {
     "gpt-small": GPTConfig(n_layer=12, d_model=768, n_head=12, seq_len=1024, vocab_size=256),
@@ -81,6 +82,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--tree", default="this", help="the tree this process runs (a release's: its version)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--checkpoint-dir", default=None, help="save each mode's engine and progress in "
+                        "DIR/<mode>-seed<seed>/ and continue from there: a run that spans several invocations")
+    parser.add_argument("--time-budget-s", type=float, default=None, help="stop, saved, before this many seconds "
+                        "of wall time (needs --checkpoint-dir); the same command continues")
+    parser.add_argument("--max-steps-per-call", type=int, default=None, help="train at most this many steps in "
+                        "this invocation, over all modes (needs --checkpoint-dir)")
+    parser.add_argument("--save-every-s", type=float, default=120.0, help="with --checkpoint-dir: save at the "
+                        "first evaluation this many training-loop seconds after the last save (0: every evaluation)")
     parser.add_argument("--report", default=None, help="re-render the table and figure from a convergence.json")
     parser.add_argument("--compare", nargs="+", default=None, metavar="JSON",
                         help="convergence.json files of runs on the same data and seed (e.g. this tree's and a "
@@ -138,21 +147,51 @@ def config_for(mode: str, args, steps: int, dtype: str) -> dict:
     return config
 
 
+def identity_of(mode: str, args, config: dict, dtype: str, device: str) -> dict:
+    """The arguments that decide a mode's numbers: a saved run continues only under the same ones."""
+    return {"mode": mode, "seed": args.seed, "tree": args.tree, "size": args.size, "tokens": args.tokens,
+            "batch": args.batch, "eval_every": args.eval_every, "eval_batches": args.eval_batches,
+            "val_fraction": args.val_fraction, "dtype": dtype, "device": device, "config": config}
+
+
 def train_mode(mode: str, args, cfg: GPTConfig, train: torch.Tensor, val: torch.Tensor, device: str,
-               dtype: str) -> dict:
+               dtype: str, budget: CallBudget) -> dict:
+    """The mode's result: its config, steps and evaluations. With --checkpoint-dir, a mode finished by an earlier
+    invocation is its saved result, one begun earlier continues from its last save, and one the budget stops is
+    saved and returned as {"pending": ...}."""
+    steps = max(1, int(args.tokens // (args.batch * cfg.seq_len)))
+    config = config_for(mode, args, steps, dtype)
+    progress = ModeProgress(args.checkpoint_dir, mode, args.seed, identity_of(mode, args, config, dtype, device)) \
+        if args.checkpoint_dir else None
+    state = progress.load() if progress else None
+    if state and state["finished"]:
+        print(f"[{mode}] finished by an earlier invocation: its saved result ({progress.path})", flush=True)
+        return state["result"]
+    if not budget.allows_step(0.0, 0.0):
+        return pending(mode, state["step"] if state else 0, steps)
+
     import deepspeed
 
-    steps = max(1, int(args.tokens // (args.batch * cfg.seq_len)))
     torch.manual_seed(args.seed)
     model = GPT(cfg)
     for name, param in model.named_parameters():
         param.use_muon = is_hidden_matrix(name, param)  # explicit: a release needs the flag on every parameter
-    config = config_for(mode, args, steps, dtype)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    # The batch of step k is the k-th draw of this generator and the learning rate is the scheduler's at step k,
+    # so a resumed mode (generator state and engine restored) sees exactly the batches and rates it would have.
     generator = torch.Generator().manual_seed(args.seed)
     val_starts = torch.randint(0, len(val) - cfg.seq_len - 1, (args.eval_batches * args.batch, ),
                                generator=torch.Generator().manual_seed(args.seed + 1))
-    evaluations, trained_seconds = [], 0.0
+    evaluations, trained_seconds, recent, step, resumed_at = [], 0.0, [], 0, []
+    if state:
+        started = time.perf_counter()
+        progress.resume(engine, state, generator)
+        evaluations, trained_seconds, recent, step = (state["evaluations"], state["seconds"], state["recent"],
+                                                      state["step"])
+        resumed_at = state.get("resumed_at", []) + [step]
+        print(f"[{mode}] resumed at step {step}/{steps} from {progress.engine_dir} "
+              f"({time.perf_counter() - started:.1f} s to load)", flush=True)
+    saved_step = step
 
     def evaluate(step: int, train_loss: float) -> None:
         engine.eval()
@@ -167,9 +206,22 @@ def train_mode(mode: str, args, cfg: GPTConfig, train: torch.Tensor, val: torch.
         print(f"[{mode}] step {step}/{steps} tokens {evaluations[-1]['tokens']:.3g} train {train_loss:.4f} "
               f"val {evaluations[-1]['val_loss']:.4f} ({trained_seconds:.1f} s)", flush=True)
 
-    evaluate(0, float("nan"))
-    recent = []
-    for step in range(1, steps + 1):
+    def save() -> None:
+        nonlocal saved_step, last_save
+        started = time.perf_counter()
+        progress.save(engine, step, trained_seconds, evaluations, recent, generator, resumed_at)
+        budget.saved(time.perf_counter() - started)
+        saved_step, last_save = step, time.monotonic()
+
+    if not evaluations:
+        evaluate(0, float("nan"))
+    last_save, step_seconds, eval_seconds = time.monotonic(), 0.0, 0.0
+    while step < steps:
+        evaluates = (step + 1) % args.eval_every == 0 or step + 1 == steps
+        if not budget.allows_step(step_seconds, eval_seconds if evaluates else 0.0):
+            if saved_step != step:
+                save()
+            return pending(mode, step, steps)
         x, y = windows(train, torch.randint(0, len(train) - cfg.seq_len - 1, (args.batch, ), generator=generator),
                        cfg.seq_len)
         if device == "cuda":
@@ -180,12 +232,30 @@ def train_mode(mode: str, args, cfg: GPTConfig, train: torch.Tensor, val: torch.
         engine.step()
         if device == "cuda":
             torch.cuda.synchronize()
+        step_seconds = max(step_seconds, time.perf_counter() - start)
         trained_seconds += time.perf_counter() - start
+        step += 1
+        budget.took_step()
         recent.append(loss.item())
-        if step % args.eval_every == 0 or step == steps:
+        if evaluates:
+            started = time.perf_counter()
             evaluate(step, sum(recent) / len(recent))
+            eval_seconds = max(eval_seconds, time.perf_counter() - started)
             recent = []
-    return {"config": config, "steps": steps, "skipped_steps": engine.skipped_steps, "evaluations": evaluations}
+            if progress and step < steps and time.monotonic() - last_save >= args.save_every_s:
+                save()
+    result = {"config": config, "steps": steps, "skipped_steps": engine.skipped_steps, "evaluations": evaluations}
+    if resumed_at:
+        result["resumed_at_steps"] = resumed_at
+    if progress:
+        progress.finish(result)
+    return result
+
+
+def pending(mode: str, step: int, steps: int) -> dict:
+    print(f"[{mode}] stopped at step {step}/{steps} by this invocation's budget; the same command continues it",
+          flush=True)
+    return {"pending": f"stopped at step {step} of {steps}; the same command continues it"}
 
 
 def crossing(evaluations: list[dict], target: float, key: str) -> float | None:
@@ -224,6 +294,9 @@ def report(results: dict, out_dir: str) -> str:
              "| mode | final validation loss | tokens to AdamW's final validation loss | validation loss at AdamW's "
              "training time | training seconds | skipped steps |", "|---|---|---|---|---|---|"]
     for mode, run in results["modes"].items():
+        if "pending" in run:
+            lines.append(f"| {mode} | not finished: {run['pending']} | | | | |")
+            continue
         if "evaluations" not in run:
             lines.append(f"| {mode} | not run: {run.get('error', '?')} | | | | |")
             continue
@@ -299,7 +372,8 @@ def compare(paths: list[str], out_dir: str) -> str:
         tree = results["meta"]["tree"]
         for mode, run in results["modes"].items():
             if "evaluations" not in run:
-                lines.append(f"| {tree} | {mode} | not run: {run.get('error', '?')} | |")
+                why = f"not finished: {run['pending']}" if "pending" in run else f"not run: {run.get('error', '?')}"
+                lines.append(f"| {tree} | {mode} | {why} | |")
                 continue
             reach = crossing(run["evaluations"], target, "tokens") if target is not None else None
             lines.append(f"| {tree} | {mode} | {run['evaluations'][-1]['val_loss']:.4f} | "
@@ -341,6 +415,10 @@ def main(argv=None) -> int:
         results = json.loads(Path(args.report).read_text())
         print(report(results, str(Path(args.report).parent)))
         return 0
+    budget = CallBudget(args.time_budget_s, args.max_steps_per_call)
+    if budget.limited() and not args.checkpoint_dir:
+        raise SystemExit("--time-budget-s and --max-steps-per-call stop a run to continue it later: they need "
+                         "--checkpoint-dir")
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                        ("MASTER_PORT", "29563")):
         os.environ.setdefault(key, value)
@@ -361,12 +439,15 @@ def main(argv=None) -> int:
         if mode not in MODES:
             raise SystemExit(f"unknown mode {mode!r}; modes: {list(MODES)}")
         try:
-            results["modes"][mode] = train_mode(mode, args, cfg, train, val, device, dtype)
+            results["modes"][mode] = train_mode(mode, args, cfg, train, val, device, dtype, budget)
         except Exception as error:  # noqa: BLE001 -- a mode a tree cannot run is recorded, the next still runs
             results["modes"][mode] = {"error": f"{type(error).__name__}: {error}"}
             print(f"[{mode}] not run: {results['modes'][mode]['error']}", flush=True)
+        meta["complete"] = not any("pending" in run for run in results["modes"].values())
         Path(args.out, "convergence.json").write_text(json.dumps(results, indent=1))
     print(report(results, args.out))
+    if not meta["complete"]:
+        print("Not every mode has finished: run the same command again to continue.", flush=True)
     return 0
 
 
