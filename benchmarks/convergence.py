@@ -18,6 +18,20 @@ validation loss), `convergence.md` (per mode: final validation loss, tokens to r
 validation loss at AdamW's training time) and, with matplotlib, `convergence.png` (validation loss against tokens
 and against seconds). The learning rates of each mode are in MODES, stated in the JSON; a mode a tree cannot run
 is recorded with the error.
+
+A run longer than one job may last (a scheduler's time limit per command) spans several invocations: with
+`--checkpoint-dir DIR` each mode saves, at an evaluation at least `--save-every-s` after its last save and when the
+invocation's budget ends (`--time-budget-s`, wall seconds; `--max-steps-per-call`), its engine through
+`engine.save_checkpoint` and its progress (step, training seconds, evaluations, the data generator's state) into
+`DIR/<mode>-seed<seed>/`; the same command again loads it with `engine.load_checkpoint` and continues, skips the
+modes that finished (reusing their saved histories) and writes the results of every mode, whichever invocation
+ran it. A mode the budget stopped is listed as not finished and `meta.complete` is false until the last one ends.
+The batch of step k is the k-th draw of one generator and the schedule is the engine's at step k, so a continued
+mode sees the batches and learning rates an uninterrupted one would; training seconds count steps only (not
+evaluations, saves or loads). Progress written under other arguments is refused.
+
+    python benchmarks/convergence.py --size gpt-small --tokens 1e8 --modes adamw,muon --checkpoint-dir CKPT \
+        --time-budget-s 540 --out DIR                                 # repeat until it prints no "not finished"
 """
 
 from __future__ import annotations
@@ -31,7 +45,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+STARTED = time.monotonic()  # --time-budget-s counts from here: importing torch is part of an invocation's time
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -167,10 +183,12 @@ def train_mode(mode: str, args, cfg: GPTConfig, train: torch.Tensor, val: torch.
     if state and state["finished"]:
         print(f"[{mode}] finished by an earlier invocation: its saved result ({progress.path})", flush=True)
         return state["result"]
-    if not budget.allows_step(0.0, 0.0):
+    if not budget.allows_mode():
         return pending(mode, state["step"] if state else 0, steps)
 
     import deepspeed
+
+    setup_started = time.monotonic()
 
     torch.manual_seed(args.seed)
     model = GPT(cfg)
@@ -186,6 +204,8 @@ def train_mode(mode: str, args, cfg: GPTConfig, train: torch.Tensor, val: torch.
     if state:
         started = time.perf_counter()
         progress.resume(engine, state, generator)
+        if budget.needs_save_estimate():
+            budget.saved(time.perf_counter() - started)  # a load moves the bytes a save does: the first estimate
         evaluations, trained_seconds, recent, step = (state["evaluations"], state["seconds"], state["recent"],
                                                       state["step"])
         resumed_at = state.get("resumed_at", []) + [step]
@@ -213,9 +233,12 @@ def train_mode(mode: str, args, cfg: GPTConfig, train: torch.Tensor, val: torch.
         budget.saved(time.perf_counter() - started)
         saved_step, last_save = step, time.monotonic()
 
+    last_save, step_seconds, eval_seconds = time.monotonic(), 0.0, 0.0
     if not evaluations:
         evaluate(0, float("nan"))
-    last_save, step_seconds, eval_seconds = time.monotonic(), 0.0, 0.0
+        if budget.needs_save_estimate():
+            save()  # how long a save takes, measured before a step is taken on the budget's word
+    budget.set_up(time.monotonic() - setup_started)
     while step < steps:
         evaluates = (step + 1) % args.eval_every == 0 or step + 1 == steps
         if not budget.allows_step(step_seconds, eval_seconds if evaluates else 0.0):
@@ -319,6 +342,8 @@ def report(results: dict, out_dir: str) -> str:
     except ImportError:
         print("matplotlib is not installed: convergence.png is not drawn", flush=True)
         return markdown
+    if not runs:
+        return markdown
     figure, axes = plt.subplots(1, 2, figsize=(11, 4))
     for mode, run in runs.items():
         points = [p for p in run["evaluations"] if not math.isnan(p["val_loss"])]
@@ -415,7 +440,7 @@ def main(argv=None) -> int:
         results = json.loads(Path(args.report).read_text())
         print(report(results, str(Path(args.report).parent)))
         return 0
-    budget = CallBudget(args.time_budget_s, args.max_steps_per_call)
+    budget = CallBudget(args.time_budget_s, args.max_steps_per_call, STARTED)
     if budget.limited() and not args.checkpoint_dir:
         raise SystemExit("--time-budget-s and --max-steps-per-call stop a run to continue it later: they need "
                          "--checkpoint-dir")
@@ -447,7 +472,8 @@ def main(argv=None) -> int:
         Path(args.out, "convergence.json").write_text(json.dumps(results, indent=1))
     print(report(results, args.out))
     if not meta["complete"]:
-        print("Not every mode has finished: run the same command again to continue.", flush=True)
+        waiting = [mode for mode, run in results["modes"].items() if "pending" in run]
+        print(f"not finished: {', '.join(waiting)}; the same command continues", flush=True)
     return 0
 
 

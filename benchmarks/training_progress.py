@@ -99,32 +99,46 @@ class ModeProgress:
 
 
 class CallBudget:
-    """What this invocation may still spend: wall seconds from its start and training steps (None: no limit).
+    """What this invocation may still spend: wall seconds from `started` (a time.monotonic()) and training steps
+    (None: no limit).
 
     A step is taken only if, after it (and the evaluation it ends with), there is still time to save: the estimate
-    of a save is the longest this invocation has measured, or `save_guess_s` before its first.
+    of a save is the longest this invocation has measured; a caller with a deadline measures one before the first
+    step (`needs_save_estimate`).
     """
 
-    def __init__(self, seconds: float | None, steps: int | None, save_guess_s: float = 30.0):
-        self.deadline = None if seconds is None else time.monotonic() + seconds
+    def __init__(self, seconds: float | None, steps: int | None, started: float):
+        # Kept for what follows the last mode's stop (the results, the figure, the interpreter's exit with its
+        # process group and device): 15% of the budget, 30 s at most.
+        self.deadline = None if seconds is None else started + seconds - min(30.0, 0.15 * seconds)
         self.steps_left = steps
-        self.save_seconds = save_guess_s
-        self.measured_save = False
+        self.save_seconds = None
+        self.setup_seconds = 0.0  # the longest a mode took here from its start to its first step
 
     def limited(self) -> bool:
         return self.deadline is not None or self.steps_left is not None
+
+    def needs_save_estimate(self) -> bool:
+        return self.deadline is not None and self.save_seconds is None
 
     def allows_step(self, step_seconds: float, eval_seconds: float) -> bool:
         if self.steps_left is not None and self.steps_left <= 0:
             return False
         if self.deadline is None:
             return True
-        return time.monotonic() + step_seconds + eval_seconds + 1.5 * self.save_seconds < self.deadline
+        save = 1.5 * (self.save_seconds or 0.0)
+        return time.monotonic() + step_seconds + eval_seconds + save < self.deadline
+
+    def allows_mode(self) -> bool:
+        """Whether a mode can be set up (engine, load, first save) and take a step."""
+        return self.allows_step(self.setup_seconds, 0.0)
+
+    def set_up(self, seconds: float) -> None:
+        self.setup_seconds = max(self.setup_seconds, seconds)
 
     def took_step(self) -> None:
         if self.steps_left is not None:
             self.steps_left -= 1
 
     def saved(self, seconds: float) -> None:
-        self.save_seconds = seconds if not self.measured_save else max(self.save_seconds, seconds)
-        self.measured_save = True
+        self.save_seconds = max(self.save_seconds or 0.0, seconds)
