@@ -48,7 +48,7 @@ class ModeProgress:
             raise SystemExit(f"{self.path}: not readable progress ({error}); remove {self.folder} to start the "
                              "mode again") from error
         saved = state.get("identity", {})
-        for key in sorted(set(saved) | set(self.identity)):
+        for key in [*self.identity, *(key for key in saved if key not in self.identity)]:  # arguments first
             if saved.get(key) != self.identity.get(key):
                 raise SystemExit(f"{self.path}: was written by a run with {key}={saved.get(key)!r}, this run has "
                                  f"{key}={self.identity.get(key)!r}; give the same arguments to continue it, or "
