@@ -18,6 +18,20 @@ validation loss), `convergence.md` (per mode: final validation loss, tokens to r
 validation loss at AdamW's training time) and, with matplotlib, `convergence.png` (validation loss against tokens
 and against seconds). The learning rates of each mode are in MODES, stated in the JSON; a mode a tree cannot run
 is recorded with the error.
+
+A run longer than one job may last (a scheduler's time limit per command) spans several invocations: with
+`--checkpoint-dir DIR` each mode saves, at an evaluation at least `--save-every-s` after its last save and when the
+invocation's budget ends (`--time-budget-s`, wall seconds; `--max-steps-per-call`), its engine through
+`engine.save_checkpoint` and its progress (step, training seconds, evaluations, the data generator's state) into
+`DIR/<mode>-seed<seed>/`; the same command again loads it with `engine.load_checkpoint` and continues, skips the
+modes that finished (reusing their saved histories) and writes the results of every mode, whichever invocation
+ran it. A mode the budget stopped is listed as not finished and `meta.complete` is false until the last one ends.
+The batch of step k is the k-th draw of one generator and the schedule is the engine's at step k, so a continued
+mode sees the batches and learning rates an uninterrupted one would; training seconds count steps only (not
+evaluations, saves or loads). Progress written under other arguments is refused.
+
+    python benchmarks/convergence.py --size gpt-small --tokens 1e8 --modes adamw,muon --checkpoint-dir CKPT \
+        --time-budget-s 540 --out DIR                                 # repeat until it prints no "not finished"
 """
 
 from __future__ import annotations
@@ -31,12 +45,15 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+STARTED = time.monotonic()  # --time-budget-s counts from here: importing torch is part of an invocation's time
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpt_model import GPT, GPTConfig, count_parameters, is_hidden_matrix  # noqa: E402
 from provenance import provenance  # noqa: E402
+from training_progress import CallBudget, ModeProgress  # noqa: E402
 
 SIZES = {
     "gpt-small": GPTConfig(n_layer=12, d_model=768, n_head=12, seq_len=1024, vocab_size=256),
@@ -81,6 +98,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--tree", default="this", help="the tree this process runs (a release's: its version)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--checkpoint-dir", default=None, help="save each mode's engine and progress in "
+                        "DIR/<mode>-seed<seed>/ and continue from there: a run that spans several invocations")
+    parser.add_argument("--time-budget-s", type=float, default=None, help="stop, saved, before this many seconds "
+                        "of wall time (needs --checkpoint-dir); the same command continues")
+    parser.add_argument("--max-steps-per-call", type=int, default=None, help="train at most this many steps in "
+                        "this invocation, over all modes (needs --checkpoint-dir)")
+    parser.add_argument("--save-every-s", type=float, default=120.0, help="with --checkpoint-dir: save at the "
+                        "first evaluation this many training-loop seconds after the last save (0: every evaluation)")
     parser.add_argument("--report", default=None, help="re-render the table and figure from a convergence.json")
     parser.add_argument("--compare", nargs="+", default=None, metavar="JSON",
                         help="convergence.json files of runs on the same data and seed (e.g. this tree's and a "
@@ -138,21 +163,55 @@ def config_for(mode: str, args, steps: int, dtype: str) -> dict:
     return config
 
 
+def identity_of(mode: str, args, config: dict, dtype: str, device: str) -> dict:
+    """The arguments that decide a mode's numbers: a saved run continues only under the same ones."""
+    return {"mode": mode, "seed": args.seed, "tree": args.tree, "size": args.size, "tokens": args.tokens,
+            "batch": args.batch, "eval_every": args.eval_every, "eval_batches": args.eval_batches,
+            "val_fraction": args.val_fraction, "dtype": dtype, "device": device, "config": config}
+
+
 def train_mode(mode: str, args, cfg: GPTConfig, train: torch.Tensor, val: torch.Tensor, device: str,
-               dtype: str) -> dict:
+               dtype: str, budget: CallBudget) -> dict:
+    """The mode's result: its config, steps and evaluations. With --checkpoint-dir, a mode finished by an earlier
+    invocation is its saved result, one begun earlier continues from its last save, and one the budget stops is
+    saved and returned as {"pending": ...}."""
+    steps = max(1, int(args.tokens // (args.batch * cfg.seq_len)))
+    config = config_for(mode, args, steps, dtype)
+    progress = ModeProgress(args.checkpoint_dir, mode, args.seed, identity_of(mode, args, config, dtype, device)) \
+        if args.checkpoint_dir else None
+    state = progress.load() if progress else None
+    if state and state["finished"]:
+        print(f"[{mode}] finished by an earlier invocation: its saved result ({progress.path})", flush=True)
+        return state["result"]
+    if not budget.allows_mode():
+        return pending(mode, state["step"] if state else 0, steps)
+
     import deepspeed
 
-    steps = max(1, int(args.tokens // (args.batch * cfg.seq_len)))
+    setup_started = time.monotonic()
+
     torch.manual_seed(args.seed)
     model = GPT(cfg)
     for name, param in model.named_parameters():
         param.use_muon = is_hidden_matrix(name, param)  # explicit: a release needs the flag on every parameter
-    config = config_for(mode, args, steps, dtype)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    # The batch of step k is the k-th draw of this generator and the learning rate is the scheduler's at step k,
+    # so a resumed mode (generator state and engine restored) sees exactly the batches and rates it would have.
     generator = torch.Generator().manual_seed(args.seed)
     val_starts = torch.randint(0, len(val) - cfg.seq_len - 1, (args.eval_batches * args.batch, ),
                                generator=torch.Generator().manual_seed(args.seed + 1))
-    evaluations, trained_seconds = [], 0.0
+    evaluations, trained_seconds, recent, step, resumed_at = [], 0.0, [], 0, []
+    if state:
+        started = time.perf_counter()
+        progress.resume(engine, state, generator)
+        if budget.needs_save_estimate():
+            budget.saved(time.perf_counter() - started)  # a load moves the bytes a save does: the first estimate
+        evaluations, trained_seconds, recent, step = (state["evaluations"], state["seconds"], state["recent"],
+                                                      state["step"])
+        resumed_at = state.get("resumed_at", []) + [step]
+        print(f"[{mode}] resumed at step {step}/{steps} from {progress.engine_dir} "
+              f"({time.perf_counter() - started:.1f} s to load)", flush=True)
+    saved_step = step
 
     def evaluate(step: int, train_loss: float) -> None:
         engine.eval()
@@ -167,9 +226,25 @@ def train_mode(mode: str, args, cfg: GPTConfig, train: torch.Tensor, val: torch.
         print(f"[{mode}] step {step}/{steps} tokens {evaluations[-1]['tokens']:.3g} train {train_loss:.4f} "
               f"val {evaluations[-1]['val_loss']:.4f} ({trained_seconds:.1f} s)", flush=True)
 
-    evaluate(0, float("nan"))
-    recent = []
-    for step in range(1, steps + 1):
+    def save() -> None:
+        nonlocal saved_step, last_save
+        started = time.perf_counter()
+        progress.save(engine, step, trained_seconds, evaluations, recent, generator, resumed_at)
+        budget.saved(time.perf_counter() - started)
+        saved_step, last_save = step, time.monotonic()
+
+    last_save, step_seconds, eval_seconds = time.monotonic(), 0.0, 0.0
+    if not evaluations:
+        evaluate(0, float("nan"))
+        if budget.needs_save_estimate():
+            save()  # how long a save takes, measured before a step is taken on the budget's word
+    budget.set_up(time.monotonic() - setup_started)
+    while step < steps:
+        evaluates = (step + 1) % args.eval_every == 0 or step + 1 == steps
+        if not budget.allows_step(step_seconds, eval_seconds if evaluates else 0.0):
+            if saved_step != step:
+                save()
+            return pending(mode, step, steps)
         x, y = windows(train, torch.randint(0, len(train) - cfg.seq_len - 1, (args.batch, ), generator=generator),
                        cfg.seq_len)
         if device == "cuda":
@@ -180,12 +255,30 @@ def train_mode(mode: str, args, cfg: GPTConfig, train: torch.Tensor, val: torch.
         engine.step()
         if device == "cuda":
             torch.cuda.synchronize()
+        step_seconds = max(step_seconds, time.perf_counter() - start)
         trained_seconds += time.perf_counter() - start
+        step += 1
+        budget.took_step()
         recent.append(loss.item())
-        if step % args.eval_every == 0 or step == steps:
+        if evaluates:
+            started = time.perf_counter()
             evaluate(step, sum(recent) / len(recent))
+            eval_seconds = max(eval_seconds, time.perf_counter() - started)
             recent = []
-    return {"config": config, "steps": steps, "skipped_steps": engine.skipped_steps, "evaluations": evaluations}
+            if progress and step < steps and time.monotonic() - last_save >= args.save_every_s:
+                save()
+    result = {"config": config, "steps": steps, "skipped_steps": engine.skipped_steps, "evaluations": evaluations}
+    if resumed_at:
+        result["resumed_at_steps"] = resumed_at
+    if progress:
+        progress.finish(result)
+    return result
+
+
+def pending(mode: str, step: int, steps: int) -> dict:
+    print(f"[{mode}] stopped at step {step}/{steps} by this invocation's budget; the same command continues it",
+          flush=True)
+    return {"pending": f"stopped at step {step} of {steps}; the same command continues it"}
 
 
 def crossing(evaluations: list[dict], target: float, key: str) -> float | None:
@@ -224,6 +317,9 @@ def report(results: dict, out_dir: str) -> str:
              "| mode | final validation loss | tokens to AdamW's final validation loss | validation loss at AdamW's "
              "training time | training seconds | skipped steps |", "|---|---|---|---|---|---|"]
     for mode, run in results["modes"].items():
+        if "pending" in run:
+            lines.append(f"| {mode} | not finished: {run['pending']} | | | | |")
+            continue
         if "evaluations" not in run:
             lines.append(f"| {mode} | not run: {run.get('error', '?')} | | | | |")
             continue
@@ -245,6 +341,8 @@ def report(results: dict, out_dir: str) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed: convergence.png is not drawn", flush=True)
+        return markdown
+    if not runs:
         return markdown
     figure, axes = plt.subplots(1, 2, figsize=(11, 4))
     for mode, run in runs.items():
@@ -299,7 +397,8 @@ def compare(paths: list[str], out_dir: str) -> str:
         tree = results["meta"]["tree"]
         for mode, run in results["modes"].items():
             if "evaluations" not in run:
-                lines.append(f"| {tree} | {mode} | not run: {run.get('error', '?')} | |")
+                why = f"not finished: {run['pending']}" if "pending" in run else f"not run: {run.get('error', '?')}"
+                lines.append(f"| {tree} | {mode} | {why} | |")
                 continue
             reach = crossing(run["evaluations"], target, "tokens") if target is not None else None
             lines.append(f"| {tree} | {mode} | {run['evaluations'][-1]['val_loss']:.4f} | "
@@ -341,6 +440,10 @@ def main(argv=None) -> int:
         results = json.loads(Path(args.report).read_text())
         print(report(results, str(Path(args.report).parent)))
         return 0
+    budget = CallBudget(args.time_budget_s, args.max_steps_per_call, STARTED)
+    if budget.limited() and not args.checkpoint_dir:
+        raise SystemExit("--time-budget-s and --max-steps-per-call stop a run to continue it later: they need "
+                         "--checkpoint-dir")
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                        ("MASTER_PORT", "29563")):
         os.environ.setdefault(key, value)
@@ -361,12 +464,16 @@ def main(argv=None) -> int:
         if mode not in MODES:
             raise SystemExit(f"unknown mode {mode!r}; modes: {list(MODES)}")
         try:
-            results["modes"][mode] = train_mode(mode, args, cfg, train, val, device, dtype)
+            results["modes"][mode] = train_mode(mode, args, cfg, train, val, device, dtype, budget)
         except Exception as error:  # noqa: BLE001 -- a mode a tree cannot run is recorded, the next still runs
             results["modes"][mode] = {"error": f"{type(error).__name__}: {error}"}
             print(f"[{mode}] not run: {results['modes'][mode]['error']}", flush=True)
+        meta["complete"] = not any("pending" in run for run in results["modes"].values())
         Path(args.out, "convergence.json").write_text(json.dumps(results, indent=1))
     print(report(results, args.out))
+    if not meta["complete"]:
+        waiting = [mode for mode, run in results["modes"].items() if "pending" in run]
+        print(f"not finished: {', '.join(waiting)}; the same command continues", flush=True)
     return 0
 
 
