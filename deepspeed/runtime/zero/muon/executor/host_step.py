@@ -18,8 +18,40 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from deepspeed.runtime.pinned_memory import empty_pinned
 from deepspeed.runtime.zero.muon.math.ns_common import resolve_ns_dtype
 from deepspeed.runtime.zero.muon.math.update import flat_view, matrix_blocks, stacked_view, update_scale
+
+
+# Directions travel to the Newton-Schulz device at most this many bytes at a time (whole matrices, at least one),
+# so the device holds one chunk's directions and Newton-Schulz workspace, never a whole group's: a 7B GPT's largest
+# stack of same-shape matrices is 4 GiB in bf16, more than a 24 GiB GPU has left beside ZeRO-3's gradients. The
+# chunks depend on the shapes only, so every rank, step and resumed run cuts them alike.
+NS_CHUNK_BYTES = 512 * 2**20
+
+
+def ns_chunks(directions: list[Tensor], budget_bytes: int) -> list[list[tuple[int, int, int]]]:
+    """Cut batches of matrices (each a (count, rows, cols) tensor) into chunks of at most `budget_bytes` (a matrix
+    larger than the budget goes alone): each chunk a list of (batch index, first matrix, end), in order, so the
+    chunks' results laid end to end are the batches' results."""
+    chunks, chunk, chunk_bytes = [], [], 0
+    for index, batch in enumerate(directions):
+        count = batch.shape[0]
+        per_matrix = max(1, batch[0].numel() * batch.element_size()) if count else 1
+        start = 0
+        while start < count:
+            room = (budget_bytes - chunk_bytes) // per_matrix
+            if room < 1 and chunk:
+                chunks.append(chunk)
+                chunk, chunk_bytes = [], 0
+                continue
+            end = min(count, start + max(1, room))
+            chunk.append((index, start, end))
+            chunk_bytes += (end - start) * per_matrix
+            start = end
+    if chunk:
+        chunks.append(chunk)
+    return chunks
 
 
 class HostStep:
@@ -52,7 +84,8 @@ class HostStep:
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         buffer = self._buffers.get(role)
         if buffer is None or buffer.numel() < nbytes:
-            buffer = self._buffers[role] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
+            buffer = self._buffers[role] = (empty_pinned(nbytes, torch.uint8) if self._pin
+                                            else torch.empty(nbytes, dtype=torch.uint8))
         return buffer[:nbytes].view(dtype)
 
     def ns_dtype(self, configured: torch.dtype | None) -> torch.dtype:
@@ -97,15 +130,18 @@ class HostStep:
         home = directions[0].device
         if home == self.ns_device:
             return orthogonalise(directions)
-        updates = orthogonalise([direction.to(self.ns_device, non_blocking=self._pin) for direction in directions])
-        flat = self._buffer(("updates", id(group)), sum(update.numel() for update in updates), updates[0].dtype)
+        flat = self._buffer(("updates", id(group)), sum(direction.numel() for direction in directions),
+                            directions[0].dtype)
         host, start = [], 0
-        for update in updates:
-            view = flat[start:start + update.numel()].view(update.shape)
-            start += update.numel()
-            # Asynchronous into page-locked memory; one wait for all of them.
-            view.copy_(update, non_blocking=self._pin)
-            host.append(view)
+        for direction in directions:
+            host.append(flat[start:start + direction.numel()].view(direction.shape))
+            start += direction.numel()
+        for chunk in ns_chunks(directions, NS_CHUNK_BYTES):
+            updates = orthogonalise([directions[index][lo:hi].to(self.ns_device, non_blocking=self._pin)
+                                     for index, lo, hi in chunk])
+            for (index, lo, hi), update in zip(chunk, updates):
+                # Asynchronous into page-locked memory; one wait for all of them.
+                host[index][lo:hi].copy_(update, non_blocking=self._pin)
         if self._pin:
             from deepspeed.accelerator import get_accelerator
 
