@@ -27,7 +27,7 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 
-from .dist_launcher import RankSpec, WorkerPool, failure_message, launch_one_shot, skip_message
+from .dist_launcher import RankSpec, WorkerPool, failure_message, launch_one_shot, reap_leaving, skip_message
 
 DEEPSPEED_TEST_TIMEOUT = int(os.environ.get("DS_UNITTEST_TIMEOUT") or 600)
 
@@ -168,7 +168,8 @@ class DistributedExec:
 
     @classmethod
     def close_pools(cls) -> None:
-        """Stop every cached pool of ranks (end of session)."""
+        """Stop every cached pool of ranks and join the ranks of passed launches still leaving (end of session)."""
+        reap_leaving(wait=True)
         while DistributedExec._pool_cache:
             _, pool = DistributedExec._pool_cache.popitem()
             pool.close()
