@@ -77,6 +77,20 @@ def _start_method() -> str:
     return next(method for method in preferred if method in available)
 
 
+@functools.cache
+def _answer_before_forking() -> None:
+    """Ask, once in this process, what every rank that loads a native op would ask again: the CPU's features.
+
+    py-cpuinfo answers in a subprocess of its own (about a second of CPU); ranks forked after this inherit the
+    cached answer, so each offload or cpu_adam test no longer pays it on every rank.
+    """
+    try:
+        from deepspeed.ops.op_builder.builder import cpu_info
+    except ImportError:
+        return
+    cpu_info()
+
+
 class DistributedExec:
     """Runs `self.run(**kwargs)` on `world_size` ranks with an initialised process group.
 
@@ -150,6 +164,8 @@ class DistributedExec:
         if reason is not None:
             pytest.skip(reason)
         start_method = _start_method()
+        if start_method == "fork":
+            _answer_before_forking()
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
             # Ranks fork from a server that has already paid for importing torch and deepspeed.
