@@ -27,7 +27,7 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 
-from .dist_launcher import RankSpec, WorkerPool, failure_message, launch_one_shot, skip_message
+from .dist_launcher import RankSpec, WorkerPool, failure_message, launch_one_shot, reap_leaving, skip_message
 
 DEEPSPEED_TEST_TIMEOUT = int(os.environ.get("DS_UNITTEST_TIMEOUT") or 600)
 
@@ -75,6 +75,20 @@ def _start_method() -> str:
     available = mp.get_all_start_methods()
     preferred = ["fork", "forkserver", "spawn"] if _is_cpu_accelerator() else ["forkserver", "spawn"]
     return next(method for method in preferred if method in available)
+
+
+@functools.cache
+def _answer_before_forking() -> None:
+    """Ask, once in this process, what every rank that loads a native op would ask again: the CPU's features.
+
+    py-cpuinfo answers in a subprocess of its own (about a second of CPU); ranks forked after this inherit the
+    cached answer, so each offload or cpu_adam test no longer pays it on every rank.
+    """
+    try:
+        from deepspeed.ops.op_builder.builder import cpu_info
+    except ImportError:
+        return
+    cpu_info()
 
 
 class DistributedExec:
@@ -150,6 +164,8 @@ class DistributedExec:
         if reason is not None:
             pytest.skip(reason)
         start_method = _start_method()
+        if start_method == "fork":
+            _answer_before_forking()
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
             # Ranks fork from a server that has already paid for importing torch and deepspeed.
@@ -168,7 +184,8 @@ class DistributedExec:
 
     @classmethod
     def close_pools(cls) -> None:
-        """Stop every cached pool of ranks (end of session)."""
+        """Stop every cached pool of ranks and join the ranks of passed launches still leaving (end of session)."""
+        reap_leaving(wait=True)
         while DistributedExec._pool_cache:
             _, pool = DistributedExec._pool_cache.popitem()
             pool.close()

@@ -44,7 +44,8 @@ def run_smoke(tmp_path, *flags) -> dict:
 
 
 def test_smoke_run_writes_every_mode_and_target(tmp_path):
-    run_smoke(tmp_path)
+    # Two blocks of one step: the fewest that fill both halves of the rerun check; one standalone repetition.
+    run_smoke(tmp_path, "--blocks", "2", "--block-steps", "1", "--standalone-reps", "1")
 
     for suffix in (".json", ".md", "_profile.txt"):
         assert (tmp_path / f"muon_zero_bench{suffix}").stat().st_size > 0, suffix

@@ -27,6 +27,28 @@ transformers = pytest.importorskip("transformers", reason="the Hugging Face test
                                    "pip install -e '.[dev]'")
 accelerate = pytest.importorskip("accelerate", reason="the Hugging Face tests need the dev extra")
 
+def _import_what_the_ranks_use() -> None:
+    """Import here, once per pytest process, the transformers and accelerate modules that the ranks load lazily.
+
+    Every test runs on ranks forked from this process; without this each rank of each test paid again for the
+    model, Trainer and accelerate modules (over a second of CPU per rank). Imports only: no model, Trainer or
+    accelerate state is created here, so the ranks start as clean as before.
+    """
+    import importlib
+
+    for name in ("transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2",
+                 "transformers.models.mixtral.modeling_mixtral",
+                 "transformers.models.switch_transformers.modeling_switch_transformers", "transformers.trainer",
+                 "transformers.integrations.deepspeed", "transformers.optimization", "accelerate.accelerator",
+                 "accelerate.data_loader", "accelerate.utils.deepspeed", "safetensors.torch"):
+        try:
+            importlib.import_module(name)
+        except ImportError:  # another transformers release: the ranks import what it has
+            pass
+
+
+_import_what_the_ranks_use()
+
 VOCAB, SEQ, SAMPLES = 64, 16, 64
 # Adam's eps far above the gradients' scale keeps the update sensitive to it: a gradient off by the accumulation
 # or rank count moves the weights differently (with 1e-8 Adam barely sees a constant factor).
