@@ -214,7 +214,7 @@ def _cap_accelerator(device: torch.device, cap_gib: float) -> Optional[int]:
     return int(min(total, cap_gib * GIB))
 
 
-def build_engine(args, optimizer: str, tree: str, device: torch.device):
+def build_engine(args, optimizer: str, tree: str, device: torch.device, started: float):
     """The GPT built under zero.Init in host memory (ZeRO-3) or normally (ZeRO-2), and its engine."""
     import deepspeed
 
@@ -227,6 +227,7 @@ def build_engine(args, optimizer: str, tree: str, device: torch.device):
             model = GPT(model_config(args))
     else:
         model = GPT(model_config(args))
+    _progress(started, "model built")
     engine = deepspeed.initialize(model=model, config=config)[0]
     return engine
 
@@ -243,13 +244,21 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _progress(started: float, message: str) -> None:
+    """One line per phase on stderr, so a process cut by --timeout-s still tells how far it came."""
+    print(f"[zero3_offload] {time.perf_counter() - started:7.1f} s  {message}", file=sys.stderr, flush=True)
+
+
 def measure_rank(args, optimizer: str, tree: str = "this") -> dict:
     """Build, train and measure in this process (the process group is set up already or here)."""
     import deepspeed
 
+    started = time.perf_counter()
     device = _init_process()
+    _progress(started, "process group up")
     cap = _cap_accelerator(device, args.memory_cap_gib)
-    engine = build_engine(args, optimizer, tree, device)
+    engine = build_engine(args, optimizer, tree, device, started)
+    _progress(started, f"engine built ({tree}, {optimizer}, {args.zero}, {args.size})")
     stage, offload_param, offload_optimizer = ZERO_MODES[args.zero]
     world_size = engine.dp_world_size
     steps_s, accounting = [], None
@@ -265,6 +274,7 @@ def measure_rank(args, optimizer: str, tree: str = "this") -> dict:
         _synchronize(device)
         if step >= args.warmup:
             steps_s.append(time.perf_counter() - start)
+        _progress(started, f"step {step + 1} of {args.warmup + args.steps}: {time.perf_counter() - start:.2f} s")
     counts = parameter_counts(engine.module)
     cfg = model_config(args)
     tokens = micro_batch(args) * cfg.seq_len * world_size

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -150,8 +151,9 @@ def test_concurrent_builds_share_one_build_and_a_dead_builds_lock_is_cleared(tmp
     source = tmp_path / "tiny.cpp"
     source.write_text(TINY_SOURCE)
     name = "ds_test_concurrent"
-    (extensions_dir / name).mkdir(parents=True)
-    (extensions_dir / name / "lock").write_text("")
+    build_directory = Path(tiny_builder(source, name).jit_build_directory())
+    assert build_directory.parent == extensions_dir / name
+    (build_directory / "lock").write_text("")
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {REPO_ROOT!r})
@@ -173,7 +175,49 @@ def test_concurrent_builds_share_one_build_and_a_dead_builds_lock_is_cleared(tmp
         assert process.returncode == 0, output
         assert f"loaded {name}" in output, output
     assert sum("left by a build that did not finish" in output for output in outputs) == 1
-    assert not (extensions_dir / name / "lock").exists()
+    assert not (build_directory / "lock").exists()
+
+
+def checkout_builder(root, name):
+    """A builder whose csrc/ lives under `root`, as the ops of one checkout of the repository do."""
+    class CheckoutBuilder(OpBuilder):
+        NAME = name
+
+        def absolute_name(self):
+            return f"deepspeed.ops.{name}_op"
+
+        def sources(self):
+            return ["csrc/tiny/tiny.cpp"]
+
+        def include_paths(self):
+            return ["csrc/includes"]
+
+        @staticmethod
+        def absolute_path(relative):
+            return os.path.join(str(root), relative)
+
+    return CheckoutBuilder()
+
+
+def test_checkouts_with_the_same_sources_share_one_build_and_a_changed_source_gets_its_own(tmp_path, extensions_dir):
+    for checkout in ("one", "two", "three"):
+        (tmp_path / checkout / "csrc" / "tiny").mkdir(parents=True)
+        (tmp_path / checkout / "csrc" / "includes").mkdir(parents=True)
+        (tmp_path / checkout / "csrc" / "tiny" / "tiny.cpp").write_text(TINY_SOURCE)
+        (tmp_path / checkout / "csrc" / "includes" / "tiny.h").write_text("#define TINY 1\n")
+    (tmp_path / "three" / "csrc" / "includes" / "tiny.h").write_text("#define TINY 2\n")
+    name = "ds_test_checkouts"
+    one, two, three = (checkout_builder(tmp_path / c, name) for c in ("one", "two", "three"))
+
+    assert one.load().__name__ == name
+    built = Path(one.jit_build_directory()) / f"{name}.so"
+    first_build = built.stat().st_mtime_ns
+    assert two.jit_build_directory() == one.jit_build_directory()
+    OpBuilder._loaded_ops.pop(name)
+    assert two.load().__name__ == name
+    assert built.stat().st_mtime_ns == first_build, "the second checkout rebuilt an up-to-date op"
+    assert three.jit_build_directory() != one.jit_build_directory(), "a changed header must get its own build"
+    OpBuilder._loaded_ops.pop(name)
 
 
 def test_an_op_built_at_install_is_loaded_only_with_the_torch_it_was_built_for(monkeypatch, tmp_path):
