@@ -8,6 +8,10 @@ whole matrices for Muon groups (each has exactly one owner, see flat_layout.owne
 1-D partition for other groups. So Muon's momentum and Newton-Schulz run in the basic optimizer's step,
 inside the transaction, once per matrix across the group.
 
+A step is one sequence: the gradients are reduced into the partitions during the backward; the transaction takes
+the global overflow verdict; a step that is taken makes one call of the basic optimizer's step contract
+(step_contract.py, chosen at construction); the lp weights are published.
+
 With optimizer offload (zero/offload.py) the masters and the basic optimizer's state live in host memory and the
 basic optimizer steps there; the reduced gradients travel to the host before the verdict and the updated weights
 come back after the step.
@@ -29,7 +33,7 @@ from deepspeed.runtime.zero.offload import HostOffload
 from deepspeed.runtime.zero.options import ZeroOptions
 from deepspeed.runtime.zero.param_groups import is_muon_group
 from deepspeed.runtime.zero.rank_state import DeclaredZeroState, load_zero_state
-from deepspeed.runtime.zero.step_contract import StepsOnHost, zero_step_for
+from deepspeed.runtime.zero.step_contract import LpCopies, StepsOnHost, zero_step_for
 from deepspeed.runtime.zero.upstream_surface import UpstreamOptimizerAttributes
 from deepspeed.runtime.zero.weak_hook import weak_hook
 
@@ -247,8 +251,7 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
             self._release_master_grads()
             self._publish(is_written)
 
-    def _step_inputs(self, grad_factor: torch.Tensor
-                     ) -> Tuple[List[torch.Tensor], torch.Tensor, Optional[List[List[torch.Tensor]]]]:
+    def _step_inputs(self, grad_factor: torch.Tensor) -> Tuple[List[torch.Tensor], torch.Tensor, Optional[LpCopies]]:
         """This step's loss-scaled gradients, the factor on their device, and where the step may write the updated
         weights in the model dtype: on the accelerator the reducer's partitions and None (the masters are cast when
         published); offloaded their host copies, the factor moved with them, and the buffers that go back."""
