@@ -36,8 +36,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 def phases():
     import deepspeed.runtime.optimizer_step as optimizer_step
     import deepspeed.runtime.zero.stage_1_and_2 as stage_1_and_2
-    from deepspeed.runtime.zero.muon.executor.host_step import HostStep
+    from deepspeed.runtime.zero.muon.executor.host_step import HostStepExecutor
     from deepspeed.runtime.zero.muon.executor.step import MuonStepExecutor
+    from deepspeed.runtime.zero.muon.kernels import cpu_op
 
     zero = stage_1_and_2.DeepSpeedZeroOptimizer
     return [
@@ -45,15 +46,11 @@ def phases():
         (zero, "_prepare", "prepare (before the verdict)"),
         (stage_1_and_2, "unscaled", "- unscale: fp32 gradients"),
         (zero, "_apply", "apply (after the verdict)"),
-        (MuonStepExecutor, "launch_host_muon_updates", "- muon directions, launched"),
-        (HostStep, "direction", "  - fold and direction (op)"),
-        (HostStep, "directions", "  - fold and directions per shape (op)"),
-        (HostStep, "orthogonalised", "  - orthogonalise (Newton-Schulz, transfers)"),
-        (MuonStepExecutor, "adam_group_step", "- adam half"),
-        (MuonStepExecutor, "commit_muon_updates", "- muon commit"),
-        (HostStep, "wait_for_updates", "  - wait for the updates (a GPU run)"),
-        (HostStep, "fold", "  - momentum fold (op; prepared updates only)"),
-        (HostStep, "apply_updates", "  - updates into the masters"),
+        (MuonStepExecutor, "fold", "- muon: fold and direction (op)"),
+        (HostStepExecutor, "orthogonalise", "- muon: orthogonalise (Newton-Schulz, transfers; the adam half inside)"),
+        (HostStepExecutor, "_step_adam_groups", "  - adam half"),
+        (HostStepExecutor, "apply", "- muon: wait for the updates, apply"),
+        (cpu_op, "apply_update", "  - updates into the masters (op)"),
         (zero, "_publish", "- publish: weights to the device"),
     ]
 

@@ -2,8 +2,9 @@
 """Muon's owner plan at 8 to 1024 data-parallel ranks, on paper: Newton-Schulz balance, bytes moved, owner memory.
 
 No GPU and no process group: pure arithmetic on the Muon matrices' shapes. This fork's plan is computed by the
-engine's own functions (`flat_layout.owner_layout`, `assign_owners`, `newton_schulz_cost`, `even_layout`), the ones
-`DeepSpeedZeroOptimizer` calls at `initialize`, so the table is what the engine would build at that world size.
+engine's own functions (`flat_layout.owner_layout`, `newton_schulz_cost`, `owner_blocks.ownership_blocks`,
+`even_layout`), the ones `DeepSpeedZeroOptimizer` calls at `initialize`, so the table is what the engine would build at
+that world size.
 
 Models (only the matrices Muon takes under the default split; embeddings and the head are AdamW's):
 
@@ -16,12 +17,16 @@ Models (only the matrices Muon takes under the default split; embeddings and the
 
 Schemes (per rank, per optimizer step, Muon group only; elements move as bf16, 2 bytes):
 
-* owner (this fork): each parameter whole on one owner, owners by largest Newton-Schulz cost first onto the
-  least-loaded rank; every partition padded to the largest. The reduce-scatter ZeRO does anyway delivers each
+* owner (this fork): each matrix whole on one owner, balanced by Newton-Schulz cost; a fused expert tensor may be cut
+  between consecutive owners at expert boundaries where that lowers the busiest rank's cost (`owner_layout` with the
+  engine's block counts); every partition padded to the largest. The reduce-scatter ZeRO does anyway delivers each
   matrix's reduced gradient to its owner and the all-gather publishes the update, so the bytes are ZeRO's
   reduce-scatter + all-gather over the padded partition: 2 (N - 1) P elements sent and as many received.
-* owner, 3-D costed as one matrix: the same with a fused expert tensor costed as one [E, out * in] matrix (what
-  `newton_schulz_cost` did before it counted a 3-D parameter as E matrices); MoE only.
+* owner, whole tensors (before): the same with every tensor whole on one owner (no cut); MoE only.
+* even + gather-to-owner (plan, not in the engine): the Muon group laid out evenly as for AdamW (no owner padding);
+  each matrix's owner (the whole-tensor assignment) receives the slices of its reduced gradient that other ranks'
+  partitions hold and sends each its slice of the update: ZeRO's bytes plus, per rank, the slices it sends out and
+  receives (each once each way).
 * round-robin: parameter i on rank i mod N, partitions padded the same way.
 * owner per expert: every expert of a fused tensor a separate item of the same assignment (a plan: the engine keeps a
   parameter whole on one owner; docs/performance.md says why); MoE only.
@@ -63,8 +68,9 @@ from gpt_model import GPT, GPTConfig  # noqa: E402
 from provenance import provenance  # noqa: E402
 
 import deepspeed  # noqa: E402
-from deepspeed.runtime.zero.flat_layout import ALIGNMENT, assign_owners, even_layout  # noqa: E402
+from deepspeed.runtime.zero.flat_layout import ALIGNMENT, even_layout, rank_costs  # noqa: E402
 from deepspeed.runtime.zero.flat_layout import newton_schulz_cost, owner_layout  # noqa: E402
+from deepspeed.runtime.zero.owner_blocks import ownership_blocks  # noqa: E402
 
 RANKS = (8, 64, 256, 1024)
 NS_STEPS = 5
@@ -75,12 +81,14 @@ MOMENTUM_COPY_BYTES = 4
 GIB = 2**30
 
 OWNER = "owner (this fork)"
-OWNER_3D_AS_ONE = "owner, 3-D costed as one matrix"
+OWNER_WHOLE = "owner, whole tensors (before)"
+GATHER = "even + gather-to-owner (plan)"
 ROUND_ROBIN = "round-robin"
 PER_EXPERT = "owner per expert (plan)"
 UPSTREAM = "upstream ZeRO-1/2"
 DION = "Dion Muon (FSDP2)"
-COLORS = {OWNER: "C0", OWNER_3D_AS_ONE: "C5", ROUND_ROBIN: "C1", PER_EXPERT: "C4", UPSTREAM: "C2", DION: "C3"}
+COLORS = {OWNER: "C0", OWNER_WHOLE: "C5", GATHER: "C6", ROUND_ROBIN: "C1", PER_EXPERT: "C4", UPSTREAM: "C2",
+          DION: "C3"}
 
 
 def gpt_shapes(config: GPTConfig) -> list[tuple[int, ...]]:
@@ -151,20 +159,19 @@ def _row(model, ranks, scheme, loads, sent, received, peak, zero_bytes, unique_c
                received / GIB, zero_bytes / GIB, max(sent, received) / zero_bytes, peak / GIB)
 
 
-def owner_scheme(model, shapes, costs, ranks, scheme, owners=None) -> Row:
-    """Whole items on owners: `owners` given (round-robin) or from the engine's owner_layout."""
+def owner_scheme(model, shapes, costs, ranks, scheme, owners=None, blocks=None) -> Row:
+    """Items on owners: `owners` given (round-robin, each item whole) or the engine's owner_layout (with `blocks`: a
+    multi-matrix tensor may be cut between owners at block boundaries, as the engine does)."""
     numels = [numel(s) for s in shapes]
     if owners is None:
-        layout = owner_layout(numels, costs, ranks)
-        owners, partition = list(layout.owners), layout.partition_size
+        layout = owner_layout(numels, costs, ranks, blocks)
+        loads, partition = rank_costs(layout, costs), layout.partition_size
     else:
-        held = [0] * ranks
-        for owner, n in zip(owners, numels):
+        held, loads = [0] * ranks, [0] * ranks
+        for owner, n, cost in zip(owners, numels, costs):
             held[owner] += n
+            loads[owner] += cost
         partition = _round_up(max(held), ALIGNMENT)
-    loads = [0] * ranks
-    for owner, cost in zip(owners, costs):
-        loads[owner] += cost
     exchanged = 2 * (ranks - 1) * partition * ELEMENT_BYTES
     zero_bytes = 2 * (ranks - 1) * _even_partition(shapes, ranks) * ELEMENT_BYTES
     peak = partition * (STATE_BYTES + NS_WORKSPACE_BYTES)
@@ -219,14 +226,38 @@ def dion_scheme(model, shapes, ranks) -> Row:
                 peak, zero_bytes)
 
 
+def gather_scheme(model, shapes, costs, ranks) -> Row:
+    """A plan: the Muon group laid out evenly (ZeRO's reduce-scatter and all-gather, no owner padding); each matrix
+    has an owner (the engine's whole-tensor assignment), which gathers the matrix's reduced gradient from the ranks
+    whose even partitions hold it and sends each of them its slice of the orthogonalised update."""
+    numels = [numel(s) for s in shapes]
+    layout = even_layout(numels, ranks)
+    owners = list(owner_layout(numels, costs, ranks).owners)
+    loads, moved_in, moved_out, held = [0] * ranks, [0] * ranks, [0] * ranks, [0] * ranks
+    for owner, cost, n in zip(owners, costs, numels):
+        loads[owner] += cost
+        held[owner] += n
+    for rank in range(ranks):
+        for fragment in layout.fragments(rank):
+            owner = owners[fragment.param_index]
+            if owner != rank:
+                # The gradient slice goes to the owner and the update slice comes back.
+                moved_out[rank] += fragment.numel
+                moved_in[owner] += fragment.numel
+    zero = 2 * (ranks - 1) * layout.partition_size
+    sent = max(zero + out + back for out, back in zip(moved_out, moved_in))
+    peak = layout.partition_size * STATE_BYTES + max(held) * (NS_WORKSPACE_BYTES + MOMENTUM_COPY_BYTES + 2)
+    return _row(model, ranks, GATHER, loads, sent * ELEMENT_BYTES, sent * ELEMENT_BYTES, peak, zero * ELEMENT_BYTES)
+
+
 def plan(model: str, shapes, ranks: int) -> list[Row]:
     costs = [newton_schulz_cost(s) for s in shapes]
-    rows = [owner_scheme(model, shapes, costs, ranks, OWNER)]
+    blocks = [ownership_blocks(s) for s in shapes]
+    rows = [owner_scheme(model, shapes, costs, ranks, OWNER, blocks=blocks)]
     fused = any(len(s) == 3 for s in shapes)
     if fused:
-        as_one = [newton_schulz_cost((s[0], s[1] * s[2]) if len(s) == 3 else s) for s in shapes]
-        rows.append(owner_scheme(model, shapes, costs, ranks, OWNER_3D_AS_ONE,
-                                 owners=assign_owners(as_one, ranks)))
+        rows.append(owner_scheme(model, shapes, costs, ranks, OWNER_WHOLE))
+    rows.append(gather_scheme(model, shapes, costs, ranks))
     rows.append(owner_scheme(model, shapes, costs, ranks, ROUND_ROBIN, owners=[i % ranks for i in range(len(shapes))]))
     if fused:
         items = per_expert_items(shapes)
@@ -243,13 +274,27 @@ COLUMNS = [("ranks", "ranks", "{}"), ("scheme", "scheme", "{}"), ("ns_max_over_m
            ("owner_peak_gib", "owner peak GiB", "{:.3g}")]
 
 
+def densest_tensor(shapes) -> tuple | None:
+    """(shape, its Newton-Schulz cost per element over the model's) of the tensor with the most cost per element
+    among those the engine may cut between owners (several blocks), or None when there is none."""
+    cuttable = [s for s in shapes if ownership_blocks(s) > 1]
+    if not cuttable:
+        return None
+    mean = sum(newton_schulz_cost(s) for s in shapes) / sum(numel(s) for s in shapes)
+    shape = max(cuttable, key=lambda s: newton_schulz_cost(s) / numel(s))
+    return shape, newton_schulz_cost(shape) / numel(shape) / mean
+
+
 def markdown(rows: list[Row], meta: dict, sizes: dict) -> str:
     lines = ["# Muon owner plan at scale", ""]
     lines += [f"- {key}: {value}" for key, value in meta.items()]
-    for model, (count, elements) in sizes.items():
-        lines += ["", f"## {model}: {count} Muon tensors, {elements:,} elements", "",
-                  "| " + " | ".join(title for _, title, _ in COLUMNS) + " |",
-                  "|" + "---|" * len(COLUMNS)]
+    for model, (count, elements, densest) in sizes.items():
+        lines += ["", f"## {model}: {count} Muon tensors, {elements:,} elements", ""]
+        if densest is not None:
+            lines += [f"Costliest tensor that may be cut between owners, per element: {densest[1]:.2f}x the model's "
+                      f"average Newton-Schulz cost per element ({densest[0]}); where it fills whole partitions its "
+                      f"ranks do at least that over an even share.", ""]
+        lines += ["| " + " | ".join(title for _, title, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
         for row in rows:
             if row.model == model:
                 values = asdict(row)
@@ -298,11 +343,13 @@ def main() -> None:
     rows, sizes = [], {}
     for model, build in MODELS.items():
         shapes = build()
-        sizes[model] = (len(shapes), sum(numel(s) for s in shapes))
+        sizes[model] = (len(shapes), sum(numel(s) for s in shapes), densest_tensor(shapes))
         for ranks in RANKS:
             rows.extend(plan(model, shapes, ranks))
-    (out / "owner_plan.json").write_text(json.dumps({"meta": meta, "models": {m: {"tensors": c, "elements": e}
-                                                                              for m, (c, e) in sizes.items()},
+    (out / "owner_plan.json").write_text(json.dumps({"meta": meta, "models": {
+        m: {"tensors": c, "elements": e, "densest_cut_tensor": None if d is None else list(d[0]),
+            "densest_cut_cost_per_element_over_mean": None if d is None else d[1]}
+        for m, (c, e, d) in sizes.items()},
                                                      "rows": [asdict(row) for row in rows]}, indent=1) + "\n")
     (out / "owner_plan.md").write_text(markdown(rows, meta, sizes))
     figure(rows, out / "owner_plan.png")

@@ -16,6 +16,7 @@ import torch
 
 import deepspeed.runtime.optimizer_step as optimizer_step
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.muon.executor.device_step import DeviceStepExecutor
 from deepspeed.runtime.zero.muon.executor.step import MuonStepExecutor
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
@@ -25,10 +26,10 @@ DEEPSPEED_PHASES = [
     (DeepSpeedZeroOptimizer, "_prepare", "prepare (before the verdict): gradients to the masters"),
     (optimizer_step._Verdict, "overflow", "wait for the overflow verdict"),
     (DeepSpeedZeroOptimizer, "_apply", "apply: optimizer, publish"),
-    (MuonStepExecutor, "adam_group_step", "- adam group of MuonWithAuxAdam"),
-    (MuonStepExecutor, "_muon_updates_in_workspace", "- muon: fold + Newton-Schulz in the workspace"),
-    (MuonStepExecutor, "_muon_updates", "- muon: directions + Newton-Schulz (no workspace)"),
-    (MuonStepExecutor, "commit_muon_updates", "- muon: update"),
+    (DeviceStepExecutor, "adam_step", "- adam group of MuonWithAuxAdam"),
+    (MuonStepExecutor, "fold", "- muon: fold and direction"),
+    (DeviceStepExecutor, "orthogonalise", "- muon: Newton-Schulz"),
+    (MuonStepExecutor, "apply", "- muon: update"),
     (torch.optim.AdamW, "step", "- torch AdamW.step (per chunk, summed)"),
     (DeepSpeedZeroOptimizer, "_publish", "- publish: copy to lp + all-gather"),
 ]

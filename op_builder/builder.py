@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib
 import os
 import platform
@@ -235,15 +236,18 @@ class OpBuilder(ABC):
             raise OpBuildError(f"Unable to JIT load the {self.name} op due to ninja not being installed. Install it "
                                "with `pip install ninja` (DeepSpeed's requirements list it).")
         start = time.time()
-        build_directory = _build_directory(cpp_extension, self.name)
+        files = _source_files(self)
+        build_directory = self.jit_build_directory()
         with _exclusive(build_directory):
+            staged = _stage_sources(files, os.path.join(build_directory, "src"))
             try:
                 module = cpp_extension.load(
                     name=self.name,
-                    sources=[self.absolute_path(path) for path in self.sources()],
-                    extra_include_paths=[self.absolute_path(path) for path in self.include_paths()],
+                    sources=[os.path.join(staged, _staged_name(path)) for path in self.sources()],
+                    extra_include_paths=[os.path.join(staged, _staged_name(path)) for path in self.include_paths()],
                     extra_cflags=self.cxx_args(),
                     extra_ldflags=self.extra_ldflags(),
+                    build_directory=build_directory,
                     verbose=verbose,
                 )
             except (RuntimeError, subprocess.CalledProcessError, OSError) as error:
@@ -254,6 +258,14 @@ class OpBuilder(ABC):
         if verbose:
             print(f"Time to load {self.name} op: {time.time() - start} seconds")
         return module
+
+    def jit_build_directory(self) -> str:
+        """Where `jit_load` builds this op: `<extension root>/<name>/<digest of the sources, flags and torch>`
+        (the root is `TORCH_EXTENSIONS_DIR`, else torch's default). Created if missing."""
+        from torch.utils import cpp_extension
+
+        files = _source_files(self)
+        return _build_directory(cpp_extension, self.name, _build_key(files, self.cxx_args() + self.extra_ldflags()))
 
     def _build_error(self, error: BaseException, build_directory: str) -> OpBuildError:
         output = str(error)
@@ -279,14 +291,63 @@ class OpBuilder(ABC):
                             extra_link_args=self.extra_ldflags())
 
 
-def _build_directory(cpp_extension: ModuleType, name: str) -> str:
-    """torch's build directory for `name` (created if missing), where its own lock file lives."""
-    locate = getattr(cpp_extension, "_get_build_directory", None)
-    if locate is not None:
-        return locate(name, verbose=False)
+def _staged_name(path: str) -> str:
+    """Where a source or include directory goes in the staged copy: its path relative to the directory that holds
+    csrc/ (an absolute path outside it keeps its whole path below the copy's root)."""
+    return path.lstrip(os.sep) if os.path.isabs(path) else path
+
+
+def _source_files(builder: OpBuilder) -> dict[str, bytes]:
+    """Every file the build reads from csrc/: the sources and everything under the include directories, by their
+    staged name."""
+    files = {}
+    for relative in builder.sources():
+        with open(builder.absolute_path(relative), "rb") as handle:
+            files[_staged_name(relative)] = handle.read()
+    for include in builder.include_paths():
+        top = builder.absolute_path(include)
+        for folder, _, names in os.walk(top):
+            for name in names:
+                path = os.path.join(folder, name)
+                with open(path, "rb") as handle:
+                    files[os.path.join(_staged_name(include), os.path.relpath(path, top))] = handle.read()
+    return files
+
+
+def _build_key(files: dict[str, bytes], flags: list[str]) -> str:
+    """A digest of what the build reads (file contents, flags, torch): one build per distinct op, shared by every
+    checkout and virtual environment that has the same sources, and never one checkout's build for another's."""
+    import torch
+
+    digest = hashlib.sha256(f"{torch.__version__}\0{sys.version_info[:2]}\0{' '.join(flags)}".encode())
+    for relative in sorted(files):
+        digest.update(relative.encode() + b"\0" + hashlib.sha256(files[relative]).digest())
+    return digest.hexdigest()[:16]
+
+
+def _stage_sources(files: dict[str, bytes], root: str) -> str:
+    """Write the sources under `root` (unchanged files are left alone, so their times and ninja's view hold); torch
+    then compiles from paths that are the same in every checkout, and ninja finds an earlier build up to date."""
+    for relative, content in files.items():
+        path = os.path.join(root, relative)
+        try:
+            with open(path, "rb") as handle:
+                if handle.read() == content:
+                    continue
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as handle:
+            handle.write(content)
+    return root
+
+
+def _build_directory(cpp_extension: ModuleType, name: str, key: str) -> str:
+    """The build directory of this op's sources (created if missing), in torch's extension root
+    (`TORCH_EXTENSIONS_DIR`, else torch's default): `<root>/<name>/<key>`, where torch's own lock file lives."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    os.makedirs(os.path.join(root, name), exist_ok=True)
-    return os.path.join(root, name)
+    path = os.path.join(root, name, key)
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 @contextlib.contextmanager

@@ -4,7 +4,7 @@
 #   bash tools/gpu_check.sh [SECONDS] [TEST PATHS...]
 #
 # Defaults: 400 s; the suites whose GPU paths (NCCL, CUDA streams, bf16 Newton-Schulz, fused kernels) CPU CI
-# cannot reach: unit/ops/muon unit/ops/muon_math unit/runtime unit/checkpoint. Tests run 6 at a time (each
+# cannot reach: unit/ops/muon unit/runtime unit/checkpoint. Tests run 6 at a time (each
 # spawns its own ranks; two GPUs hold several small tests at once). At the limit pytest gets SIGINT rather than
 # being killed, so it still prints which tests failed and how many passed: a cut run is a partial result, not a
 # lost one. The full log goes to $OUT/gpu_check.log when OUT is set (the device tool's output folder).
@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 limit=${1:-400}
 shift || true
 paths=("$@")
-[ ${#paths[@]} -eq 0 ] && paths=(unit/ops/muon unit/ops/muon_math unit/runtime unit/checkpoint)
+[ ${#paths[@]} -eq 0 ] && paths=(unit/ops/muon unit/runtime unit/checkpoint)
 log=${OUT:-/tmp}/gpu_check.log
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 (cd tests && DS_UNITTEST_TIMEOUT=${DS_UNITTEST_TIMEOUT:-150} timeout -s INT "$limit" python3 -m pytest "${paths[@]}" \

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Prove that the Muon regression suite (tests/unit/ops/muon) can fail.
+"""Prove that the Muon tests (tests/unit/ops/muon: the regression suite and, in sub-folders, the internals) can fail.
 
 For each mutation, the tool copies the working tree (tracked and untracked, non-ignored files, as
 `git ls-files --cached --others --exclude-standard` lists them) into a temporary directory, re-introduces
@@ -112,7 +112,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "    def _apply(self, grad_factor: torch.Tensor) -> None:\n"),
             # The optimizer applies the update computed before the decision instead of computing its own.
             Patch(MUON_OPTIMIZER,
-                  "                if group[\"use_muon\"]:\n                    executor.muon_group_step(",
+                  "                if group[\"use_muon\"]:\n                    folded = executor.fold(",
                   "                if group[\"use_muon\"]:\n"
                   "                    with_grad = [p for p in group['params'] if p.grad is not None]\n"
                   "                    precomputed = [self.state[p].pop('precomputed_update', None)\n"
@@ -120,7 +120,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "                    if precomputed and all(u is not None for u in precomputed):\n"
                   "                        torch._foreach_add_(with_grad, precomputed, alpha=-group['lr'])\n"
                   "                        continue\n"
-                  "                    executor.muon_group_step("),
+                  "                    folded = executor.fold("),
         ),
     ),
     Mutation(
@@ -129,23 +129,21 @@ MUTATIONS: Tuple[Mutation, ...] = (
         upstream=("muon_update's `grad.lerp_(momentum, beta)`: the gradient tensor holds the Nesterov direction "
                   "afterwards"),
         patches=(
-            # grad32 is the gradient itself when it is fp32 (always, in the ZeRO optimizer's step).
+            # The rule itself (math/update.py's fold_and_direction, which muon_update and every torch path run): each
+            # chunk of the gradient is left holding its Nesterov direction.
             Patch(MUON_MATH,
-                  "    direction = grad32.lerp(momentum, beta) if nesterov else momentum\n",
-                  "    direction = grad32.lerp_(momentum, beta) if nesterov else momentum\n"),
-            # The batched form (what MuonWithAuxAdam calls): every gradient becomes its Nesterov direction.
-            Patch(MUON_MATH,
-                  "    direction = grad32.lerp(momentum32, beta) if nesterov else momentum32\n",
-                  "    if nesterov:\n"
-                  "        torch._foreach_lerp_(list(grads), list(momenta), beta)\n"
-                  "    direction = torch.stack([grad.float() for grad in grads]) if nesterov else momentum32\n"),
-            # The form the ZeRO step runs (the update computed inside step() in the lent workspace): the gradients
-            # are left holding the Nesterov direction.
+                  "            torch.lerp(chunk, chunk_momenta, beta, out=direction[start:end])\n",
+                  "            torch.lerp(chunk, chunk_momenta, beta, out=direction[start:end])\n"
+                  "            grads.view(-1)[start:end].copy_(direction[start:end])\n"),
+            # The form the ZeRO step runs (a group laid out as one run, folded by a kernel of the same signature): the
+            # gradients are left holding the Nesterov direction.
             Patch(MUON_EXECUTOR,
-                  "        fold_and_direction(grads, momenta, direction, beta, nesterov, grad_factor=grad_factor)\n",
-                  "        fold_and_direction(grads, momenta, direction, beta, nesterov, grad_factor=grad_factor)\n"
-                  "        if nesterov:\n"
-                  "            grads.copy_(direction)\n"),
+                  "            self.kernels.fold_and_direction(grads, momenta, direction, beta, nesterov, "
+                  "grad_factor=grad_factor)\n",
+                  "            self.kernels.fold_and_direction(grads, momenta, direction, beta, nesterov, "
+                  "grad_factor=grad_factor)\n"
+                  "            if nesterov:\n"
+                  "                grads.copy_(direction)\n"),
         ),
     ),
     Mutation(
@@ -171,12 +169,16 @@ MUTATIONS: Tuple[Mutation, ...] = (
         patches=(
             # Muon reads the loss-scaled gradient (no factor), and its update is scaled by the factor instead.
             Patch(MUON_OPTIMIZER,
-                  "                    executor.muon_group_step(group, prepared.get(index), grad_factor, copies)\n",
+                  "                    folded = executor.fold(group, grad_factor)\n"
+                  "                    updates = executor.orthogonalise(group, folded)\n"
+                  "                    executor.apply(group, folded, updates, copies)\n",
                   "                    muon_lr = group['lr']\n"
                   "                    if grad_factor is not None:\n"
                   "                        group['lr'] = muon_lr * float(grad_factor)\n"
                   "                    try:\n"
-                  "                        executor.muon_group_step(group, None, None, copies)\n"
+                  "                        folded = executor.fold(group, None)\n"
+                  "                        updates = executor.orthogonalise(group, folded)\n"
+                  "                        executor.apply(group, folded, updates, copies)\n"
                   "                    finally:\n"
                   "                        group['lr'] = muon_lr\n"),
         ),
@@ -209,21 +211,23 @@ MUTATIONS: Tuple[Mutation, ...] = (
             Patch(STAGE,
                   "            if is_muon_group(group):\n"
                   "                costs = [newton_schulz_cost(full_shape(p), head_count(p)) for p in params]\n"
-                  "                layouts.append(owner_layout(numels, costs, partitions))\n"
+                  "                blocks = [ownership_blocks(full_shape(p), head_count(p)) for p in params]\n"
+                  "                layouts.append(owner_layout(numels, costs, partitions, blocks))\n"
+                  "                self._warn_of_padding(layouts[-1])\n"
                   "            else:\n"
                   "                layouts.append(even_layout(numels, partitions))\n",
                   "            layouts.append(even_layout(numels, partitions))\n"),
             Patch(MASTER_VIEWS,
-                  "                for index in layout.owned_params(owner_rank(g)):\n"
-                  "                    start, end = layout.param_range(index)\n"
-                  "                    lp = lp_groups[g][index]\n"
-                  "                    view = hp[start - base:end - base].view(full_shape(lp))\n"
-                  "                    # The master stands for the model's matrix: it is orthogonalised in the same "
-                  "heads.\n"
-                  "                    if (num_heads := head_count(lp)) > 1:\n"
+                  "                for piece in layout.fragments(owner_rank(g)):\n"
+                  "                    lp = lp_groups[g][piece.param_index]\n"
+                  "                    shape, num_heads = piece_view(full_shape(lp), head_count(lp), piece.numel)\n"
+                  "                    start = piece.flat_start - base\n"
+                  "                    view = hp[start:start + piece.numel].view(shape)\n"
+                  "                    # The master stands for the model's matrix (or its blocks): orthogonalised "
+                  "in the same heads.\n"
+                  "                    if num_heads > 1:\n"
                   "                        setattr(view, NUM_HEADS_ATTRIBUTE, num_heads)\n"
-                  "                    self.slots[id(view)] = MasterSlot(g, start - base, end - start, "
-                  "full_shape(lp))\n"
+                  "                    self.slots[id(view)] = MasterSlot(g, start, piece.numel, shape)\n"
                   "                    params.append(view)\n",
                   "                for fragment in layout.fragments(owner_rank(g)):\n"
                   "                    cols = full_shape(lp_groups[g][fragment.param_index])[-1]\n"

@@ -3,7 +3,8 @@
 A checkpoint written by N ranks holds, per rank and parameter group, a flat fp32 partition and the basic
 optimizer's state for it: one flat tensor per key for an element-wise group (Adam: `exp_avg`, `exp_avg_sq`,
 plus the scalar `step`), or one tensor per whole matrix for a group laid out by owners (Muon's
-`momentum_buffer`, kept by the matrix's owner). `full_params` and `full_group_state` turn that into one tensor
+`momentum_buffer`, kept by the matrix's owner; a matrix cut between owners at block boundaries has one state per
+owner, for its blocks). `full_params` and `full_group_state` turn that into one tensor
 per parameter; `partition_of` and `group_state_for_rank` cut those for rank r of any other layout of the same
 parameters (M ranks, another ZeRO stage), and `needed_params` says which parameters that cut reads. The round
 trip moves bits, never computes with them, so every value comes back exactly.
@@ -20,6 +21,7 @@ import torch
 
 from deepspeed.runtime.zero.flat_layout import GroupLayout
 from deepspeed.runtime.zero.muon.math.normuon import muon_state_shape
+from deepspeed.runtime.zero.owner_blocks import piece_rows, piece_view_shape
 
 
 @dataclass
@@ -138,7 +140,8 @@ def _merge_scalars(target: Dict[str, Any], source: Mapping[str, Any], where: str
 
 
 def full_group_state(layout: GroupLayout, rank_states: Sequence[Sequence[Mapping[str, Any]]],
-                     indices: Optional[Iterable[int]] = None) -> Dict[int, ParamState]:
+                     indices: Optional[Iterable[int]] = None,
+                     shapes: Optional[Sequence[torch.Size]] = None) -> Dict[int, ParamState]:
     """Each parameter's whole optimizer state (or only those in `indices`), from every rank's basic-optimizer
     states of this group, by parameter index.
 
@@ -147,6 +150,8 @@ def full_group_state(layout: GroupLayout, rank_states: Sequence[Sequence[Mapping
         rank_states: per rank, the state dict of each of its basic-optimizer params in order
             (`basic_param_indices`); an empty dict where a param has no state yet.
         indices: the parameters wanted (default: all).
+        shapes: every parameter's shape, to give the per-row state of a matrix cut between owners its shape (flat
+            without).
 
     Raises:
         ValueError: a rank has the wrong number of states, or the ranks disagree about a wanted parameter (a key
@@ -158,16 +163,23 @@ def full_group_state(layout: GroupLayout, rank_states: Sequence[Sequence[Mapping
     pieces: Dict[int, Dict[str, List[torch.Tensor]]] = {index: {} for index in wanted}
     scalars: Dict[int, Dict[str, Any]] = {index: {} for index in wanted}
     holders: Dict[int, List[Mapping[str, Any]]] = {index: [] for index in wanted}
+    # Per-row state (NorMuon's) of a matrix cut between owners: each owner's rows, joined in order below.
+    row_pieces: Dict[int, Dict[str, List[torch.Tensor]]] = {index: {} for index in wanted}
     for rank, states in enumerate(rank_states):
         owned = basic_param_indices(layout, rank)
         if len(states) != len(owned):
             raise ValueError(f"rank {rank} holds {len(states)} optimizer params in this group, its layout "
                              f"{len(owned)}")
         if has_matrix_params(layout):
-            for index, state in zip(owned, states):
+            for fragment, state in zip(layout.fragments(rank), states):
+                index = fragment.param_index
                 if index in holders:
-                    _take(state, layout.numels[index], 0, layout.numels[index], pieces[index], scalars[index],
-                          f"parameter {index}")
+                    numel = layout.numels[index]
+                    if fragment.numel == numel:
+                        _take(state, numel, 0, numel, pieces[index], scalars[index], f"parameter {index}")
+                    else:
+                        _take_piece(state, fragment.numel, pieces[index], row_pieces[index], scalars[index],
+                                    f"parameter {index}")
                     holders[index].append(state)
             continue
         base = layout.partition_range(rank)[0]
@@ -182,8 +194,26 @@ def full_group_state(layout: GroupLayout, rank_states: Sequence[Sequence[Mapping
         keys = [sorted(state) for state in holders[index]]
         if any(k != keys[0] for k in keys):
             raise ValueError(f"parameter {index}: its fragments hold different optimizer state keys {keys}")
-        result[index] = ParamState({key: torch.cat(parts) for key, parts in pieces[index].items()}, scalars[index])
+        joined = {key: torch.cat(parts) for key, parts in row_pieces[index].items()}
+        if shapes is not None:
+            joined = {key: value.reshape(muon_state_shape(key, shapes[index])) for key, value in joined.items()}
+        result[index] = ParamState({key: torch.cat(parts) for key, parts in pieces[index].items()},
+                                   {**scalars[index], **joined})
     return result
+
+
+def _take_piece(state: Mapping[str, Any], numel: int, pieces: Dict[str, List[torch.Tensor]],
+                rows: Dict[str, List[torch.Tensor]], scalars: Dict[str, Any], where: str) -> None:
+    """Add one owner's state of some blocks of a matrix cut between owners: element-wise tensors (`numel`
+    elements) to `pieces`, other tensors with dims (one value per row) to `rows`, the rest to `scalars`."""
+    element_wise = {key: value.reshape(-1) for key, value in state.items() if _is_element_wise(value, numel)}
+    per_row = {key: value.reshape(-1) for key, value in state.items()
+               if key not in element_wise and torch.is_tensor(value) and value.dim() > 0}
+    _merge_scalars(scalars, {k: v for k, v in state.items() if k not in element_wise and k not in per_row}, where)
+    for key, value in element_wise.items():
+        pieces.setdefault(key, []).append(value)
+    for key, value in per_row.items():
+        rows.setdefault(key, []).append(value)
 
 
 def _take(state: Mapping[str, Any], basic_numel: int, start: int, numel: int, pieces: Dict[str, List[torch.Tensor]],
@@ -217,11 +247,15 @@ def group_state_for_rank(layout: GroupLayout, rank: int, states: Mapping[int, Pa
     """
     if has_matrix_params(layout):
         result = []
-        for index in layout.owned_params(rank):
+        for fragment in layout.fragments(rank):
+            index = fragment.param_index
             state = _state(states, index)
-            entry = {key: value.reshape(muon_state_shape(key, shapes[index])).clone()
-                     for key, value in state.tensors.items()}
-            entry.update({key: _copy(value) for key, value in state.scalars.items()})
+            if fragment.numel == layout.numels[index]:
+                entry = {key: value.reshape(muon_state_shape(key, shapes[index])).clone()
+                         for key, value in state.tensors.items()}
+                entry.update({key: _copy(value) for key, value in state.scalars.items()})
+            else:
+                entry = _piece_state(state, shapes[index], fragment.param_start, fragment.numel)
             result.append(entry)
         return result
     indices = needed_params(layout, rank)
@@ -239,6 +273,21 @@ def group_state_for_rank(layout: GroupLayout, rank: int, states: Mapping[int, Pa
         values = {index: source.tensors[key] for index, source in zip(indices, sources)}
         entry[key] = partition_of(layout, rank, values, sources[0].tensors[key].dtype, f"'{key}' of parameter")
     return [entry]
+
+
+def _piece_state(state: ParamState, shape: torch.Size, param_start: int, numel: int) -> Dict[str, Any]:
+    """The state of the blocks [param_start, param_start + numel) of a Muon matrix cut between owners, shaped as
+    its owner's view of them (owner_blocks.piece_view)."""
+    view_shape = piece_view_shape(shape, numel)
+    first, rows = piece_rows(shape, param_start, numel)
+    entry: Dict[str, Any] = {key: value.reshape(-1)[param_start:param_start + numel].reshape(view_shape).clone()
+                             for key, value in state.tensors.items()}
+    for key, value in state.scalars.items():
+        if torch.is_tensor(value) and value.dim() > 0:
+            entry[key] = value.reshape(-1)[first:first + rows].reshape(muon_state_shape(key, view_shape)).clone()
+        else:
+            entry[key] = _copy(value)
+    return entry
 
 
 def _state(states: Mapping[int, ParamState], index: int) -> ParamState:

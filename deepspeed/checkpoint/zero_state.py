@@ -97,7 +97,8 @@ def full_state_from_ranks(states: Sequence[dict], paths: Sequence[str], param_sh
         indices = None if needed is None else needed[g]
         masters = full_params(layout, [states[r]["single_partition_of_fp32_groups"][g] for r in sources], indices)
         try:
-            param_states = full_group_state(layout, [_group_states(states[r], g) for r in sources], indices)
+            param_states = full_group_state(layout, [_group_states(states[r], g) for r in sources], indices,
+                                            sizes)
         except ValueError as exc:
             raise ValueError(f"checkpoint files {[paths[r] for r in sources]}: parameter group {g}: {exc}") from exc
         hyperparameters = {k: v for k, v in first["base_optimizer_state"]["param_groups"][g].items() if k != "params"}

@@ -5,9 +5,11 @@ rank r owns `[r * partition_size, (r + 1) * partition_size)`. Two layouts exist:
 
 * `even_layout`: parameters packed in order and the buffer cut into equal slices, so a parameter may
   straddle two partitions (fine for element-wise optimizers such as Adam).
-* `owner_layout`: every parameter lies whole inside its owner's partition (Muon needs the whole matrix to
-  orthogonalise it). Owners are chosen to balance a per-parameter cost, and each partition is padded to
-  the largest one so that collectives still see equal slices.
+* `owner_layout`: every Muon matrix lies whole inside its owner's partition (Muon needs the whole matrix to
+  orthogonalise it). A parameter that is several matrices (a fused expert tensor [experts, out, in], a matrix
+  orthogonalised per head: `blocks` equal, contiguous slices) may be cut between consecutive partitions at block
+  boundaries, so its blocks have different owners. Owners are chosen to balance a per-matrix cost, and each
+  partition is padded to the largest one so that collectives still see equal slices.
 
 Nothing here touches tensors or torch.distributed; the same inputs give the same layout on every rank.
 """
@@ -56,6 +58,8 @@ class GroupLayout:
     partition_size: int
     num_partitions: int
     owners: Optional[Tuple[int, ...]] = None
+    # Per parameter, the equal contiguous blocks a partition boundary may cut it into (owner layouts that cut one).
+    blocks: Optional[Tuple[int, ...]] = None
 
     @property
     def total_numel(self) -> int:
@@ -63,7 +67,8 @@ class GroupLayout:
 
     @property
     def is_whole_param(self) -> bool:
-        """True when no parameter is split across partitions (owner layout, or a single partition)."""
+        """True when every partition holds whole Muon matrices (an owner layout, which cuts a parameter only between
+        its blocks), or there is a single partition."""
         return self.owners is not None or self.num_partitions == 1
 
     def partition_range(self, rank: int) -> Tuple[int, int]:
@@ -86,10 +91,16 @@ class GroupLayout:
         return found
 
     def owned_params(self, rank: int) -> List[int]:
-        """Indices of the parameters that lie whole in `rank`'s partition, in flat order."""
+        """Indices of the parameters (whole, or whole blocks of them) in `rank`'s partition, in flat order."""
         if not self.is_whole_param:
             raise ValueError("owned_params() needs a layout in which no parameter is split")
         return [f.param_index for f in self.fragments(rank)]
+
+    def is_cut(self, index: int) -> bool:
+        """Whether parameter `index` has elements in more than one partition (an owner layout cuts only between
+        blocks)."""
+        start, end = self.param_range(index)
+        return end > start and (start // self.partition_size) != ((end - 1) // self.partition_size)
 
     def padding(self, rank: int) -> int:
         """Elements of `rank`'s partition that belong to no parameter."""
@@ -103,6 +114,7 @@ class GroupLayout:
             "partition_size": self.partition_size,
             "num_partitions": self.num_partitions,
             "owners": None if self.owners is None else list(self.owners),
+            **({} if self.blocks is None else {"blocks": list(self.blocks)}),
         }
 
     @classmethod
@@ -120,19 +132,30 @@ class GroupLayout:
             num_partitions = _as_int(description["num_partitions"])
             owners = description["owners"]
             owners = None if owners is None else tuple(_as_int(o) for o in owners)
+            blocks = description.get("blocks")
+            blocks = None if blocks is None else tuple(_as_int(b) for b in blocks)
         except (KeyError, TypeError) as exc:
             raise ValueError(f"layout description {description!r} is malformed ({type(exc).__name__}: {exc})") from exc
         _check(numels, num_partitions)
-        if len(offsets) != len(numels) or (owners is not None and len(owners) != len(numels)):
-            raise ValueError(f"layout description {description!r} needs one offset (and owner) per parameter")
+        if len(offsets) != len(numels) or any(x is not None and len(x) != len(numels) for x in (owners, blocks)):
+            raise ValueError(f"layout description {description!r} needs one offset (and owner, block count) per "
+                             f"parameter")
+        if blocks is not None and (owners is None or any(b < 1 or n % b for n, b in zip(numels, blocks))):
+            raise ValueError(f"layout description {description!r}: block counts need owners and must divide each "
+                             f"parameter's numel")
         if partition_size < 0 or (owners is not None and not all(0 <= o < num_partitions for o in owners)):
             raise ValueError(f"layout description {description!r}: partition_size must be >= 0 and owners ranks "
                              f"below num_partitions")
-        layout = cls(numels, offsets, partition_size, num_partitions, owners)
+        layout = cls(numels, offsets, partition_size, num_partitions, owners, blocks)
         cursor = 0
         for index in sorted(range(len(numels)), key=lambda i: (offsets[i], numels[i])):
             start, end = layout.param_range(index)
             lo, hi = (0, layout.total_numel) if owners is None else layout.partition_range(owners[index])
+            if owners is not None and blocks is not None and lo <= start < hi:
+                # A cut parameter starts in its owner's partition and is cut only between blocks.
+                block = numels[index] // blocks[index] if blocks[index] else 0
+                cuts = range(_round_up(start + 1, max(partition_size, 1)), end, max(partition_size, 1))
+                hi = layout.total_numel if all(block and (cut - start) % block == 0 for cut in cuts) else hi
             if start < max(lo, cursor) or end > hi:
                 where = "the flat buffer" if owners is None else f"the partition of its owner {owners[index]}"
                 raise ValueError(f"layout description {description!r}: parameter {index} overlaps another or lies "
@@ -190,15 +213,33 @@ def assign_owners(costs: Sequence[int], num_partitions: int) -> List[int]:
     return owners
 
 
-def owner_layout(numels: Sequence[int], costs: Sequence[int], num_partitions: int) -> GroupLayout:
-    """Place every parameter whole in the partition of its owner, owners balanced by `costs`.
+def owner_layout(numels: Sequence[int], costs: Sequence[int], num_partitions: int,
+                 blocks: Optional[Sequence[int]] = None) -> GroupLayout:
+    """Place every Muon matrix whole in the partition of its owner, owners balanced by `costs`.
+
+    Without `blocks` (or when no parameter has more than one) every parameter is whole on one owner, owners by
+    `assign_owners`. With `blocks[i]` > 1, parameter i is that many equal matrices lying back to back (a fused expert
+    tensor, a matrix orthogonalised per head) and may also be cut between consecutive partitions at block boundaries
+    (`block_layout`); the layout with the lower busiest-rank cost is kept (then the smaller buffer), so cutting is
+    used only where it balances the Newton-Schulz work.
 
     Raises:
-        ValueError: if the lengths of `numels` and `costs` differ, or on bad sizes.
+        ValueError: if the lengths of `numels`, `costs` and `blocks` differ, or on bad sizes.
     """
     _check(numels, num_partitions)
-    if len(costs) != len(numels):
-        raise ValueError(f"owner_layout needs one cost per parameter, got {len(costs)} for {len(numels)}")
+    if len(costs) != len(numels) or (blocks is not None and len(blocks) != len(numels)):
+        raise ValueError(f"owner_layout needs one cost per parameter (and one block count), got {len(costs)} costs "
+                         f"for {len(numels)} parameters")
+    whole = _whole_owner_layout(numels, costs, num_partitions)
+    if blocks is None or num_partitions == 1 or all(b <= 1 for b in blocks):
+        return whole
+    cut = block_layout(numels, costs, blocks, num_partitions)
+    if cut is None or _plan_key(cut, costs) >= _plan_key(whole, costs):
+        return whole
+    return cut
+
+
+def _whole_owner_layout(numels: Sequence[int], costs: Sequence[int], num_partitions: int) -> GroupLayout:
     owners = assign_owners(costs, num_partitions)
     loads = [0] * num_partitions
     for index, n in enumerate(numels):
@@ -210,6 +251,138 @@ def owner_layout(numels: Sequence[int], costs: Sequence[int], num_partitions: in
         offsets.append(cursors[owners[index]])
         cursors[owners[index]] += n
     return GroupLayout(tuple(numels), tuple(offsets), partition_size, num_partitions, tuple(owners))
+
+
+# The most an owner layout's flat buffer may exceed the even layout's before `initialize` warns: each rank's
+# reduce-scatter and all-gather move its padded partition, so the factor is also Muon's bytes over ZeRO's. Below
+# MIN_PADDING_WARNED elements of padding (a small model) the factor does not matter.
+MAX_OWNER_PADDING = 1.5
+MIN_PADDING_WARNED = 2**24
+
+
+def padding_factor(layout: GroupLayout) -> float:
+    """The layout's flat buffer over the even layout's of the same parameters (>= 1 for an owner layout): what
+    each rank's reduce-scatter and all-gather move for the group over what ZeRO moves for AdamW."""
+    return layout.total_numel / even_layout(layout.numels, layout.num_partitions).total_numel
+
+
+def excess_padding(layout: GroupLayout) -> bool:
+    """Whether an owner layout pads beyond `MAX_OWNER_PADDING` times the even layout, by `MIN_PADDING_WARNED`
+    elements or more: the case where ranks outnumber the matrices and each partition is padded to a whole one."""
+    even = even_layout(layout.numels, layout.num_partitions).total_numel
+    return layout.total_numel > MAX_OWNER_PADDING * even and layout.total_numel - even >= MIN_PADDING_WARNED
+
+
+def rank_costs(layout: GroupLayout, costs: Sequence[int]) -> List[float]:
+    """Each rank's Newton-Schulz cost under `layout`: a cut parameter's cost shared by its blocks."""
+    loads = [0.0] * layout.num_partitions
+    size = max(layout.partition_size, 1)
+    for index, cost in enumerate(costs):
+        start, end = layout.param_range(index)
+        for rank in range(start // size, -(-end // size)):
+            lo, hi = max(start, rank * size), min(end, (rank + 1) * size)
+            if hi > lo:
+                loads[rank] += cost * (hi - lo) / (end - start)
+    return loads
+
+
+def _plan_key(layout: GroupLayout, costs: Sequence[int]) -> Tuple[float, int]:
+    # The busiest rank's cost to 0.1 % (a smaller buffer wins a tie).
+    loads = rank_costs(layout, costs)
+    ideal = max(sum(costs) / layout.num_partitions, 1)
+    return round(max(loads) / ideal, 3), layout.total_numel
+
+
+def block_layout(numels: Sequence[int], costs: Sequence[int], blocks: Sequence[int],
+                 num_partitions: int) -> Optional[GroupLayout]:
+    """Parameters in order, ranks filled in turn to an even share of the cost, a parameter of several blocks cut at
+    block boundaries where a rank's share ends.
+
+    A cut parameter must stay one contiguous range of the flat buffer (the model's tensor is a view of it): its first
+    piece ends its first partition (padding goes before it), a middle piece fills a whole partition, the last piece
+    starts a partition. The partition size is searched among a few candidates from the largest unit and an even
+    share upwards; the plan with the lowest busiest-rank cost (then the smallest buffer) is returned, or None if
+    none fits.
+    """
+    units = [n // b if b > 1 and n % b == 0 else n for n, b in zip(numels, blocks)]
+    base = max(max(units, default=1), -(-sum(numels) // num_partitions), 1)
+    # Middle pieces need a partition size that is a whole number of the largest splittable parameter's blocks.
+    splittable = [i for i, b in enumerate(blocks) if b > 1 and numels[i] % b == 0]
+    block = units[max(splittable, key=lambda i: numels[i])] if splittable else 1
+    candidates = set()
+    for step in range(33):
+        size = int(base * 2 ** (step / 16))  # from the base to 4x it, about 4.4 % apart
+        candidates.add(_round_up(size, ALIGNMENT))
+        candidates.add(_round_up(size, block * ALIGNMENT))
+    best, best_key = None, None
+    for partition_size in sorted(candidates):
+        layout = _fill(numels, costs, blocks, num_partitions, partition_size)
+        key = None if layout is None else _plan_key(layout, costs)
+        if key is not None and (best is None or key < best_key):
+            best, best_key = layout, key
+    return best
+
+
+def _fill(numels: Sequence[int], costs: Sequence[int], blocks: Sequence[int], num_partitions: int,
+          partition_size: int) -> Optional[GroupLayout]:
+    """`block_layout` at one partition size; None when the parameters do not fit."""
+    total = sum(costs)
+    offsets, owners = [], []
+    # The partition being filled, its elements from the front, the cost placed so far and before this rank.
+    rank, used, done, before = 0, 0, 0.0, 0.0
+
+    def next_rank() -> bool:
+        nonlocal rank, used, before
+        rank, used, before = rank + 1, 0, done
+        return rank < num_partitions
+
+    def share() -> float:
+        # The cost placed once this rank holds an even share of what is left (a rank that a middle piece overfilled
+        # lowers the next ones' shares, never to nothing).
+        return before + (total - before) / (num_partitions - rank)
+
+    for n, cost, count in zip(numels, costs, blocks):
+        goal = share()
+        last = rank == num_partitions - 1
+        if count <= 1 or n % count or n <= partition_size - used and (last or done + cost <= goal):
+            # Whole: here if it fits and (rounded) keeps this rank within its share, else on the next rank.
+            if n > partition_size - used or (not last and used and done + cost / 2 > goal):
+                if not next_rank() or n > partition_size:
+                    return None
+            offsets.append(rank * partition_size + used)
+            owners.append(rank)
+            used += n
+            done += cost
+            continue
+        block, block_cost = n // count, cost / count
+        # First piece: the blocks that bring this rank to its share, ending its partition.
+        head = min(count - 1, (partition_size - used) // block, max(0, round((goal - done) / block_cost)))
+        if head == 0:
+            if used and not next_rank():
+                return None
+            goal = share()
+            head = min(count, partition_size // block, max(1, round((goal - done) / block_cost)))
+            if head == count:
+                offsets.append(rank * partition_size)
+                owners.append(rank)
+                used, done = n, done + cost
+                continue
+        offsets.append((rank + 1) * partition_size - head * block)
+        owners.append(rank)
+        left = count - head
+        done += head * block_cost
+        while left * block > partition_size:
+            # A middle piece fills a whole partition.
+            if partition_size % block or not next_rank():
+                return None
+            left -= partition_size // block
+            done += partition_size // block * block_cost
+        if not next_rank():
+            return None
+        used = left * block
+        done += left * block_cost
+    return GroupLayout(tuple(numels), tuple(offsets), partition_size, num_partitions, tuple(owners),
+                       tuple(max(1, b) for b in blocks))
 
 
 def _as_int(value) -> int:

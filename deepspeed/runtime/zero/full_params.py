@@ -9,6 +9,7 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.runtime.zero.flat_layout import full_shape
 from deepspeed.runtime.zero.muon.math.normuon import muon_state_shape
+from deepspeed.runtime.zero.owner_blocks import piece_rows
 from deepspeed.runtime.zero.param_groups import is_muon_group
 
 
@@ -87,18 +88,22 @@ class FullParamAccess:
             raise ValueError(f"{key} not found in optimizer state fragment")
         return state[key]
 
-    def _gather_owned(self, param: torch.Tensor, read_whole, shape: torch.Size, failure: str) -> torch.Tensor:
-        """A Muon matrix's state tensor of `shape` (not the parameter's: NorMuon's one value per row), read whole on
-        the rank that owns the matrix, then one SUM all-reduce; a failure to read rides along as in `_gather_full`."""
+    def _gather_owned(self, param: torch.Tensor, read_piece, shape: torch.Size, failure: str) -> torch.Tensor:
+        """A Muon matrix's state tensor of `shape` (not the parameter's: NorMuon's one value per row), read on the rank
+        that owns the matrix (each owner its blocks' rows, where the matrix is cut between owners), then one SUM
+        all-reduce; a failure to read rides along as in `_gather_full`."""
         group, index = self._check_param(param)
         buffer = torch.zeros(shape.numel() + 1, dtype=torch.float32, device=self.device)
         error = None
-        if self._muon_master(group, index) is not None:
+        piece = self._muon_piece(group, index)
+        if piece is not None:
+            first, rows = (0, shape.numel()) if piece.numel == full_shape(param).numel() else \
+                piece_rows(full_shape(param), piece.param_start, piece.numel)
             try:
-                value = read_whole()
-                if value.numel() != shape.numel():
-                    raise ValueError(f"{failure}: it holds {value.numel()} elements, expected {shape.numel()}")
-                buffer[:-1].copy_(value.reshape(-1))
+                value = read_piece()
+                if value.numel() != rows:
+                    raise ValueError(f"{failure}: it holds {value.numel()} elements, expected {rows}")
+                buffer[first:first + rows].copy_(value.reshape(-1))
             except ValueError as exc:
                 error = exc
                 buffer[-1] = 1.0
@@ -109,9 +114,23 @@ class FullParamAccess:
                                       f"{self.param_names.get(param, '<unnamed>')})")
         return buffer[:-1].view(shape)
 
+    def _muon_piece(self, group: int, index: int):
+        """This rank's fragment of Muon matrix `index` of `group` (the whole matrix, or its blocks where the matrix is
+        cut between owners), or None."""
+        layout = self.layouts[group]
+        start, end = layout.param_range(index)
+        lo, hi = layout.partition_range(self._owner_rank(group))
+        if end <= lo or start >= hi or end == start:
+            return None
+        return next(f for f in layout.fragments(self._owner_rank(group)) if f.param_index == index)
+
     def _muon_master(self, group: int, index: int) -> Optional[torch.Tensor]:
-        """The basic optimizer's view of Muon matrix `index` of `group` (None when another rank owns it)."""
-        return self._masters.view_at(group, self.layouts[group].param_offsets[index] - self._partition_base(group))
+        """The basic optimizer's view of Muon matrix `index` of `group` (or of this rank's blocks of it; None when
+        another rank owns it)."""
+        piece = self._muon_piece(group, index)
+        if piece is None:
+            return None
+        return self._masters.view_at(group, piece.flat_start - self._partition_base(group))
 
     def set_full_optimizer_state(self, param: torch.Tensor, value: torch.Tensor, key: str) -> None:
         """Write this rank's part of `param`'s optimizer state `key` from the full `value` (no collective).
@@ -134,13 +153,19 @@ class FullParamAccess:
         muon = is_muon_group(self.optimizer.param_groups[group])
         shape = muon_state_shape(key, full_shape(param)) if muon else full_shape(param)
         if shape != full_shape(param):
-            # Not element-wise (NorMuon's one value per row): the owner of the matrix keeps it whole.
+            # Not element-wise (NorMuon's one value per row): the owner of the matrix keeps it (each owner its
+            # blocks' rows where the matrix is cut between owners).
             if value.numel() != shape.numel():
                 raise ValueError(f"optimizer state '{key}' of {self.param_names.get(param, '<unnamed>')} needs "
                                  f"{shape.numel()} elements (shape {tuple(shape)}), got shape {tuple(value.shape)}")
             hp = self._muon_master(group, index)
             if hp is not None:
-                self.optimizer.state[hp][key] = value.reshape(shape).to(hp.device, copy=True)
+                if hp.numel() == numel:
+                    piece = value.reshape(shape)
+                else:
+                    first, rows = piece_rows(full_shape(param), self._muon_piece(group, index).param_start, hp.numel())
+                    piece = value.reshape(-1)[first:first + rows].reshape(muon_state_shape(key, hp.shape))
+                self.optimizer.state[hp][key] = piece.to(hp.device, copy=True)
             return
         if value.dim() != 0 and value.numel() != numel:
             raise ValueError(f"optimizer state '{key}' of {self.param_names.get(param, '<unnamed>')} needs a 0-dim "

@@ -31,6 +31,7 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.not_provided import NotProvidedError
+from deepspeed.runtime.pinned_memory import zeros_pinned
 from deepspeed.runtime.zero.param_residency import ZeroParamStatus
 
 
@@ -289,8 +290,9 @@ class Init(contextlib.ContextDecorator):
             value = self._rank0_value(value.to(self.device).contiguous())
         dtype = self.dtype if (self.dtype is not None and value.is_floating_point()) else value.dtype
         lo, hi = _shard_range(value.numel(), self.rank, self.world_size)
-        shard = torch.zeros(shard_numel(value.numel(), self.world_size), dtype=dtype, device=self.shard_device,
-                            pin_memory=self.pin_memory)
+        numel = shard_numel(value.numel(), self.world_size)
+        shard = (zeros_pinned(numel, dtype) if self.pin_memory
+                 else torch.zeros(numel, dtype=dtype, device=self.shard_device))
         shard[:hi - lo].copy_(value.reshape(-1)[lo:hi])
         param.data = torch.empty(0, dtype=dtype, device=self.shard_device)
         param.ds_tensor = shard

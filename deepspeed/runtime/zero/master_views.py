@@ -1,7 +1,8 @@
 """The basic optimizer's parameters under ZeRO: views into this rank's fp32 master partitions, and where each sits.
 
 A Muon group's views are the whole matrices this rank owns, shaped as the model's and carrying their head count
-(each has one owner, flat_layout.owner_layout); any other group's one view is the whole flat partition. Gradients
+(each has one owner, flat_layout.owner_layout); a parameter cut between owners at block boundaries gives each owner
+a view of its blocks (owner_blocks.piece_view); any other group's one view is the whole flat partition. Gradients
 reach the views the same way: each gets a strided view of its group's gradient buffer as `.grad`.
 """
 
@@ -12,6 +13,7 @@ import torch
 
 from deepspeed.runtime.zero.flat_layout import GroupLayout, full_shape
 from deepspeed.runtime.zero.muon.per_head import NUM_HEADS_ATTRIBUTE, head_count
+from deepspeed.runtime.zero.owner_blocks import piece_view
 from deepspeed.runtime.zero.param_groups import is_muon_group
 
 # Whether a tensor may be given a gradient of another dtype (torch's `grad_dtype`, recent releases).
@@ -50,14 +52,15 @@ class MasterViews:
             if is_muon_group(group):
                 base = partition_base(g)
                 params = []
-                for index in layout.owned_params(owner_rank(g)):
-                    start, end = layout.param_range(index)
-                    lp = lp_groups[g][index]
-                    view = hp[start - base:end - base].view(full_shape(lp))
-                    # The master stands for the model's matrix: it is orthogonalised in the same heads.
-                    if (num_heads := head_count(lp)) > 1:
+                for piece in layout.fragments(owner_rank(g)):
+                    lp = lp_groups[g][piece.param_index]
+                    shape, num_heads = piece_view(full_shape(lp), head_count(lp), piece.numel)
+                    start = piece.flat_start - base
+                    view = hp[start:start + piece.numel].view(shape)
+                    # The master stands for the model's matrix (or its blocks): orthogonalised in the same heads.
+                    if num_heads > 1:
                         setattr(view, NUM_HEADS_ATTRIBUTE, num_heads)
-                    self.slots[id(view)] = MasterSlot(g, start - base, end - start, full_shape(lp))
+                    self.slots[id(view)] = MasterSlot(g, start, piece.numel, shape)
                     params.append(view)
             else:
                 params = [hp]

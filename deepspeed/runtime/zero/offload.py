@@ -20,6 +20,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from deepspeed.runtime.pinned_memory import empty_pinned
+
 
 class HostOffload:
     """Host memory of one rank's ZeRO partitions under optimizer offload.
@@ -57,7 +59,7 @@ class HostOffload:
         self._copy_stream = None
 
     def _empty(self, numel: int, dtype: torch.dtype) -> Tensor:
-        return torch.empty(numel, dtype=dtype, pin_memory=self.pin_memory)
+        return empty_pinned(numel, dtype) if self.pin_memory else torch.empty(numel, dtype=dtype)
 
     def _event(self):
         """An event recorded on the current stream (None where there are no streams: the copies were ordinary)."""

@@ -16,6 +16,8 @@ from typing import Optional
 
 import torch
 
+from deepspeed.runtime.pinned_memory import zeros_pinned
+
 
 @dataclass(frozen=True)
 class PartitionPlacement:
@@ -68,5 +70,5 @@ class PartitionPlacement:
     def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled partition of `numel` elements where partitions live."""
         if self.pin_memory:
-            return torch.zeros(numel, dtype=dtype, pin_memory=True)
+            return zeros_pinned(numel, dtype)
         return torch.zeros(numel, dtype=dtype, device=self.storage_device)

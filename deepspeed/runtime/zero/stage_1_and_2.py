@@ -4,7 +4,8 @@ Stage 0 keeps one partition (every rank holds all masters; gradients are all-red
 partitions masters and optimizer state, stage 2 also reduces gradients into partitions during backward.
 The model's parameters become views into one flat low-precision ("lp") buffer per group; each rank keeps
 fp32 masters ("hp") for its partition. The wrapped ("basic") optimizer sees only this rank's masters:
-whole matrices for Muon groups (each has exactly one owner, see flat_layout.owner_layout) and one flat
+whole matrices for Muon groups (each has exactly one owner, see flat_layout.owner_layout; a fused expert tensor or
+a per-head matrix may be cut between owners at block boundaries, owner_blocks.py) and one flat
 1-D partition for other groups. So Muon's momentum and Newton-Schulz run in the basic optimizer's step,
 inside the transaction, once per matrix across the group.
 
@@ -24,12 +25,15 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
 from deepspeed.runtime.optimizer_step import StepOutcome, transactional_step
-from deepspeed.runtime.zero.flat_layout import GroupLayout, even_layout, full_shape, newton_schulz_cost, owner_layout
+from deepspeed.runtime.zero.flat_layout import (GroupLayout, even_layout, excess_padding, full_shape,
+                                                newton_schulz_cost, owner_layout, padding_factor)
+from deepspeed.utils.logging import logger
 from deepspeed.runtime.zero.full_params import FullParamAccess
 from deepspeed.runtime.zero.grad_reducer import GradReducer
 from deepspeed.runtime.zero.master_views import MasterViews
 from deepspeed.runtime.zero.muon.per_head import head_count
 from deepspeed.runtime.zero.offload import HostOffload
+from deepspeed.runtime.zero.owner_blocks import ownership_blocks
 from deepspeed.runtime.zero.options import ZeroOptions
 from deepspeed.runtime.zero.param_groups import is_muon_group
 from deepspeed.runtime.zero.rank_state import DeclaredZeroState, load_zero_state
@@ -93,10 +97,20 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
             numels = [full_shape(p).numel() for p in params]
             if is_muon_group(group):
                 costs = [newton_schulz_cost(full_shape(p), head_count(p)) for p in params]
-                layouts.append(owner_layout(numels, costs, partitions))
+                blocks = [ownership_blocks(full_shape(p), head_count(p)) for p in params]
+                layouts.append(owner_layout(numels, costs, partitions, blocks))
+                self._warn_of_padding(layouts[-1])
             else:
                 layouts.append(even_layout(numels, partitions))
         return layouts
+
+    def _warn_of_padding(self, layout: GroupLayout) -> None:
+        """Say so once (rank 0) when a Muon group's owner layout pads its partitions far beyond an even layout: ranks
+        outnumber its matrices, and every rank's reduce-scatter and all-gather move the padding."""
+        if excess_padding(layout) and self.dp_rank == 0:
+            logger.warning(f"ZeRO Muon: {len(layout.numels)} Muon tensors on {layout.num_partitions} ranks pad every "
+                           f"partition to the largest owner's, so each rank moves {padding_factor(layout):.2f}x the "
+                           f"bytes of an even layout (docs/performance.md, 'Muon at scale')")
 
     def _flatten_lp_params(self) -> None:
         """Copy each group into one flat lp buffer and make every parameter a view of it."""

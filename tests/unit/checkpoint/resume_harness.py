@@ -23,9 +23,11 @@ POISON = float("inf")
 # momentum kept in bf16.
 MUON_VARIANTS = {"muon": {}, "muon-options": {"normuon": True, "ns_coefficients": "polar_express",
                                               "momentum_dtype": "bf16"},
-                 "bf16-momentum": {"momentum_dtype": "bf16"}, "muon-experts": {}}
-# Cases whose model is ExpertModel (a fused expert tensor) rather than SimpleModel; plain Muon otherwise.
-EXPERT_CASES = ("muon-experts", )
+                 "bf16-momentum": {"momentum_dtype": "bf16"}, "muon-experts": {},
+                 "muon-experts-options": {"normuon": True, "momentum_dtype": "bf16"}}
+# Cases whose model is ExpertModel (a fused expert tensor, cut between owners at expert boundaries on 2 or more ranks)
+# rather than SimpleModel.
+EXPERT_CASES = ("muon-experts", "muon-experts-options")
 EXPERTS = 4
 
 

@@ -48,6 +48,8 @@ SAVED_AT_TWO = {
     (3, "muon-experts", "bf16"): (3, 2),
     (1, "muon-experts", "fp16"): (1, 3),
     (2, "muon-experts", "fp32"): (2, ),
+    # The expert tensor cut between owners with NorMuon's per-row state in pieces, regrouped at 1 and 3 ranks.
+    (2, "muon-experts-options", "bf16"): (2, 3),
 }
 # Saved at 1 and at 3 ranks, loaded at 2.
 SAVED_ELSEWHERE = {(2, "muon", "bf16"): (2, 0), (1, "adamw", "fp16"): (2, ), (3, "muon-experts", "bf16"): (3, )}

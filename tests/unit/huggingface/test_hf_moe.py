@@ -21,7 +21,7 @@ import torch
 import deepspeed
 import deepspeed.comm as dist
 from unit.common import DistributedTest
-from unit.ops.muon_math.reference import newton_schulz_fp64
+from unit.ops.muon.math.reference import newton_schulz_fp64
 
 from hf_harness import (ADAM_EPS, MUON_LR, SAMPLES, SEQ, VOCAB, TokenDataset, accelerate, assert_changes_match,
                         auto_config, full_fp32_params, reference_training, saved_model, schedule_lrs, step_batches,

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from deepspeed.runtime.zero.muon.executor.device_step import DeviceStepExecutor
+from deepspeed.runtime.zero.muon.executor.host_step import HostStepExecutor
 from deepspeed.runtime.zero.muon.executor.step import MuonStepExecutor, batch_key, logical_shape
 # The group options and the config's groups live in group_options.py; their names stay importable from here.
 from deepspeed.runtime.zero.muon.group_options import (  # noqa: F401
@@ -114,14 +116,13 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
              fp16_param_groups: Sequence[Sequence[Tensor]] | None = None) -> float | None:
         """Apply one Muon or Adam update to every param that has a gradient.
 
-        Muon groups use the updates :meth:`prepare_updates` computed for the current gradients, if it ran;
-        otherwise they compute them here.
+        Muon's rule per group (fold, orthogonalise, apply) runs through the optimizer's executor: on the device
+        (``executor/device_step.py``) or, after :meth:`run_on_host`, on the host (``executor/host_step.py``).
 
         Args:
             closure: re-evaluates the model and returns the loss (run with gradients enabled).
             grad_factor: a 0-d fp32 tensor every gradient is multiplied by as it is read (the caller's unscale and
-                clip); the gradients may then be in any float dtype. Updates prepared before are used with it only
-                when they were prepared with the same factor (on the host, see :meth:`prepare_updates`).
+                clip); the gradients may then be in any float dtype.
             fp16_param_groups: on the host only (:meth:`run_on_host`): one list per param group with one CPU tensor per
                 param (as many elements, contiguous, fp32/bf16/fp16), as DeepSpeedCPUAdam's step takes them; each
                 receives its updated param in its own dtype (``param.to(dtype)``'s bits) in the op's pass that
@@ -139,23 +140,20 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 loss = closure()
         executor = self._executor
         copies = executor.copies_by_param(fp16_param_groups)
-        prepared, executor.prepared = executor.prepared, {}
         try:
-            # On the host: every Muon group's momenta folded and Newton-Schulz queued on the device first.
-            launched = executor.launch_host_muon_updates(prepared, grad_factor) if executor.on_host else {}
-            # Adam groups next: their few element-wise launches are queued at once, and the device works through
-            # them while the host is still issuing the Muon groups' launches (on the host: while the device runs the
-            # Muon groups' Newton-Schulz launched above).
+            # Adam groups first: on the accelerator their few element-wise launches are queued at once and the device
+            # works through them while the host issues Muon's; the host executor steps them once Muon's Newton-Schulz
+            # is queued on the accelerator, while it runs.
             for group in self.param_groups:
                 if not group["use_muon"]:
-                    executor.adam_group_step(group, grad_factor, copies)
-            # Muon: for each group, fold the gradient into the momentum, orthogonalise, apply.
-            for index, group in enumerate(self.param_groups):
-                if index in launched:  # momenta already folded: commit as they are, never recompute
-                    executor.commit_muon_updates(group, launched[index], copies)
-                    continue
+                    executor.adam_step(group, grad_factor, copies)
+            # Muon: for each group, fold the gradient into the momentum, orthogonalise the direction, apply the update.
+            for group in self.param_groups:
                 if group["use_muon"]:
-                    executor.muon_group_step(group, prepared.get(index), grad_factor, copies)
+                    folded = executor.fold(group, grad_factor)
+                    updates = executor.orthogonalise(group, folded)
+                    executor.apply(group, folded, updates, copies)
+            executor.finish()
         finally:
             executor.end_of_step()
         return loss
@@ -176,12 +174,10 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         """Let :meth:`step` use ``buffers`` as scratch memory for Newton-Schulz from now on (an empty list stops it).
 
         The lender promises that the buffers' contents are dead during every ``step()`` call and restores them
-        after each: ZeRO lends its low-precision weights (rewritten from the fp32 masters right after the step). A
-        Muon group whose params and gradients each lie in one run (ZeRO's layout) then computes its update inside
-        ``step()`` in that memory (its momenta packed into one run there, created on the first step), allocating
-        for the step only what does not fit, and on a GPU replays Newton-Schulz from a CUDA graph
-        (``ns_cuda_graph``). :meth:`prepare_updates` leaves such groups to ``step()``. The results are bit for
-        bit those of the other paths.
+        after each: ZeRO lends its low-precision weights (rewritten from the fp32 masters right after the step). Each
+        Muon group's directions and Newton-Schulz then live in that memory, allocating for the step only what does
+        not fit, and on a GPU Newton-Schulz may be replayed from a CUDA graph (``ns_cuda_graph``). The results are
+        bit for bit those without a workspace. On the host (:meth:`run_on_host`) no workspace is taken.
 
         Args:
             buffers: 1-D contiguous tensors on one device.
@@ -195,36 +191,16 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
     @property
     def graph_pool_bytes(self) -> int:
         """Device memory reserved by the pools of the CUDA graphs this optimizer captured (0 without any)."""
-        return self._executor.graphs.pool_bytes
-
-    @torch.no_grad()
-    def prepare_updates(self, grad_factor: Tensor | None = None) -> None:
-        """Compute the Muon groups' updates from the current gradients without changing anything.
-
-        Groups that :meth:`step` will compute in a lent workspace (see :meth:`lend_step_workspace`) are left to it.
-        With ``grad_factor`` (a 0-d fp32 CPU tensor, as :meth:`step` takes it) the gradients are multiplied by it as
-        they are read, in any float dtype; only the host step (:meth:`run_on_host`) prepares so, elsewhere the
-        updates are left to ``step(grad_factor=...)``, which reads the gradients in chunks.
-
-        Momenta, params and state are left as they are: the new momenta are computed out of place, and the
-        next :meth:`step` writes them and applies the updates (bit for bit what it would compute itself),
-        provided the params still carry the same gradient tensors. A caller that decides only later whether
-        the step happens (the ZeRO step waits for the global overflow verdict) can so queue the expensive
-        work on the device first, and call :meth:`discard_prepared_updates` when the step is skipped.
-        """
-        self._executor.prepare_updates(grad_factor)
-
-    def discard_prepared_updates(self) -> None:
-        """Forget what :meth:`prepare_updates` computed (the step it was for is not taken)."""
-        self._executor.discard_prepared_updates()
+        return self._executor.graph_pool_bytes
 
     @property
     def _executor(self) -> MuonStepExecutor:
         # Created on first use, not in __init__: torch's Optimizer.__setstate__ (deepcopy, pickling) keeps only the
-        # defaults, state and param groups, so a copy gets a new executor of its own.
+        # defaults, state and param groups, so a copy gets a new executor of its own (on the device; run_on_host
+        # replaces it).
         executor = self.__dict__.get("_muon_step_executor")
         if executor is None:
-            executor = self.__dict__["_muon_step_executor"] = MuonStepExecutor(self)
+            executor = self.__dict__["_muon_step_executor"] = DeviceStepExecutor(self)
         return executor
 
     def run_on_host(self, ns_device: torch.device | str) -> None:
@@ -237,7 +213,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         Raises:
             OpBuildError: the cpu_adam op cannot be built here.
         """
-        self._executor.run_on_host(ns_device)
+        self.__dict__["_muon_step_executor"] = HostStepExecutor(self, ns_device)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load like ``torch.optim.Optimizer`` but keep every state tensor's saved dtype.

@@ -11,5 +11,5 @@ from deepspeed.runtime.zero.muon.math.newton_schulz import (  # noqa: F401
     zeropower_via_newtonschulz5, zeropower_via_symmetric_gram)
 from deepspeed.runtime.zero.muon.math.ns_common import NS_COEFFICIENTS, NS_NORM_EPS, resolve_ns_dtype  # noqa: F401
 from deepspeed.runtime.zero.muon.math.update import (  # noqa: F401
-    ADJUST_LR_FNS, MOMENTUM_DTYPES, adam_update, check_adjust_lr_fn, flat_view, fold_momenta, head_rows,
-    momentum_directions, muon_update, muon_update_batch, stacked_view, update_scale)
+    ADJUST_LR_FNS, MOMENTUM_DTYPES, adam_update, apply_update, check_adjust_lr_fn, flat_view, fold_and_direction,
+    head_rows, momentum_directions, muon_update, muon_update_batch, orthogonalise, stacked_view, update_scale)

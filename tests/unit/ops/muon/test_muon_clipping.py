@@ -32,6 +32,7 @@ def gradient_and_update_norms(batch):
 
 
 class TestMuonClipping(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("stage", [0, 1, 2])

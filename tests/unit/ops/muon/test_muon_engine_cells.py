@@ -13,7 +13,7 @@ and the universal checkpoint, each against a reference that can fail.
 """
 
 import os
-import subprocess
+import runpy
 import sys
 
 import pytest
@@ -29,7 +29,6 @@ GAS, GLOBAL_BATCH, STEPS = 4, 64, 6
 LR, ADAM_LR, WEIGHT_DECAY = 0.05, 0.01, 0.1
 CLIP = 0.2  # below the gradients' norm in these runs (about 0.4), so clipping acts
 TOLERANCE = 1e-3  # relative error of each parameter's change, as test_muon_reference_parity
-REPO_ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), *[os.pardir] * 4))
 
 
 def cell_config(stage, dtype, gas=GAS, offload=False, weight_decay=0.0, clip=0.0, schedule=False, **fp16):
@@ -88,6 +87,7 @@ ORACLE_CELLS = [(2, False), (2, True), (3, False), (3, True)]
 
 
 class TestMuonAccumulation(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("stage, offload", ACCUMULATION_CELLS)
@@ -105,6 +105,7 @@ class TestMuonAccumulation(DistributedTest):
 
 
 class TestMuonWeightDecay(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("stage, offload", [(0, False), (1, False), (2, False), (3, False), (2, True)])
@@ -125,6 +126,7 @@ class TestMuonWeightDecay(DistributedTest):
 
 
 class TestMuonOverflowAtEachCell(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -173,6 +175,7 @@ def resume_config(stage, offload):
 
 class UninterruptedCells(DistributedFixture):
     """K steps (the last one overflowing), save, N more (the second overflowing); records both points."""
+    reuse_dist_env = True
     world_size = 2
 
     def run(self, class_tmpdir, stage, offload):
@@ -189,6 +192,7 @@ class UninterruptedCells(DistributedFixture):
 
 
 class TestMuonResumeAtEachCell(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("stage, offload", ORACLE_CELLS)
@@ -207,6 +211,7 @@ class TestMuonResumeAtEachCell(DistributedTest):
 
 
 class TestMuonOffloadParity(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("stage", [2, 3])
@@ -243,6 +248,7 @@ def universal_config(stage):
 class SavedOnTwoRanks(DistributedFixture):
     """UNIVERSAL_K steps on 2 ranks, save, convert with the ds_to_universal command, 2 more steps; records the state
     at the save and the masters at the end."""
+    reuse_dist_env = True
     world_size = 2
 
     def run(self, class_tmpdir, stage):
@@ -256,16 +262,20 @@ class SavedOnTwoRanks(DistributedFixture):
         saved["continued"] = fp32_masters(engine)
         if dist.get_rank() == 0:
             torch.save(saved, os.path.join(directory, "saved.pt"))
-            env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-            command = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                       os.path.join(directory, f"global_step{UNIVERSAL_K}"), "--output_folder",
-                       os.path.join(directory, f"global_step{UNIVERSAL_K}_universal")]
-            result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-            assert result.returncode == 0, result.stderr
+            # `python -m deepspeed.checkpoint.ds_to_universal ...` run in this process: a new interpreter costs
+            # seconds (tests/unit/checkpoint/test_resume_other_world_size.py runs the command line itself).
+            argv = sys.argv
+            sys.argv = ["ds_to_universal", "--input_folder", os.path.join(directory, f"global_step{UNIVERSAL_K}"),
+                        "--output_folder", os.path.join(directory, f"global_step{UNIVERSAL_K}_universal")]
+            try:
+                runpy.run_module("deepspeed.checkpoint.ds_to_universal", run_name="__main__")
+            finally:
+                sys.argv = argv
         dist.barrier()
 
 
 class TestMuonUniversalCheckpoint(DistributedTest):
+    reuse_dist_env = True
     world_size = 1
 
     @pytest.mark.parametrize("stage", [1, 3])

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from unit.common import DistributedTest
-from unit.ops.muon_math.reference import newton_schulz_fp64
+from unit.ops.muon.math.reference import newton_schulz_fp64
 
 from muon_suite import (IN_FEATURES, NUM_CLASSES, fp32_masters, global_batches, initialize, muon_config,
                         relative_error, train)
@@ -70,6 +70,7 @@ def reference_training(model: torch.nn.Module, batches) -> dict:
 
 
 class TestMuonExpertTensors(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -28,7 +28,7 @@ class TestMuonLossScaleIndependence(DistributedTest):
     world_size = 2
 
     # ZeRO-1/2, where upstream computes Muon inside the gradient reduction. Stage 0 (upstream's FP16_Optimizer,
-    # which does not scale the loss in backward) is pinned for this fork in unit/runtime/zero/test_muon_zero.py.
+    # which does not scale the loss in backward) is pinned for this fork in unit/ops/muon/zero/test_muon_zero.py.
     @pytest.mark.upstream_pr
     @pytest.mark.parametrize("stage", [1, 2])
     def test_dynamic_and_static_scales_give_the_same_parameters(self, stage):

@@ -84,6 +84,7 @@ def muon_schedule_config(stage, scheduler=None):
 
 
 class TestMuonLRSchedules(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("name", list(DS_SCHEDULES))
@@ -105,6 +106,7 @@ class TestMuonLRSchedules(DistributedTest):
 
 class TestAdamWLRSchedules(DistributedTest):
     """The same rule for a client AdamW whose matrices and vectors are in groups at different lrs."""
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("name", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"])

@@ -31,6 +31,7 @@ def poison_one_element(grad):
 
 
 class TestOverflowSeenByOneRank(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
     # A rank that wrongly applies waits in a collective its peer never joins: fail in minutes, not hours.
     exec_timeout = 180

@@ -36,6 +36,7 @@ def parity_config(stage):
 
 
 class TestMuonReferenceParity(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("stage", [0, 1, 2])

@@ -21,6 +21,7 @@ from test_muon_resume import SAVE_AT, train_and_save
 
 
 class TestMuonResume(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("dtype", ["fp16", "bf16"])

@@ -22,6 +22,7 @@ import test_muon_same_dtype as same_dtype
 
 
 class TestMuonLongRunStage3(long_run.TestMuonLongRun):
+    reuse_dist_env = True
 
     @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
     def test_trains_through_overflow(self, dtype):
@@ -34,18 +35,21 @@ class TestMuonLongRunStage3(long_run.TestMuonLongRun):
 
 
 class TestCastIsNotMovementStage3(same_dtype.TestCastIsNotMovement):
+    reuse_dist_env = True
 
     def test_old_assertion_passes_for_a_cast_alone(self):
         super().test_old_assertion_passes_for_a_cast_alone(3)
 
 
 class TestMuonLossScaleIndependenceStage3(loss_scale.TestMuonLossScaleIndependence):
+    reuse_dist_env = True
 
     def test_dynamic_and_static_scales_give_the_same_parameters(self):
         super().test_dynamic_and_static_scales_give_the_same_parameters(3)
 
 
 class TestMuonResumeContinuesStage3(resume.TestMuonResumeContinues):
+    reuse_dist_env = True
 
     @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
     def test_resumed_run_continues(self, dtype, tmpdir):
@@ -53,6 +57,7 @@ class TestMuonResumeContinuesStage3(resume.TestMuonResumeContinues):
 
 
 class TestMuonResumeStage3(resume_exact.TestMuonResume):
+    reuse_dist_env = True
 
     @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
     def test_resumed_run_equals_uninterrupted(self, dtype, tmpdir):
@@ -65,6 +70,7 @@ class TestMuonResumeStage3(resume_exact.TestMuonResume):
 
 
 class TestOverflowSeenByOneRankStage3(overflow_agreement.TestOverflowSeenByOneRank):
+    reuse_dist_env = True
 
     @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
     def test_every_rank_skips(self, dtype):
@@ -76,6 +82,7 @@ class TestOverflowSeenByOneRankStage3(overflow_agreement.TestOverflowSeenByOneRa
 
 
 class TestMuonReferenceParityStage3(reference_parity.TestMuonReferenceParity):
+    reuse_dist_env = True
 
     @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
     def test_optimizer_step_leaves_gradients_alone(self, dtype):
@@ -86,6 +93,7 @@ class TestMuonReferenceParityStage3(reference_parity.TestMuonReferenceParity):
 
 
 class TestMuonClippingStage3(clipping.TestMuonClipping):
+    reuse_dist_env = True
 
     def test_clipping_above_the_gradient_norm_changes_nothing(self):
         super().test_clipping_above_the_gradient_norm_changes_nothing(3)

@@ -16,7 +16,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.param_residency import ZeroParamStatus
 from unit.common import DistributedTest
 from unit.runtime.engine_harness import fp32_masters, global_batches, make_config, make_model, train_steps
-from unit.runtime.zero.test_muon_zero import HIDDEN, TinyNet, muon_config
+from unit.ops.muon.zero.test_muon_zero import HIDDEN, TinyNet, muon_config
 
 HOST = {"device": "cpu", "pin_memory": True}
 

@@ -9,7 +9,7 @@ from deepspeed.runtime.zero.param_residency import ZeroParamStatus
 from unit.common import DistributedTest
 from unit.runtime.engine_harness import (fp32_masters, global_batches, initialize, make_config, make_model,
                                          reference_adamw, relative_error, train_steps)
-from unit.runtime.zero.test_muon_zero import HIDDEN, TinyNet, muon_config, reference_muon
+from unit.ops.muon.zero.test_muon_zero import HIDDEN, TinyNet, muon_config, reference_muon
 
 # Every test parameter is partitioned unless a test says otherwise (upstream's default keeps small ones whole).
 PARTITION_ALL = {"stage": 3, "stage3_param_persistence_threshold": 0}

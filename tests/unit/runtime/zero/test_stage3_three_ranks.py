@@ -26,7 +26,7 @@ from unit.checkpoint.resume_harness import assert_identical, full_snapshot
 from unit.common import DistributedTest
 from unit.runtime.engine_harness import (ADAM_EPS, fp32_masters, make_config, micro_batch, reference_adamw,
                                          relative_error, train_steps)
-from unit.runtime.zero.test_muon_zero import muon_config, reference_muon
+from unit.ops.muon.zero.test_muon_zero import muon_config, reference_muon
 
 IN, CLASSES = 16, 5
 PERSISTENCE_THRESHOLD = 10

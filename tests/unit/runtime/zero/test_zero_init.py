@@ -9,7 +9,7 @@ import deepspeed.comm as dist
 from deepspeed.runtime.zero.param_residency import ZeroParamStatus
 from unit.common import DistributedTest
 from unit.runtime.engine_harness import fp32_masters, global_batches, make_config, train_steps
-from unit.runtime.zero.test_muon_zero import HIDDEN, TinyNet, muon_config
+from unit.ops.muon.zero.test_muon_zero import HIDDEN, TinyNet, muon_config
 from unit.simple_model import SimpleModel
 
 LAYERS = 8

@@ -16,6 +16,16 @@ from deepspeed.runtime.unscaled_chunks import unscaled, unscaled_chunks
 from deepspeed.runtime.zero.muon.math.update import adam_update
 
 
+def counted_adam_state(state: dict[str, Any], p: Tensor) -> dict[str, Any]:
+    """``state`` with Adam's moments (fp32 zeros on the first step) and this step counted."""
+    if not state:
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+    state["step"] += 1
+    return state
+
+
 def fusable(p: Tensor, state: dict[str, Any]) -> bool:
     """torch's fused AdamW kernel takes fp32 params, gradients and moments of one device (ZeRO's masters)."""
     return p.grad.dtype == torch.float32 and fusable_param(p, state)

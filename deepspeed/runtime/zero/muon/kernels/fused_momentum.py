@@ -7,9 +7,11 @@ the momentum once and writes the new momentum and the direction: 14 bytes per el
 holds in bf16/fp16 and loss-scaled are read as they are, converted and multiplied by the step's unscale-and-clip
 factor in registers: the torch path first writes them unscaled into fp32 chunks (a copy and a ``mul_``, 14 more
 bytes per element). The kernel evaluates torch's own formulas in fp32 (the factor's product rounded on its own,
-then ``lerp``), so the results are the same bits as the torch passes (checked on the GPU by the tests).
+then ``lerp``), so the results are the same bits as the math's torch passes (``math/update.py``
+``fold_and_direction``, whose signature it has; checked on the GPU by
+tests/unit/ops/muon/kernels/test_fused_momentum.py).
 
-Everywhere else (CPU, no Triton, non-contiguous operands) the torch passes run.
+Everywhere else (CPU, no Triton, non-contiguous operands) the math's torch passes run.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from deepspeed.runtime.unscaled_chunks import unscaled_chunks
+from deepspeed.runtime.zero.muon.math import update
 
 logger = logging.getLogger(__name__)
 
@@ -46,34 +48,16 @@ def triton_available() -> bool:
 
 def fold_and_direction(grads: Tensor, momenta: Tensor, direction: Tensor, beta: float, nesterov: bool,
                        grad_factor: Tensor | None = None) -> None:
-    """momenta <- lerp(momenta, g, 1 - beta) in place; direction <- lerp(g, momenta, beta) (Nesterov) or the new
-    momenta, cast to ``direction``'s dtype; g is ``grads`` in fp32, times ``factor`` when given.
+    """:func:`~deepspeed.runtime.zero.muon.math.update.fold_and_direction`, in one Triton pass where it can.
 
-    ``momenta`` is contiguous, fp32 or bf16 (``momentum_dtype``: the new momentum computed in fp32 and stored
-    rounded, the direction from the fp32 value; the torch passes only); ``grads`` and ``direction`` (any float
-    dtypes) have its element count;
-    ``factor`` is a 0-d fp32 tensor (the step's unscale-and-clip factor, read on the device). ``grads`` is only
-    read. Bit for bit the torch passes this replaces: the gradients unscaled into fp32 a chunk at a time
-    (``unscaled_chunks``: a copy to fp32, then ``mul_``), then the two ``lerp`` passes per chunk; those run where
-    the kernel cannot.
+    The kernel takes fp32 ``momenta`` (bf16 ones, ``momentum_dtype``, take the math's torch passes), contiguous
+    operands of one element count on one CUDA device, and ``grad_factor`` as a 0-d fp32 tensor on that device (read
+    there: no wait for the host).
     """
     if (_fusable(grads, momenta, direction, grad_factor)
             and _fused(grads, momenta, direction, beta, nesterov, grad_factor)):
         return
-    momenta, direction = momenta.view(-1), direction.view(-1)
-    for start, end, chunk in unscaled_chunks(grads, grad_factor):
-        chunk_momenta = momenta[start:end]
-        if chunk_momenta.dtype != torch.float32:
-            # bf16 momenta (momentum_dtype): the new momentum in fp32, stored rounded; the direction takes fp32.
-            new_momenta = torch.lerp(chunk_momenta.float(), chunk, 1 - beta)
-            chunk_momenta.copy_(new_momenta)
-            chunk_momenta = new_momenta
-        else:
-            chunk_momenta.lerp_(chunk, 1 - beta)
-        if nesterov:
-            torch.lerp(chunk, chunk_momenta, beta, out=direction[start:end])
-        else:
-            direction[start:end].copy_(chunk_momenta)
+    update.fold_and_direction(grads, momenta, direction, beta, nesterov, grad_factor)
 
 
 def _fusable(grads: Tensor, momenta: Tensor, direction: Tensor, grad_factor: Tensor | None) -> bool:

@@ -3,20 +3,25 @@
 Why: the torch passes are ``torch._foreach_mul_(params, decay)`` and ``params.add_(update, alpha=...)`` with a
 bf16/fp16 update, whose mixed-dtype kernel runs at about half the memory bandwidth on an H200. One Triton kernel
 reads the master and the update once and writes the master: 10 bytes per element. It evaluates what the torch passes
-do on CUDA (the decay product rounded, then a fused multiply-add in fp32), so the results are the same bits (checked
-on the GPU by the tests).
+do on CUDA (the decay product rounded, then a fused multiply-add in fp32), so the results are the same bits as the
+math's (``math/update.py`` ``apply_update``, whose signature it has; checked on the GPU by
+tests/unit/ops/muon/kernels/test_fused_update.py).
 
-Everywhere else (CPU, no Triton, a non-contiguous master or update, non-fp32 masters) the torch passes run.
+Everywhere else (CPU, no Triton, masters not back to back, a non-contiguous update, non-fp32 masters) the math's
+torch passes run.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from deepspeed.runtime.zero.muon.kernels.fused_momentum import launched, triton_available
+from deepspeed.runtime.zero.muon.math import update as math_update
+from deepspeed.runtime.zero.muon.math.update import stacked_view
 
 # Elements per Triton program, as the momentum kernel's.
 _BLOCK = 4096
@@ -25,15 +30,16 @@ _BLOCK = 4096
 _FAILED: list[Exception] = []
 
 
-def apply_update(params: Tensor, update: Tensor, alpha: float, decay: float | None = None) -> None:
-    """``params <- params * decay + alpha * update`` in place (``decay`` None: no decay), ``params`` fp32,
-    ``update`` any float dtype with ``params``' element count. Bit for bit ``params.mul_(decay)`` then
-    ``params.add_(update, alpha=alpha)`` on the same device."""
-    if _fusable(params, update) and _fused(params, update, alpha, decay):
+def apply_update(params: Sequence[Tensor], update: Tensor, alpha: float, decay: float | None = None,
+                 copies: Sequence[Tensor] | None = None) -> None:
+    """:func:`~deepspeed.runtime.zero.muon.math.update.apply_update`, in one Triton pass where it can: fp32 params
+    lying back to back (one stacked tensor) and a contiguous update on one CUDA device."""
+    stacked = stacked_view(params)
+    if stacked is not None and _fusable(stacked, update) and _fused(stacked, update, alpha, decay):
+        for param, copy in zip(params, copies or ()):
+            copy.view(-1).copy_(param.view(-1))
         return
-    if decay is not None:
-        params.mul_(decay)
-    params.add_(update if update.shape == params.shape else update.view(params.shape), alpha=alpha)
+    math_update.apply_update(params, update, alpha, decay, copies)
 
 
 def _fusable(params: Tensor, update: Tensor) -> bool:

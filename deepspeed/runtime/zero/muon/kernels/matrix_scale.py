@@ -6,7 +6,7 @@ strided kernel, well below the memory bandwidth at the 1.11B point, for the norm
 method's two passes per call. Each matrix of such a batch is one dense block of memory (the
 batch is contiguous, or the transpose of a contiguous one), so a flat kernel that looks the factor up per block
 streams at full bandwidth. It computes what torch computes (fp32 arithmetic, IEEE division, torch's roundings),
-so the bits are the same (checked on the GPU by tests/unit/ops/muon_math/test_matrix_scale.py).
+so the bits are the same (checked on the GPU by tests/unit/ops/muon/kernels/test_matrix_scale.py).
 
 Everywhere else (CPU, no Triton, other layouts) the torch ops run.
 """

@@ -7,7 +7,7 @@ every singular value (``optimizer.params.ns_coefficients``).
   Sign Methods and Their Application to the Muon Algorithm", 2025). Step k's quintic is the minimax-optimal odd
   quintic on the interval the singular values occupy after step k - 1, so five steps map [1e-3, 1] into about
   [0.86, 1.14] at the same cost per step. Computed here from the paper's construction (below); for five steps
-  it reproduces the coefficients published with it to rounding (tests/unit/ops/muon_math/test_ns_coefficients.py).
+  it reproduces the coefficients published with it to rounding (tests/unit/ops/muon/math/test_ns_coefficients.py).
 
 The construction, per step: take the interval [l, u] the singular values lie in (at first [1e-3, 1]: Muon scales
 its input to unit Frobenius norm, so none exceeds 1), find the odd quintic minimising max |1 - p(x)| over

@@ -20,7 +20,7 @@ held as a^k I + W (see ``_symmetric_gram_iterations``); and R is re-formed from 
 (one later than the Gram iteration does) and every two steps after that (see FIRST_RESTART). Measured against a
 float64 polar factor on random, nearly low-rank, decaying, spiked and row-scaled spectra, this is as accurate as
 the standard iteration in bf16, and 2-3x closer to the float64 iteration (see docs/muon.md, "Newton-Schulz
-methods", tests/unit/ops/muon_math/test_symmetric_gram.py and benchmarks/ns_methods_gpu.py). Square
+methods", tests/unit/ops/muon/math/test_symmetric_gram.py and benchmarks/ns_methods_gpu.py). Square
 matrices, and wide ones with a small side below MIN_GRAM_ROWS, stay in the compute dtype: their symmetric
 products are Gram products (X X^T, and A A^T with A = X X^T), whose halves are those of the whole product.
 Results come back in the compute dtype.

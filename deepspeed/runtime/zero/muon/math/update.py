@@ -1,8 +1,13 @@
 """Muon's and Adam's update rules as pure functions of tensors.
 
-Nothing here knows about ranks, flat buffers or loss scaling: callers hand in a whole, unscaled gradient and the state
-tensors to update, and get the update back. The only state written in place is the optimizer state passed in
-(``momentum``, ``exp_avg``, ``exp_avg_sq``); the gradient is never written.
+Muon's rule is three functions, which the optimizer's step runs on batches of matrices and :func:`muon_update`
+composes for one: :func:`fold_and_direction` (the momentum fold and the Nesterov direction), :func:`orthogonalise`
+(Newton-Schulz) and :func:`apply_update` (weight decay and the scaled update into the param). Each kernel in
+``muon/kernels`` computes one of them with the same signature.
+
+Nothing here knows about ranks or buffers: callers hand in the gradient (with the factor that unscales it, if any)
+and the state tensors to update. The only state written in place is the optimizer state passed in (``momentum``,
+``exp_avg``, ``exp_avg_sq``) and the params :func:`apply_update` updates; the gradient is never written.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from deepspeed.runtime.unscaled_chunks import unscaled_chunks
 from deepspeed.runtime.zero.muon.math.newton_schulz import NS_FUNCTIONS, check_ns_method
 from deepspeed.runtime.zero.muon.math.ns_coefficients import DEFAULT_NS_COEFFICIENTS, check_ns_coefficients
 
@@ -88,6 +94,68 @@ def head_rows(rows: int, num_heads: int) -> int:
     return rows // num_heads
 
 
+def fold_and_direction(grads: Tensor, momenta: Tensor, direction: Tensor, beta: float, nesterov: bool,
+                       grad_factor: Tensor | None = None) -> None:
+    """Muon's rule before Newton-Schulz: fold the gradient into the momentum and write the direction.
+
+    momenta <- lerp(momenta, g, 1 - beta) in place; direction <- lerp(g, momenta, beta) with Nesterov, else the new
+    momenta, cast to ``direction``'s dtype (the Newton-Schulz input). ``g`` is ``grads`` in fp32, multiplied by
+    ``grad_factor`` (a 0-d fp32 tensor: the step's unscale and clip) when given. ``grads`` (any float dtype) is only
+    read. fp32 ``momenta`` are folded in place; bf16 ones (``momentum_dtype``) get the new momentum computed in fp32
+    and stored rounded, and the direction takes the fp32 value.
+
+    The three tensors are read as their flat elements (any shapes, ``momenta`` and ``direction`` contiguous, one
+    element count). The gradient is converted a chunk at a time (``runtime/unscaled_chunks.py``): the rule is
+    element-wise, so the chunks give the bits of the whole, and no fp32 copy of every gradient is made. The kernels
+    (``muon/kernels``) compute this function with the same signature.
+    """
+    momenta, direction = momenta.view(-1), direction.view(-1)
+    for start, end, chunk in unscaled_chunks(grads, grad_factor):
+        chunk_momenta = momenta[start:end]
+        if chunk_momenta.dtype != torch.float32:
+            new_momenta = torch.lerp(chunk_momenta.float(), chunk, 1 - beta)
+            chunk_momenta.copy_(new_momenta)
+            chunk_momenta = new_momenta
+        else:
+            chunk_momenta.lerp_(chunk, 1 - beta)
+        if nesterov:
+            torch.lerp(chunk, chunk_momenta, beta, out=direction[start:end])
+        else:
+            direction[start:end].copy_(chunk_momenta)
+
+
+def orthogonalise(directions: Tensor | list[Tensor], ns_method: str = "gram", ns_steps: int = 5,
+                  ns_dtype: torch.dtype | None = None, ns_coefficients: str = DEFAULT_NS_COEFFICIENTS,
+                  workspace: object | None = None) -> Tensor | list[Tensor]:
+    """Newton-Schulz of ``ns_method`` (looked up in :data:`NS_FUNCTIONS` at each call, so a wrapped entry sees every
+    call) on a (..., rows, cols) batch or a list of batches; ``workspace`` as the Newton-Schulz functions take it."""
+    return NS_FUNCTIONS[ns_method](directions, steps=ns_steps, dtype=ns_dtype, coefficients=ns_coefficients,
+                                   workspace=workspace)
+
+
+def apply_update(params: Sequence[Tensor], update: Tensor, alpha: float, decay: float | None = None,
+                 copies: Sequence[Tensor] | None = None) -> None:
+    """Muon's rule after Newton-Schulz: params <- params * decay + alpha * update, in place.
+
+    ``params`` are same-shape tensors (fp32 masters) and ``update`` their stacked update (len(params) of their element
+    count, any float dtype); ``decay`` None: no weight decay. Computed as ``mul_(decay)`` then ``add_(update,
+    alpha=alpha)``: one pass each for the batch when the params lie back to back (:func:`stacked_view`), torch's
+    foreach ops otherwise. ``copies`` (one per param, as many elements, any float dtype): each receives its updated
+    param, ``param.to(copy.dtype)``'s bits. The kernels compute this function with the same signature.
+    """
+    stacked = stacked_view(params)
+    if stacked is not None:
+        if decay is not None:
+            stacked.mul_(decay)
+        stacked.add_(update if update.shape == stacked.shape else update.view(stacked.shape), alpha=alpha)
+    else:
+        if decay is not None:
+            torch._foreach_mul_(list(params), decay)
+        torch._foreach_add_(list(params), list(update.reshape(len(params), *params[0].shape).unbind(0)), alpha=alpha)
+    for param, copy in zip(params, copies or ()):
+        copy.view(-1).copy_(param.view(-1))
+
+
 def muon_update(
     grad: Tensor,
     momentum: Tensor,
@@ -102,14 +170,15 @@ def muon_update(
 ) -> Tensor:
     """Fold ``grad`` into ``momentum`` and return the orthogonalised Muon update.
 
-    momentum <- lerp(momentum, grad, 1 - beta) (in place); the direction is lerp(grad, momentum, beta)
-    with Nesterov, else the momentum; 4-D (conv) tensors are viewed as (out, -1); with ``num_heads`` > 1
-    the rows are split into that many equal blocks (one per attention head), each orthogonalised on its
-    own; Newton-Schulz; then the update is scaled by :func:`update_scale` of the matrix (or head block) it
-    orthogonalised, by default sqrt(max(1, rows / cols)), so tall matrices get RMS-comparable steps.
-    (Keller Jordan's code reads rows/cols from the last two dims of the 4-D kernel for conv weights; we use
-    the matrix actually orthogonalised.) Tensors with more than two dims other than 4-D are a batch of
-    matrices over their last two dims.
+    :func:`fold_and_direction` (momentum <- lerp(momentum, grad, 1 - beta) in place; the direction is
+    lerp(grad, momentum, beta) with Nesterov, else the momentum), then :func:`orthogonalise` the direction's
+    :func:`matrix_blocks` (4-D (conv) tensors viewed as (out, -1); with ``num_heads`` > 1 the rows split into that
+    many equal blocks, one per attention head, each orthogonalised on its own), then the update is scaled by
+    :func:`update_scale` of the matrix (or head block) it orthogonalised, by default sqrt(max(1, rows / cols)), so
+    tall matrices get RMS-comparable steps. (Keller Jordan's code reads rows/cols from the last two dims of the 4-D
+    kernel for conv weights; we use the matrix actually orthogonalised.) Tensors with more than two dims other than
+    4-D are a batch of matrices over their last two dims. The optimizer's step runs the same three functions on
+    batches of matrices (``executor/``).
 
     Unlike upstream, ``grad`` is never written: upstream's in-place Nesterov lerp on the gradient
     made the gradient tensor hold the update afterwards.
@@ -141,23 +210,21 @@ def muon_update(
         raise ValueError(f"if use muon, then tensor dim > 1, got {grad.size()}")
     check_adjust_lr_fn(adjust_lr_fn)
     # Checked before the momentum is written: a failing call changes nothing.
-    block_rows = head_rows(matrix_rows(grad.shape), num_heads)
+    _, block_rows, cols = matrix_blocks(grad.shape, num_heads)
     if momentum.dtype != torch.float32 or momentum.shape != grad.shape:
         raise ValueError(
             f"Muon momentum must be a float32 tensor shaped like the gradient {tuple(grad.shape)}, "
             f"got {momentum.dtype} {tuple(momentum.shape)}"
         )
-    # float() aliases an fp32 grad; everything below reads it and writes only fresh tensors.
-    grad32 = grad.float()
-    momentum.lerp_(grad32, 1 - beta)
-    direction = grad32.lerp(momentum, beta) if nesterov else momentum
+    direction = torch.empty(grad.shape, dtype=torch.float32, device=grad.device)
+    fold_and_direction(grad, momentum, direction, beta, nesterov)
     if direction.ndim == 4:
-        direction = direction.reshape(direction.size(0), -1)
+        direction = direction.view(direction.size(0), -1)
     if num_heads != 1:
         # Row blocks are contiguous in a row-major matrix: a view, one batched call for all heads.
-        direction = direction.reshape(*direction.shape[:-2], num_heads, block_rows, direction.size(-1))
-    update = NS_FUNCTIONS[ns_method](direction, steps=ns_steps, dtype=ns_dtype, coefficients=ns_coefficients)
-    scale = update_scale(direction.size(-2), direction.size(-1), adjust_lr_fn)
+        direction = direction.view(*direction.shape[:-2], num_heads, block_rows, cols)
+    update = orthogonalise(direction, ns_method, ns_steps, ns_dtype, ns_coefficients)
+    scale = update_scale(block_rows, cols, adjust_lr_fn)
     return (update.float() * scale).reshape(grad.shape)
 
 
@@ -221,36 +288,6 @@ def _validated_batch(grads: Sequence[Tensor], momenta: Sequence[Tensor]) -> torc
     return shape
 
 
-def fold_momenta(grads: Sequence[Tensor], momenta: Sequence[Tensor], beta: float = 0.95) -> None:
-    """momentum <- lerp(momentum, grad, 1 - beta) for each same-shape pair, in place (one launch when the
-    momenta are adjacent in memory); the gradients are only read.
-
-    Raises:
-        ValueError: as :func:`momentum_directions`.
-    """
-    _validated_batch(grads, momenta)
-    _fold_stacked(_stacked([grad.float() for grad in grads]), momenta, beta)
-
-
-def _fold_stacked(grad32: Tensor, momenta: Sequence[Tensor], beta: float) -> Tensor:
-    """:func:`fold_momenta` on gradients already stacked (and validated) as one fp32 batch; returns the new momenta
-    in fp32, stacked (before their rounding into bf16 momenta)."""
-    stacked = stacked_view(momenta)
-    if momenta[0].dtype != torch.float32:
-        # Computed in fp32, stored rounded to the momentum dtype; the direction takes the fp32 values.
-        new = torch.lerp(_stacked(momenta).float(), grad32, 1 - beta)
-        if stacked is not None:
-            stacked.copy_(new)
-        else:
-            torch._foreach_copy_(list(momenta), list(new.unbind(0)))
-        return new
-    if stacked is not None:
-        stacked.lerp_(grad32, 1 - beta)
-        return stacked
-    torch._foreach_lerp_(list(momenta), list(grad32.unbind(0)), 1 - beta)
-    return _stacked(momenta)
-
-
 def momentum_directions(
     grads: Sequence[Tensor],
     momenta: Sequence[Tensor],
@@ -272,8 +309,7 @@ def momentum_directions(
             computed in fp32, stored rounded, and the direction takes the fp32 value).
         beta, nesterov: as :func:`muon_update`.
         fold: write the new momenta into ``momenta`` (in place). With False nothing is written: the new
-            momenta are computed out of place, bit for bit what :func:`fold_momenta` will write later. This is
-            how the optimizer computes an update before the step's overflow verdict without touching its state.
+            momenta are computed in a copy, bit for bit what folding writes.
         num_heads: row blocks per matrix, as :func:`muon_update`.
         adjust_lr_fn: one of :data:`ADJUST_LR_FNS`.
 
@@ -290,15 +326,15 @@ def momentum_directions(
     shape = _validated_batch(grads, momenta)
     blocks, block_rows, cols = matrix_blocks(shape, num_heads)
     check_adjust_lr_fn(adjust_lr_fn)
-    # grad32 may be a view of the gradients: below it is only read, and lerp (not lerp_) allocates.
-    grad32 = _stacked([grad.float() for grad in grads])
-    if fold:
-        momentum32 = _fold_stacked(grad32, momenta, beta)
-    else:
-        momentum32 = torch.lerp(_stacked(momenta).float(), grad32, 1 - beta)
-    direction = grad32.lerp(momentum32, beta) if nesterov else momentum32
-    direction = direction.reshape(len(grads) * blocks, block_rows, cols)
-    return direction, update_scale(direction.size(-2), direction.size(-1), adjust_lr_fn)
+    stacked = stacked_view(momenta)
+    # Not folding, or momenta that are not one run: fold a stacked copy (the same bits), written back when folding.
+    folded = stacked if fold and stacked is not None else torch.stack(list(momenta))
+    direction = torch.empty((len(grads), *shape), dtype=torch.float32, device=grads[0].device)
+    fold_and_direction(_stacked(grads), folded, direction, beta, nesterov)
+    if fold and folded is not stacked:
+        torch._foreach_copy_(list(momenta), list(folded.unbind(0)))
+    direction = direction.view(len(grads) * blocks, block_rows, cols)
+    return direction, update_scale(block_rows, cols, adjust_lr_fn)
 
 
 def muon_update_batch(
@@ -333,7 +369,7 @@ def muon_update_batch(
     check_ns_coefficients(ns_coefficients)
     direction, scale = momentum_directions(grads, momenta, beta, nesterov, num_heads=num_heads,
                                            adjust_lr_fn=adjust_lr_fn)
-    update = NS_FUNCTIONS[ns_method](direction, steps=ns_steps, dtype=ns_dtype, coefficients=ns_coefficients)
+    update = orthogonalise(direction, ns_method, ns_steps, ns_dtype, ns_coefficients)
     return list((update.float() * scale).reshape(len(grads), *grads[0].shape).unbind(0))
 
 

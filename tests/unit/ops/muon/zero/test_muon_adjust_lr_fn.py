@@ -89,6 +89,7 @@ def torch_muon_run(adjust_lr_fn, device):
 
 
 class TestAdjustLrFnMatchesTorchMuon(DistributedTest):
+    reuse_dist_env = True
     world_size = 1
 
     @pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw"])

@@ -126,6 +126,7 @@ def masters(engine):
 
 
 class TestMuonReferenceParity(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("nesterov", [True, False])
@@ -172,6 +173,7 @@ class TestMuonReferenceParity(DistributedTest):
 
 
 class TestMuonReductionOptions(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("zero", [
@@ -195,6 +197,7 @@ class TestMuonReductionOptions(DistributedTest):
 
 
 class TestMuonLossScaleIndependence(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("stage", [0, 1, 2])
@@ -227,6 +230,7 @@ def _muon_snapshot(engine):
 
 
 class TestMuonOverflowOracle(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("nesterov", [True, False])
@@ -260,6 +264,7 @@ class TestMuonOverflowOracle(DistributedTest):
 
 
 class TestMuonWorkSplit(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("stage", [1, 2])
@@ -334,15 +339,17 @@ class TestMuonWorkSplit(DistributedTest):
         # done once for the group.
         assert original_muon.flat_view(muon_groups[0]["params"]) is not None
         whole_group_steps = []
-        workspace_step = basic._executor._muon_updates_in_workspace
+        fold = basic._executor.fold
 
-        def counting(*args, **kwargs):
-            updates = workspace_step(*args, **kwargs)
-            if updates is not None:
+        def counting(group, *args, **kwargs):
+            folded = fold(group, *args, **kwargs)
+            # The group's gradients as one run, and its directions carved from the lent workspace.
+            grads = [p.grad for p in group["params"] if p.grad is not None]
+            if folded is not None and folded.in_workspace is not None and original_muon.flat_view(grads) is not None:
                 whole_group_steps.append(engine.global_steps)
-            return updates
+            return folded
 
-        basic._executor._muon_updates_in_workspace = counting
+        basic._executor.fold = counting
         rank = dist.get_rank()
         for step in range(3):
             generator = torch.Generator().manual_seed(step)
@@ -358,6 +365,7 @@ class TestStepWorkspace(DistributedTest):
     """ZeRO passes the basic optimizer its lp weights as the step's scratch memory (the contract call's workspace):
     they are dead then, and are rewritten from the masters after the step, even one that raises. (The reduced
     gradients are not lent: the step reads them.)"""
+    reuse_dist_env = True
 
     world_size = 2
 

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from unit.ops.muon_math.reference import newton_schulz_fp64
+from unit.ops.muon.math.reference import newton_schulz_fp64
 
 from deepspeed.runtime.zero.muon.original_muon import (
     resolve_ns_dtype,

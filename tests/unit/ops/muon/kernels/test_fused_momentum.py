@@ -1,7 +1,8 @@
-"""The momentum fold and Nesterov direction in one pass: bit for bit the two torch ``lerp`` passes it replaces.
+"""The momentum fold and Nesterov direction in one pass: the kernel against the math's ``fold_and_direction`` (whose
+signature it has), and the math against the two torch ``lerp`` passes it stands for.
 
-On a CPU (and in CI) the function runs those torch passes; on a GPU with Triton it runs the fused kernel, which
-the CUDA cases compare against the torch passes for both branches of torch's lerp formula, both Nesterov
+On a CPU (and in CI) the kernel's function runs the math; on a GPU with Triton it runs the fused kernel, which the
+CUDA cases compare against the math on the same device for both branches of torch's lerp formula, both Nesterov
 settings, every direction dtype and a length that is not a multiple of the kernel's block.
 """
 
@@ -10,14 +11,15 @@ import torch
 
 from deepspeed.runtime.zero.muon.kernels import fused_momentum
 from deepspeed.runtime.zero.muon.kernels.fused_momentum import fold_and_direction
+from deepspeed.runtime.zero.muon.math import update as math_update
 
 CASES = [(0.95, True, torch.bfloat16), (0.9, False, torch.float16), (0.3, True, torch.float32),
          (0.95, True, torch.float32), (0.6, True, torch.bfloat16)]
 
 
 def torch_passes(grads, momenta, direction, beta, nesterov, factor=None):
-    """What the ZeRO step ran before the fused kernel: the gradient unscaled into fp32 (a copy, then mul_ by the
-    factor), then the two lerp passes."""
+    """The rule written plainly: the whole gradient unscaled into fp32 (a copy, then mul_ by the factor), then the
+    two lerp passes."""
     grads = grads.to(torch.float32, copy=True)
     if factor is not None:
         grads.mul_(factor)
@@ -42,6 +44,10 @@ def compare(device: str, beta: float, nesterov: bool, dtype: torch.dtype, numel:
     momenta = torch.randn(numel, generator=generator).to(device)
     expected_momenta, expected = momenta.clone(), torch.empty(numel, dtype=dtype, device=device)
     torch_passes(grads, expected_momenta, expected, beta, nesterov, factor)
+    math_momenta, by_math = momenta.clone(), torch.empty(numel, dtype=dtype, device=device)
+    math_update.fold_and_direction(grads, math_momenta, by_math, beta, nesterov, grad_factor=factor)
+    assert torch.equal(math_momenta, expected_momenta)
+    assert torch.equal(by_math, expected)
     grads_before = grads.clone()
     direction = torch.empty(numel, dtype=dtype, device=device)
     fold_and_direction(grads, momenta, direction, beta, nesterov, grad_factor=factor)

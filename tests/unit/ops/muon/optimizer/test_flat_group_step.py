@@ -1,9 +1,9 @@
-"""MuonWithAuxAdam on a group laid out as one run (ZeRO's masters): the whole-group element-wise path gives the
-same bits as the per-shape path, and it is the path taken.
+"""MuonWithAuxAdam on a group laid out as one run (ZeRO's masters): the whole-group fold gives the same bits as the
+per-shape folds, and it is the one taken.
 
 Under ZeRO a rank's Muon masters are slices of one flat fp32 partition in the group's order (largest first), their
 fp32 gradients are slices of one buffer in the same order, and the optimizer packs the momenta the same way; the
-step then folds and reads all momenta as one tensor.
+step then folds and reads all momenta as one tensor: one call of the fold for the group.
 """
 
 import pytest
@@ -24,6 +24,21 @@ def flat_params(generator):
     return params, numels
 
 
+def counting_folds(optimizer, calls):
+    """Count the executor's calls of the fold kernel (one per group laid out as one run, else one per shape)."""
+    kernels = optimizer._executor.kernels
+
+    class Counting:
+        apply_update = staticmethod(kernels.apply_update)
+
+        @staticmethod
+        def fold_and_direction(*args, **kwargs):
+            calls.append(args[0].shape)
+            return kernels.fold_and_direction(*args, **kwargs)
+
+    optimizer._executor.kernels = Counting
+
+
 def optimizer_for(params, nesterov, ns_method):
     return MuonWithAuxAdam([{"params": params, "use_muon": True, "lr": 0.05, "momentum": 0.9,
                              "nesterov": nesterov, "weight_decay": 0.1, "ns_method": ns_method}])
@@ -36,23 +51,24 @@ def test_whole_group_path_matches_per_shape_path_bit_for_bit(nesterov, ns_method
     # The same values in separate allocations: nothing is one run, so the per-shape path runs.
     separate = [torch.nn.Parameter(p.detach().clone()) for p in flat]
     flat_opt, separate_opt = optimizer_for(flat, nesterov, ns_method), optimizer_for(separate, nesterov, ns_method)
+    flat_folds, separate_folds = [], []
+    counting_folds(flat_opt, flat_folds)
+    counting_folds(separate_opt, separate_folds)
     for step in range(4):
         generator = torch.Generator().manual_seed(100 + step)
         grad_buffer = torch.randn(sum(numels), generator=generator)
         for p, q, grad in zip(flat, separate, grad_buffer.split(numels)):
             p.grad = grad.view(p.shape)
             q.grad = grad.view(p.shape).clone()
-        group = flat_opt.param_groups[0]
-        by_shape = {}
-        for p in group["params"]:
-            by_shape.setdefault(p.shape, []).append(p)
-        # Step 0 has no momenta yet (per-shape path, which packs them); from step 1 on the whole-group path runs.
-        assert (flat_opt._executor._flat_operands(group["params"], by_shape) is not None) == (step > 0)
+        flat_folds.clear()
+        separate_folds.clear()
         for optimizer in (flat_opt, separate_opt):
-            optimizer.prepare_updates()
             with count_newton_schulz_calls() as calls:
                 optimizer.step()
-            assert sum(calls.values()) == 0
+            assert sum(calls.values()) == 1
+        # The first step too: the step packs the momenta it creates before folding.
+        assert flat_folds == [torch.Size([sum(numels)])]
+        assert len(separate_folds) == len(set(SHAPES))
         for p, q in zip(flat, separate):
             assert torch.equal(p, q)
             assert torch.equal(flat_opt.state[p]["momentum_buffer"], separate_opt.state[q]["momentum_buffer"])
@@ -62,6 +78,8 @@ def test_whole_group_path_matches_per_shape_path_bit_for_bit(nesterov, ns_method
 def test_gradients_out_of_order_take_the_per_shape_path():
     flat, numels = flat_params(torch.Generator().manual_seed(1))
     optimizer = optimizer_for(flat, True, "gram")
+    folds = []
+    counting_folds(optimizer, folds)
     grad_buffer = torch.randn(sum(numels))
     grads = list(grad_buffer.split(numels))
     # Swap the gradients of two same-shape params: each still lies in one buffer, but not in the params' order.
@@ -69,12 +87,9 @@ def test_gradients_out_of_order_take_the_per_shape_path():
     for _ in range(2):
         for p, grad in zip(flat, grads):
             p.grad = grad.view(p.shape)
-        group = optimizer.param_groups[0]
-        by_shape = {}
-        for p in group["params"]:
-            by_shape.setdefault(p.shape, []).append(p)
-        assert optimizer._executor._flat_operands(group["params"], by_shape) is None
+        folds.clear()
         optimizer.step()
+        assert len(folds) == len(set(SHAPES))
 
 
 def test_flat_view_refuses_what_is_not_one_run_in_order():

@@ -1,8 +1,9 @@
-"""Muon's update applied in one pass: bit for bit torch's ``mul_`` (weight decay) and ``add_`` (the update).
+"""Muon's update applied in one pass: the kernel against the math's ``apply_update`` (whose signature it has), and
+the math against torch's ``mul_`` (weight decay) and ``add_`` (the update).
 
-On a CPU (and in CI) the function runs those torch passes; on a GPU with Triton it runs the fused kernel, which the
-CUDA cases compare against the torch passes on the same device, with and without decay, for every update dtype and
-a length that is not a multiple of the kernel's block.
+On a CPU (and in CI) the kernel's function runs the math's torch passes; on a GPU with Triton it runs the fused
+kernel, which the CUDA cases compare against the math on the same device, with and without decay, for every update
+dtype and a length that is not a multiple of the kernel's block.
 """
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from deepspeed.runtime.zero.muon.kernels import fused_momentum
 from deepspeed.runtime.zero.muon.kernels import fused_update
 from deepspeed.runtime.zero.muon.kernels.fused_update import apply_update
+from deepspeed.runtime.zero.muon.math import update as math_update
 
 CASES = [(torch.bfloat16, None), (torch.bfloat16, 0.999), (torch.float16, 0.9), (torch.float32, None),
          (torch.float32, 0.95)]
@@ -31,9 +33,12 @@ def compare(device: str, dtype: torch.dtype, decay, numel: int = 1_000_003) -> N
     if decay is not None:
         expected.mul_(decay)
     expected.add_(update, alpha=alpha)
+    by_math = params.clone()
+    math_update.apply_update([by_math], update, alpha, decay)
+    assert torch.equal(by_math, expected)
     update_before = update.clone()
-    apply_update(params, update, alpha, decay)
-    assert torch.equal(params, expected)
+    apply_update([params], update, alpha, decay)
+    assert torch.equal(params, by_math)
     assert torch.equal(update, update_before)
 
 
@@ -45,8 +50,21 @@ def test_cpu_matches_the_torch_passes(dtype, decay):
 def test_a_stacked_update_of_another_shape_is_applied_by_element():
     params, update = torch.randn(3, 4, 5), torch.randn(3, 20)
     expected = params.clone().add_(update.view(3, 4, 5), alpha=0.5)
-    apply_update(params, update, 0.5)
+    apply_update(list(params.unbind(0)), update, 0.5)
     assert torch.equal(params, expected)
+
+
+def test_params_apart_and_copies_match_the_math():
+    """Params that do not lie back to back take torch's foreach passes; each copy receives its updated param."""
+    params = [torch.randn(4, 5), torch.randn(4, 5)]
+    by_math = [p.clone() for p in params]
+    update = torch.randn(2, 4, 5, dtype=torch.bfloat16)
+    copies = [torch.empty(20, dtype=torch.bfloat16) for _ in params]
+    math_update.apply_update(by_math, update, -0.3, 0.9)
+    apply_update(params, update, -0.3, 0.9, copies)
+    for param, expected, copy in zip(params, by_math, copies):
+        assert torch.equal(param, expected)
+        assert torch.equal(copy, expected.view(-1).to(torch.bfloat16))
 
 
 @pytest.mark.skipif(not fused_momentum.triton_available(), reason="the fused kernel needs a GPU and Triton")

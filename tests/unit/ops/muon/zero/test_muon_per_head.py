@@ -21,7 +21,7 @@ import deepspeed.comm as dist
 from deepspeed.runtime.zero.muon.per_head import head_count
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state
 from unit.common import DistributedTest
-from unit.ops.muon_math.reference import muon_update_fp64
+from unit.ops.muon.math.reference import muon_update_fp64
 
 D, HEADS, KV_HEADS, LAYERS = 32, 4, 2, 2
 HEAD_DIM = D // HEADS
@@ -118,6 +118,7 @@ def relative_error(actual, expected):
 
 
 class TestPerHeadUpdate(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("stage,dtype,adjust_lr_fn", [
@@ -163,6 +164,7 @@ def snapshot(engine, with_momenta=True):
 
 
 class TestPerHeadCheckpoints(DistributedTest):
+    reuse_dist_env = True
     world_size = 2
 
     @pytest.mark.parametrize("stage,dtype,adjust_lr_fn", [(0, "fp32", "match_rms_adamw"), (1, "fp16", "original"),
@@ -216,6 +218,7 @@ class TestPerHeadCheckpoints(DistributedTest):
 
 
 class TestPerHeadConfigErrors(DistributedTest):
+    reuse_dist_env = True
     world_size = 1
 
     def test_initialize_says_what_is_wrong(self):

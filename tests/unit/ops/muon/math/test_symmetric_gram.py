@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
-from unit.ops.muon_math.reference import newton_schulz_fp64
+from unit.ops.muon.math.reference import newton_schulz_fp64
 
 from deepspeed.runtime.zero.muon.original_muon import NS_FUNCTIONS
 from deepspeed.runtime.zero.muon.math.symmetric_gram import (

@@ -67,8 +67,6 @@ def test_host_steps_follow_the_torch_path(flat):
         optimizer = make(matrices, biases, on_host)
         for step in range(4):
             set_grads(matrices, biases, step, flat)
-            if step % 2:
-                optimizer.prepare_updates()  # as ZeRO does before its verdict
             optimizer.step()
             if step == 1:
                 # A checkpoint round trip: the restored momenta are separate tensors (not one run) again.
@@ -86,9 +84,8 @@ def test_host_steps_follow_the_torch_path(flat):
             assert ((host_opt.state[a][key] - torch_opt.state[b][key]).norm() / torch_opt.state[b][key].norm()) < 1e-6
 
 
-@pytest.mark.parametrize("prepared", [True, False])
 @pytest.mark.parametrize("flat", [True, False])
-def test_scaled_low_precision_gradients_give_the_unscaled_fp32_bits(flat, prepared):
+def test_scaled_low_precision_gradients_give_the_unscaled_fp32_bits(flat):
     """ZeRO-Offload hands the host step the staged bf16 gradients and the unscale-and-clip factor: the op reads them
     as grad.float() * factor, so every tensor is bit for bit what unscaled fp32 gradients give (matrices against the
     torch path, the Adam half against the host path)."""
@@ -107,12 +104,8 @@ def test_scaled_low_precision_gradients_give_the_unscaled_fp32_bits(flat, prepar
                 else:
                     p.grad = low.float() * factor
             if mode == "host-scaled":
-                if prepared:
-                    optimizer.prepare_updates(grad_factor=factor)
                 optimizer.step(grad_factor=factor)
             else:
-                if prepared:
-                    optimizer.prepare_updates()
                 optimizer.step()
         runs[mode] = (matrices, biases, optimizer)
     (torch_m, _, torch_opt), (host_m, host_b, host_opt), (scaled_m, scaled_b, scaled_opt) = (
@@ -124,19 +117,6 @@ def test_scaled_low_precision_gradients_give_the_unscaled_fp32_bits(flat, prepar
         assert torch.equal(a, b)
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(scaled_opt.state[a][key], host_opt.state[b][key])
-
-
-def test_a_prepared_update_leaves_the_host_state_alone_until_the_step():
-    matrices, biases = params_and_grads(flat=True)
-    optimizer = make(matrices, biases, on_host=True)
-    set_grads(matrices, biases, 0, flat=True)
-    optimizer.step()
-    before = [m.clone() for m in matrices] + [optimizer.state[m]["momentum_buffer"].clone() for m in matrices]
-    set_grads(matrices, biases, 1, flat=True)
-    optimizer.prepare_updates()
-    after = [m.clone() for m in matrices] + [optimizer.state[m]["momentum_buffer"].clone() for m in matrices]
-    assert all(torch.equal(a, b) for a, b in zip(before, after))
-    optimizer.discard_prepared_updates()
 
 
 def lp_copies(matrices, biases, dtype, contiguous):
@@ -155,9 +135,8 @@ def lp_copies(matrices, biases, dtype, contiguous):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("prepared", [True, False])
 @pytest.mark.parametrize("flat, contiguous", [(True, True), (True, False), (False, True)])
-def test_the_step_writes_the_params_as_torch_casts_them(flat, contiguous, prepared, dtype):
+def test_the_step_writes_the_params_as_torch_casts_them(flat, contiguous, dtype):
     """With fp16_param_groups the host step writes each updated param, Muon matrices and the Adam half, into its
     tensor in the same pass: `param.to(dtype)` bit for bit after every step; the params and state are those of a
     step without copies."""
@@ -169,8 +148,6 @@ def test_the_step_writes_the_params_as_torch_casts_them(flat, contiguous, prepar
         copies = lp_copies(matrices, biases, dtype, contiguous)
         for step in range(3):
             set_grads(matrices, biases, step, flat)
-            if prepared:
-                optimizer.prepare_updates(grad_factor=factor)
             optimizer.step(grad_factor=factor, fp16_param_groups=copies if with_copies else None)
             if with_copies:
                 for p, c in zip(matrices + biases, copies[0] + copies[1]):

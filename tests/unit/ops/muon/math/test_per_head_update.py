@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from unit.ops.muon_math.reference import muon_update_fp64, shape_factor
+from unit.ops.muon.math.reference import muon_update_fp64, shape_factor
 
 from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam, muon_param_groups
@@ -152,14 +152,14 @@ def test_flat_group_with_heads_takes_the_workspace_path_with_the_same_bits():
     assert flat_opt.param_groups[0]["params"] == flat, "the flat run is already in the optimizer's order"
     flat_opt.lend_step_workspace([torch.empty(master.numel() * 8)])
     in_workspace = []
-    workspace_step = flat_opt._executor._muon_updates_in_workspace
+    fold = flat_opt._executor.fold
 
     def counting(group, *args):
-        updates = workspace_step(group, *args)
-        in_workspace.append(updates is not None)
-        return updates
+        folded = fold(group, *args)
+        in_workspace.append(folded is not None and folded.in_workspace is not None)
+        return folded
 
-    flat_opt._executor._muon_updates_in_workspace = counting
+    flat_opt._executor.fold = counting
     for step in range(3):
         grads = torch.randn(master.numel(), generator=generator)
         for p, n, grad in zip(flat, order, grads.split(numels)):

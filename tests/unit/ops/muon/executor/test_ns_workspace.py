@@ -144,16 +144,15 @@ def test_optimizer_in_a_lent_workspace_gives_the_same_bits(nesterov, room, ns_me
             p.grad, q.grad = grad.view(p.shape), grad.view(p.shape).clone()
         lent.fill_(float("nan"))  # the lender's contents are dead: nothing may read them
         computed_in_step = []
-        in_workspace = lent_opt._executor._muon_updates_in_workspace
-        lent_opt._executor._muon_updates_in_workspace = _recording(in_workspace, computed_in_step)
+        fold = lent_opt._executor.fold
+        lent_opt._executor.fold = _recording(fold, computed_in_step)
         for optimizer in (lent_opt, plain_opt):
-            optimizer.prepare_updates()
             with count_newton_schulz_calls() as calls:
                 optimizer.step()
-            # Lent a workspace, every step (the first too: it packs the momenta) runs Newton-Schulz in the step;
-            # the other optimizer took what was prepared before it.
-            assert sum(calls.values()) == (0 if optimizer is plain_opt else 1)
-        del lent_opt._executor._muon_updates_in_workspace
+            # One Newton-Schulz call for the group; lent a workspace, every step (the first too: it packs the
+            # momenta) runs it there.
+            assert sum(calls.values()) == 1
+        del lent_opt._executor.fold
         assert computed_in_step == [True]
         for p, q in zip(lent_params, plain_params):
             assert torch.equal(p, q)
@@ -162,25 +161,13 @@ def test_optimizer_in_a_lent_workspace_gives_the_same_bits(nesterov, room, ns_me
         assert lent_opt._executor.workspace.fallback_bytes == 0, "step memory outlived the step"
 
 
-def _recording(method, record):
+def _recording(fold, record):
+    """``fold`` recording whether the group's directions were carved from the lent workspace."""
     def recorded(group, *args):
-        updates = method(group, *args)
-        record.append(updates is not None)
-        return updates
+        folded = fold(group, *args)
+        record.append(folded is not None and folded.in_workspace is not None)
+        return folded
     return recorded
-
-
-def test_prepared_updates_are_left_to_the_step_when_a_workspace_is_lent():
-    optimizer, params, numels = optimizer_and_params(torch.Generator().manual_seed(3), [(16, 8)] * 2, True)
-    optimizer.lend_step_workspace([torch.zeros(10_000)])
-    for _ in range(2):
-        for p, grad in zip(params, torch.randn(sum(numels)).split(numels)):
-            p.grad = grad.view(p.shape)
-        optimizer.prepare_updates()
-        # Nothing is computed before the step when the group can step in the workspace: from the first step on,
-        # since the step packs the momenta it creates.
-        assert 0 not in optimizer._executor.prepared
-        optimizer.step()
 
 
 def test_cuda_graph_flag_must_be_a_bool():
@@ -190,8 +177,8 @@ def test_cuda_graph_flag_must_be_a_bool():
 
 
 def test_no_gradient_outlives_the_step():
-    """What the prepare remembers for the step (the operands) must not keep the fp32 gradients alive into the next
-    forward and backward: under ZeRO they are a full fp32 copy of the rank's gradients."""
+    """Nothing the executor keeps between steps may hold the gradients alive into the next forward and backward:
+    under ZeRO they can be a full fp32 copy of the rank's gradients."""
     optimizer, params, numels = optimizer_and_params(torch.Generator().manual_seed(4), [(16, 8)] * 3, True)
     optimizer.lend_step_workspace([torch.zeros(10_000)])
     for step in range(3):
@@ -199,7 +186,6 @@ def test_no_gradient_outlives_the_step():
         for p, grad in zip(params, grads.split(numels)):
             p.grad = grad.view(p.shape)
         alive = weakref.ref(grads)
-        optimizer.prepare_updates()
         optimizer.step()
         for p in params:
             p.grad = None

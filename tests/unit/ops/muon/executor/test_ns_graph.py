@@ -27,7 +27,6 @@ def run(lent: bool, graph: bool, steps: int = 5, count: bool = False, ns_method:
         grads = torch.randn(sum(numels), generator=torch.Generator().manual_seed(100 + step)).to(device)
         for p, grad in zip(params, grads.split(numels)):
             p.grad = grad.view(p.shape)
-        optimizer.prepare_updates()
         if count:
             with count_newton_schulz_calls() as counter:
                 optimizer.step()

@@ -4,7 +4,7 @@ import io
 
 import pytest
 import torch
-from unit.ops.muon_math.reference import muon_update_fp64
+from unit.ops.muon.math.reference import muon_update_fp64
 
 from deepspeed.runtime.zero.muon.muon_optimizer import MISSING_USE_MUON_MESSAGE, MuonWithAuxAdam, muon_param_groups
 from deepspeed.runtime.zero.muon.original_muon import count_newton_schulz_calls
