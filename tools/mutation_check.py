@@ -306,15 +306,20 @@ MUTATIONS: Tuple[Mutation, ...] = (
         upstream=("under optimizer offload the host step runs as soon as the gradients arrive, before the global "
                   "overflow decision, so a skipped step has already changed the masters and the momentum"),
         patches=(
+            # The contract call moved into the prepare, which runs before the verdict; the apply reuses its answer.
             Patch(STAGE,
-                  "                self._host_grad_factor = grad_factor\n"
-                  "                return\n",
-                  "                self._host_grad_factor = grad_factor\n"
-                  "                self._early_written = self._host_step_with_grad_factor()\n"
-                  "                return\n"),
+                  "            self._offload.send_grads(self._partition_grads())\n",
+                  "            self._offload.send_grads(self._partition_grads())\n"
+                  "            grads, factor, lp_copies = self._step_inputs(grad_factor)\n"
+                  "            self._masters.set_grads(grads)\n"
+                  "            self._early_written = self._contract.step_partitions(factor, lp_copies, "
+                  "self._step_workspace)\n"),
             Patch(STAGE,
-                  "                is_written = self._host_step_with_grad_factor()\n",
-                  "                is_written = self._early_written\n"),
+                  "            is_written = self._contract.step_partitions(grad_factor, lp_copies, "
+                  "self._step_workspace)\n",
+                  "            early = self.__dict__.pop('_early_written', None)\n"
+                  "            is_written = early if early is not None else self._contract.step_partitions(\n"
+                  "                grad_factor, lp_copies, self._step_workspace)\n"),
         ),
     ),
     Mutation(

@@ -6,7 +6,7 @@ import torch
 
 from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigAssertionError, DeepSpeedConfigError
 from deepspeed.runtime.zero.config import OffloadDeviceEnum
-from deepspeed.runtime.zero.step_contract import contract_of
+from deepspeed.runtime.zero.step_contract import StepsOnHost
 
 ADAM_OPTIMIZERS = ("adam", "adamw")
 MUON_OPTIMIZER = "muon"
@@ -149,7 +149,7 @@ def _check_client_optimizer_for_offload(config: DeepSpeedConfig, optimizer: torc
     the native op (DeepSpeedCPUAdam; MuonWithAuxAdam, which also orthogonalises on the accelerator) passes."""
     if not offloads_optimizer(config) or not config.zero_force_ds_cpu_optimizer:
         return
-    if contract_of(optimizer).steps_on_host:
+    if isinstance(optimizer, StepsOnHost):
         return
     from deepspeed.runtime.zero.utils import ZeRORuntimeException
 

@@ -10,18 +10,20 @@ import torch
 from torch import Tensor
 
 from deepspeed.ops.op_builder import CPUAdamBuilder
-from deepspeed.runtime.zero.step_contract import ZeroStepContract
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
-class DeepSpeedCPUAdam(torch.optim.Optimizer, ZeroStepContract):
+class DeepSpeedCPUAdam(torch.optim.Optimizer):
     """Adam (L2 weight decay) or AdamW (decoupled weight decay) for parameters that live on the CPU.
 
     The state uses torch.optim.Adam's keys, so checkpoints and `safe_get_full_optimizer_state` read it alike:
     `step` (a CPU float32 tensor), `exp_avg`, `exp_avg_sq` and, with AMSGrad, `max_exp_avg_sq`. Parameters may be
     fp32, bf16 or fp16 (the arithmetic is fp32); the moments are fp32, or the parameter's dtype with
     `fp32_optimizer_states=False`.
+
+    Under ZeRO-Offload it is ZeRO's step contract (`runtime/zero/step_contract.py`): `step_partitions` unscales and
+    clips, updates, and writes the model-dtype copies in one pass of the op per parameter.
 
     Args:
         model_params: parameters or param groups (as for any torch optimizer); every parameter on the CPU.
@@ -38,11 +40,6 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer, ZeroStepContract):
         ValueError: a hyperparameter out of range.
         OpBuildError: the op cannot be built or loaded on this machine (raised here, not at the first step).
     """
-
-    # What ZeRO-Offload relies on: step() takes `grad_factor` (multiplied into every gradient) and writes copies of
-    # the updated parameters (`fp16_param_groups`) in the same pass over memory as the update.
-    fuses_grad_factor = True
-    steps_on_host = True
 
     def __init__(self, model_params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0,
@@ -72,17 +69,28 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer, ZeroStepContract):
         """The loaded cpu_adam module (cached per process; kept off the instance so the optimizer deep-copies)."""
         return CPUAdamBuilder().load()
 
+    def run_on_host(self, accelerator_device: torch.device | str) -> None:
+        """ZeRO-Offload's question (`step_contract.StepsOnHost`): this optimizer always steps on the host."""
+
+    def step_partitions(self, grad_factor: Tensor, lp_copies: Sequence[Sequence[Tensor]] | None,
+                        workspace: Sequence[Tensor]) -> bool:
+        """ZeRO's step (`step_contract.ZeroStep`): `step` with `grad_factor`, writing `lp_copies`
+        (`fp16_param_groups`) in the same pass as the update. Returns whether it wrote them."""
+        self.step(fp16_param_groups=lp_copies, grad_factor=grad_factor)
+        return lp_copies is not None
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None,
              fp16_param_groups: Sequence[Tensor | Sequence[Tensor]] | None = None, *,
-             grad_factor: float = 1.0) -> float | None:
+             grad_factor: Tensor | None = None) -> float | None:
         """Update every parameter that has a gradient.
 
         Args:
             closure: re-evaluates the model and returns the loss.
             fp16_param_groups: one entry per param group, each a tensor or a list with one tensor per parameter (CPU,
                 same number of elements, fp32/bf16/fp16): they receive the updated parameters in their own dtype.
-            grad_factor: every gradient is multiplied by it first (1 / loss scale / clip coefficient).
+            grad_factor: a 0-d fp32 CPU tensor every gradient is multiplied by as it is read (1 / loss scale / clip
+                coefficient); None for 1.
 
         Returns:
             The closure's loss, or None.
@@ -95,6 +103,7 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer, ZeroStepContract):
             with torch.enable_grad():
                 loss = closure()
         copies = _copy_targets(fp16_param_groups, self.param_groups)
+        factor = 1.0 if grad_factor is None else float(grad_factor)  # the op's binding takes a number (exact: fp32)
         op = self.ds_opt_adam
         for group, group_copies in zip(self.param_groups, copies):
             beta1, beta2 = group["betas"]
@@ -108,7 +117,7 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer, ZeroStepContract):
                 state["step"] += 1
                 op.adam_step(param, param.grad, state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq"),
                              copy, int(state["step"].item()), group["lr"], beta1, beta2, group["eps"],
-                             group["weight_decay"], group["bias_correction"], self.adamw_mode, float(grad_factor))
+                             group["weight_decay"], group["bias_correction"], self.adamw_mode, factor)
                 # The op writes through pointers; tell autograd the parameter changed, as an in-place op would.
                 torch.autograd.graph.increment_version(param)
         return loss

@@ -12,7 +12,7 @@ state is created first, whole, by torch's own initialisation, and the step count
 """
 
 import inspect
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -32,6 +32,19 @@ def steps_in_chunks(optimizer: torch.optim.Optimizer) -> bool:
     if init_group is None:
         return False
     return list(inspect.signature(init_group).parameters) == _INIT_GROUP_PARAMETERS
+
+
+class ChunkedTorchAdam:
+    """ZeRO's step contract (step_contract.ZeroStep) for torch's Adam/AdamW (see `steps_in_chunks`): `chunked_step`
+    on the loss-scaled gradients."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def step_partitions(self, grad_factor: Tensor, lp_copies: Optional[Sequence[Sequence[Tensor]]],
+                        workspace: Sequence[Tensor]) -> bool:
+        chunked_step(self.optimizer, grad_factor)
+        return False
 
 
 @torch.no_grad()

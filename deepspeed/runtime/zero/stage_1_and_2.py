@@ -9,36 +9,37 @@ a per-head matrix may be cut between owners at block boundaries, owner_blocks.py
 1-D partition for other groups. So Muon's momentum and Newton-Schulz run in the basic optimizer's step,
 inside the transaction, once per matrix across the group.
 
+A step is one sequence: the gradients are reduced into the partitions during the backward; the transaction takes
+the global overflow verdict; a step that is taken makes one call of the basic optimizer's step contract
+(step_contract.py, chosen at construction); the lp weights are published.
+
 With optimizer offload (zero/offload.py) the masters and the basic optimizer's state live in host memory and the
 basic optimizer steps there; the reduced gradients travel to the host before the verdict and the updated weights
 come back after the step.
 """
 
-import functools
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 import deepspeed.comm as dist
 from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
 from deepspeed.runtime.optimizer_step import StepOutcome, transactional_step
-from deepspeed.runtime.zero import chunked_torch_adam
 from deepspeed.runtime.zero.flat_layout import (GroupLayout, even_layout, excess_padding, full_shape,
                                                 newton_schulz_cost, owner_layout, padding_factor)
 from deepspeed.utils.logging import logger
 from deepspeed.runtime.zero.full_params import FullParamAccess
 from deepspeed.runtime.zero.grad_reducer import GradReducer
-from deepspeed.runtime.zero.master_views import GRAD_DTYPE_SETTABLE, MasterViews
+from deepspeed.runtime.zero.master_views import MasterViews
 from deepspeed.runtime.zero.muon.per_head import head_count
 from deepspeed.runtime.zero.offload import HostOffload
 from deepspeed.runtime.zero.owner_blocks import ownership_blocks
 from deepspeed.runtime.zero.options import ZeroOptions
 from deepspeed.runtime.zero.param_groups import is_muon_group
 from deepspeed.runtime.zero.rank_state import DeclaredZeroState, load_zero_state
-from deepspeed.runtime.zero.step_contract import contract_of
+from deepspeed.runtime.zero.step_contract import LpCopies, StepsOnHost, zero_step_for
 from deepspeed.runtime.zero.upstream_surface import UpstreamOptimizerAttributes
 from deepspeed.runtime.zero.weak_hook import weak_hook
-from deepspeed.runtime.unscaled_chunks import unscaled
 
 
 class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, DeclaredZeroState, DeepSpeedOptimizer):
@@ -150,35 +151,14 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
                                                     for lp in lp_partitions]
 
     def _configure_basic_optimizer(self) -> None:
-        """Tell the basic optimizer what it may use: on the accelerator, buffers dead during its step; offloaded, that
-        it steps on the host (where Muon still orthogonalises on the accelerator). Decide how it reads the gradients
-        (see `_prepare`), from what it declares (step_contract.py)."""
-        contract = self._contract = contract_of(self.optimizer)
-        # DeepSpeedCPUAdam's step takes the unscale-and-clip factor and writes the model-dtype copy in the same
-        # pass; other optimizers get unscaled fp32 gradients and the copy is a separate pass.
-        self._fuses_grad_factor = self._offload is not None and contract.fuses_grad_factor
-        # On the accelerator an optimizer that takes the factor (MuonWithAuxAdam), or torch's Adam/AdamW stepped in
-        # chunks, reads the reducer's model-dtype gradients directly: no unscaled fp32 copy of the partition.
-        self._steps_on_scaled_grads = None
-        if self._offload is None and GRAD_DTYPE_SETTABLE:
-            if contract.accepts_grad_factor:
-                self._steps_on_scaled_grads = lambda grad_factor: self.optimizer.step(grad_factor=grad_factor)
-            elif chunked_torch_adam.steps_in_chunks(self.optimizer):
-                self._steps_on_scaled_grads = functools.partial(chunked_torch_adam.chunked_step, self.optimizer)
-        # Offloaded, an optimizer that steps on the host and takes the factor (MuonWithAuxAdam) reads the staged
-        # model-dtype gradients in the op, unscaling as it reads: no fp32 copy of the partition on the host either.
-        self._host_grad_factor: Optional[torch.Tensor] = None
-        self._steps_on_scaled_host_grads = False
-        # Such an optimizer may also write the model-dtype weights in the passes that update the masters, as
-        # DeepSpeedCPUAdam does (`_lp_copy_targets`): then publishing casts nothing.
-        self._host_step_writes_lp = False
-        if self._offload is not None:
-            if contract.steps_on_host:
-                contract.run_on_host(self.device)
-                self._steps_on_scaled_host_grads = GRAD_DTYPE_SETTABLE and contract.accepts_grad_factor
-                self._host_step_writes_lp = self._steps_on_scaled_host_grads and contract.writes_param_copies_on_host
-            return
-        contract.lend_step_workspace(self._buffers_dead_during_step())
+        """Choose, once, what steps the basic optimizer (step_contract.py): the optimizer itself where it implements
+        the contract, else an adapter. Offloaded, an optimizer with a host step is told to take it; on the
+        accelerator the step is lent the buffers dead while it runs."""
+        is_offloaded = self._offload is not None
+        if is_offloaded and isinstance(self.optimizer, StepsOnHost):
+            self.optimizer.run_on_host(self.device)
+        self._contract = zero_step_for(self.optimizer, is_offloaded)
+        self._step_workspace = [] if is_offloaded else self._buffers_dead_during_step()
 
     def _buffers_dead_during_step(self) -> List[torch.Tensor]:
         """Buffers whose contents nothing needs while the basic optimizer steps (see `_apply`): the lp weights, which
@@ -263,75 +243,38 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
         return outcome
 
     def _prepare(self, grad_factor: torch.Tensor) -> None:
-        """Before the verdict: give the masters their gradients, and compute what can be computed without mutating.
-
-        On the accelerator, an optimizer that reads the gradients with the factor (`_steps_on_scaled_grads`) gets the
-        reducer's model-dtype gradients as they are; nothing is computed before the verdict, and no fp32 copy of
-        them is made. Otherwise the masters get unscaled, clipped fp32 gradients (new tensors), and Muon updates
-        that cannot wait for the step are computed from them (`prepare_updates`, out of place). Nothing the
-        step protects changes here, so a skipped step drops both.
-
-        Offloaded, the gradients first travel to host staging buffers; an optimizer that unscales in its own step
-        (DeepSpeedCPUAdam) needs nothing else before the verdict, and one that steps on the host with the factor
-        (MuonWithAuxAdam) gets the staged gradients as they are: its step, after the verdict, computes each Muon
-        direction in the pass that folds the momentum (one pass where a prepare before the verdict would need two)
-        and runs the Adam half on the host while the device runs Newton-Schulz.
-        """
-        reduced = [self.reducer.partition_grad(g) for g in range(len(self.layouts))]
+        """Before the verdict, offloaded: start copying the gradients to the host (only staging buffers are written),
+        so the copy runs while the host waits for the verdict."""
         if self._offload is not None:
-            self._offload.send_grads(reduced)
-            if self._fuses_grad_factor:
-                return
-            reduced, grad_factor = self._offload.host_grads(), grad_factor.cpu()
-            if self._steps_on_scaled_host_grads:
-                self._masters.set_grads(reduced)
-                self._host_grad_factor = grad_factor
-                return
-        elif self._steps_on_scaled_grads is not None:
-            self._masters.set_grads(reduced)
-            return
-        # A new fp32 tensor per group: multiplying in place would write the reducer's buffer when it is fp32.
-        fp32_grads = [unscaled(grad, grad_factor) for grad in reduced]
-        self._masters.set_grads(fp32_grads)
-        self._contract.prepare_updates()
+            self._offload.send_grads(self._partition_grads())
 
     def _apply(self, grad_factor: torch.Tensor) -> None:
-        """Step the basic optimizer on the gradients `_prepare` set, then publish the lp weights.
+        """After the verdict: the masters get this step's gradients, the contract is called once, the lp weights are
+        published.
 
         The lp weights are rewritten even when the step raises: the basic optimizer may have used them as scratch
-        memory (`_buffers_dead_during_step`), and they must end up equal to the masters either way.
+        memory (`_step_workspace`), and they must end up equal to the masters either way.
         """
         is_written = False
         try:
-            if self._fuses_grad_factor:
-                is_written = self._fused_host_step(grad_factor)
-            elif self._steps_on_scaled_grads is not None:
-                self._steps_on_scaled_grads(grad_factor=grad_factor)
-            elif self._steps_on_scaled_host_grads:
-                is_written = self._host_step_with_grad_factor()
-            else:
-                self.optimizer.step()
+            grads, grad_factor, lp_copies = self._step_inputs(grad_factor)
+            self._masters.set_grads(grads)
+            is_written = self._contract.step_partitions(grad_factor, lp_copies, self._step_workspace)
         finally:
             # The gradients are dead now: free what was made of them before the publishing all-gather allocates.
             self._release_master_grads()
             self._publish(is_written)
 
-    def _fused_host_step(self, grad_factor: torch.Tensor) -> bool:
-        """The offloaded step in one pass per group: unscale and clip, update the host masters, write the model-dtype
-        weights into the buffers that go back to the device. Returns True (the weights are written)."""
-        self._masters.set_grads(self._offload.host_grads())
-        self.optimizer.step(fp16_param_groups=self._lp_copy_targets(), grad_factor=grad_factor.item())
-        return True
+    def _step_inputs(self, grad_factor: torch.Tensor) -> Tuple[List[torch.Tensor], torch.Tensor, Optional[LpCopies]]:
+        """This step's loss-scaled gradients, the factor on their device, and where the step may write the updated
+        weights in the model dtype: on the accelerator the reducer's partitions and None (the masters are cast when
+        published); offloaded their host copies, the factor moved with them, and the buffers that go back."""
+        if self._offload is None:
+            return self._partition_grads(), grad_factor, None
+        return self._offload.host_grads(), grad_factor.cpu(), self._lp_copy_targets()
 
-    def _host_step_with_grad_factor(self) -> bool:
-        """The offloaded step of an optimizer that steps on the host with the factor (`_prepare` gave it the staged
-        gradients); one that writes the model-dtype weights as it updates the masters gets their targets. Returns
-        whether the weights are written."""
-        if not self._host_step_writes_lp:
-            self.optimizer.step(grad_factor=self._host_grad_factor)
-            return False
-        self.optimizer.step(grad_factor=self._host_grad_factor, fp16_param_groups=self._lp_copy_targets())
-        return True
+    def _partition_grads(self) -> List[torch.Tensor]:
+        return [self.reducer.partition_grad(g) for g in range(len(self.layouts))]
 
     def _lp_copy_targets(self) -> List[List[torch.Tensor]]:
         """Per basic-optimizer group, per master: its slice of `HostOffload.lp_targets()`, where a host step writes
@@ -345,8 +288,6 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
         self._masters.release_grads()
         if self._offload is not None:
             self._offload.release_grads()
-            self._host_grad_factor = None
-        self._contract.discard_prepared_updates()
 
     def update_lp_params(self) -> None:
         """Copy fp32 masters into this rank's lp partition and all-gather the partitions."""

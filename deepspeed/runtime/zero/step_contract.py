@@ -1,55 +1,98 @@
-"""What an inner optimizer offers ZeRO's step, declared once instead of probed for.
+"""The one call ZeRO's step makes on the optimizer it wraps, and the adapters that give it to torch's optimizers.
 
-ZeRO's wrapper (stage_1_and_2.py) steps any torch optimizer the plain way: unscaled fp32 gradients in `.grad` of
-the fp32 masters, `step()`, then the masters are copied into the model-dtype weights. An optimizer class that can
-do more says so by deriving from `ZeroStepContract` and setting what it offers; the wrapper asks `contract_of(opt)`
-and calls the answer, which for any other optimizer is the plain contract below (every capability off, every hook
-a no-op). Implemented by MuonWithAuxAdam and DeepSpeedCPUAdam; torch's Adam/AdamW get the plain contract (stepped
-in chunks on scaled gradients by chunked_torch_adam.py, which needs nothing declared).
+A ZeRO step is one sequence (stage_1_and_2.py): the gradients are reduced into this rank's partitions; the
+transaction (runtime/optimizer_step.py) takes the global overflow verdict; a step that is taken makes one call,
+`ZeroStep.step_partitions`, on the basic optimizer's contract; then the lp weights are published. Nothing of the
+optimizer runs before the verdict.
 
-The unscale-and-clip factor (`grad_factor`: 1 / (loss scale x clip coefficient), a tensor on the gradients'
-device) is the one name this interface and the step use for it.
+The contract is chosen once, at construction (`zero_step_for`): the optimizer itself where it implements
+`ZeroStep` (MuonWithAuxAdam, DeepSpeedCPUAdam, or any optimizer with the method), else an adapter: torch's
+Adam/AdamW stepped a chunk at a time on the loss-scaled gradients (chunked_torch_adam.py), or any other torch
+optimizer stepped the plain way on unscaled fp32 gradients (`UnscaledStep`). The wrapper asks `isinstance` of these
+protocols, as torch.distributed.checkpoint asks `Stateful`; it never probes an optimizer for attributes.
+
+`grad_factor`, the unscale-and-clip factor 1 / (loss scale x clip coefficient), has one type from the transaction to
+the kernels: a 0-d fp32 tensor on the device of the gradients it multiplies (the accelerator; the host under
+ZeRO-Offload, where the gradients are). It stays a tensor so that nothing waits for the device to read it; only a
+native op's binding takes it as a number (exact: it is fp32).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Protocol, Sequence, runtime_checkable
 
 import torch
+from torch import Tensor
+
+from deepspeed.runtime.unscaled_chunks import unscaled
+from deepspeed.runtime.zero import chunked_torch_adam
+from deepspeed.runtime.zero.master_views import GRAD_DTYPE_SETTABLE
+
+#: Per param group of the optimizer, per param: a tensor of as many elements (contiguous, in the model dtype) that
+#: receives the updated param.
+LpCopies = Sequence[Sequence[Tensor]]
 
 
-class ZeroStepContract:
-    """Base of optimizers that offer ZeRO's step more than a plain torch optimizer. The class attributes declare
-    capabilities; the methods are hooks ZeRO calls at fixed points of a step (defaults: nothing to do)."""
+@runtime_checkable
+class ZeroStep(Protocol):
+    """What ZeRO's wrapper calls, once per optimizer step, after the overflow verdict."""
 
-    #: `step(grad_factor=f)` reads the reducer's loss-scaled model-dtype gradients and multiplies them by `f` as it
-    #: reads them: ZeRO makes no unscaled fp32 copy of the partition.
-    accepts_grad_factor: bool = False
-    #: Offloaded: `step(grad_factor=f, fp16_param_groups=...)` takes the factor and writes the model-dtype copies of
-    #: the parameters in the same pass as the update (DeepSpeedCPUAdam).
-    fuses_grad_factor: bool = False
-    #: The optimizer can step with its state on the host (ZeRO-Offload); ZeRO then calls `run_on_host`.
-    steps_on_host: bool = False
-    #: On the host, `step(fp16_param_groups=...)` writes the model-dtype copies of what it updates (MuonWithAuxAdam).
-    writes_param_copies_on_host: bool = False
+    def step_partitions(self, grad_factor: Tensor, lp_copies: Optional[LpCopies],
+                        workspace: Sequence[Tensor]) -> bool:
+        """Take one optimizer step.
+
+        Every param with a gradient is stepped: its `.grad` is its loss-scaled gradient as ZeRO reduced it (the model
+        or accumulation dtype, or fp32; a view of this rank's gradient partition, or of its host copy under
+        ZeRO-Offload), to be multiplied by `grad_factor` as it is read.
+
+        Args:
+            grad_factor: the unscale-and-clip factor, a 0-d fp32 tensor on the gradients' device.
+            lp_copies: None, or (under ZeRO-Offload) where the updated params may be written in the model dtype in
+                the pass that updates them; ZeRO then sends those to the device instead of casting the fp32 masters.
+            workspace: 1-D buffers whose contents are dead during this call (ZeRO's lp weights, rewritten from the
+                masters right after it), usable as scratch memory; empty when there are none.
+
+        Returns:
+            True when every tensor of `lp_copies` was written, False when none was.
+        """
+
+
+@runtime_checkable
+class StepsOnHost(Protocol):
+    """An optimizer that can step with its state in host memory (ZeRO-Offload) with a native step of its own."""
 
     def run_on_host(self, accelerator_device: torch.device | str) -> None:
-        """ZeRO-Offload steps this optimizer on the host; `accelerator_device` is where heavy work may still run."""
-
-    def lend_step_workspace(self, buffers: Sequence[torch.Tensor]) -> None:
-        """Buffers whose contents are dead while `step()` runs, which it may use as scratch memory."""
-
-    def prepare_updates(self, grad_factor: torch.Tensor | None = None) -> None:
-        """Compute what `step()` will apply from the current gradients, before the overflow verdict; writes
-        nothing the step would not overwrite (the verdict may still skip the step)."""
-
-    def discard_prepared_updates(self) -> None:
-        """The step `prepare_updates` worked for is not taken: forget what it computed."""
+        """Step on the host from now on; `accelerator_device` is where heavy work may still run."""
 
 
-_PLAIN = ZeroStepContract()
+class UnscaledStep:
+    """`ZeroStep` for any torch optimizer: each gradient unscaled into a new fp32 tensor, then `step()`."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def step_partitions(self, grad_factor: Tensor, lp_copies: Optional[LpCopies],
+                        workspace: Sequence[Tensor]) -> bool:
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    # A new tensor: multiplying in place would write the reducer's buffer when it is fp32.
+                    param.grad = unscaled(param.grad, grad_factor)
+        self.optimizer.step()
+        return False
 
 
-def contract_of(optimizer: torch.optim.Optimizer) -> ZeroStepContract:
-    """What `optimizer` offers ZeRO's step: itself when it declares the contract, else the plain contract."""
-    return optimizer if isinstance(optimizer, ZeroStepContract) else _PLAIN
+def zero_step_for(optimizer: torch.optim.Optimizer, offloaded: bool) -> ZeroStep:
+    """The contract ZeRO calls to step `optimizer`, chosen once.
+
+    Args:
+        optimizer: the basic optimizer, over ZeRO's fp32 masters.
+        offloaded: the masters live in host memory (ZeRO-Offload).
+    """
+    if isinstance(optimizer, ZeroStep):
+        return optimizer
+    # Chunked only on the accelerator, where the gradients reach the masters in the model dtype.
+    if not offloaded and GRAD_DTYPE_SETTABLE and chunked_torch_adam.steps_in_chunks(optimizer):
+        return chunked_torch_adam.ChunkedTorchAdam(optimizer)
+    return UnscaledStep(optimizer)
+

@@ -21,10 +21,9 @@ from deepspeed.runtime.zero.muon.executor.step import MuonStepExecutor, batch_ke
 from deepspeed.runtime.zero.muon.group_options import (  # noqa: F401
     ADAM_DEFAULTS, ADAM_GROUP_NAME, MISSING_USE_MUON_MESSAGE, MUON_DEFAULTS, MUON_GROUP_NAME, checked_group,
     muon_param_groups)
-from deepspeed.runtime.zero.step_contract import ZeroStepContract
 
 
-class MuonWithAuxAdam(torch.optim.Optimizer, ZeroStepContract):
+class MuonWithAuxAdam(torch.optim.Optimizer):
     """Muon (momentum + Newton-Schulz) on groups with ``use_muon=True``, Adam on the others.
 
     Muon groups accept ``lr`` (0.02), ``momentum`` (0.95), ``weight_decay`` (0), ``ns_method``
@@ -53,7 +52,8 @@ class MuonWithAuxAdam(torch.optim.Optimizer, ZeroStepContract):
 
     ``step(grad_factor=f)`` takes gradients that still carry a loss scale, in any float dtype (ZeRO's reduced
     low-precision gradients): each is multiplied by ``f`` as it is read, a chunk at a time
-    (``runtime/unscaled_chunks.py``), so no unscaled fp32 copy of all of them is made (``accepts_grad_factor``).
+    (``runtime/unscaled_chunks.py``), so no unscaled fp32 copy of all of them is made. ZeRO steps it through
+    :meth:`step_partitions` (its step contract, ``runtime/zero/step_contract.py``).
 
     Args:
         param_groups: dicts with ``params`` and ``use_muon``, plus the options above.
@@ -69,14 +69,6 @@ class MuonWithAuxAdam(torch.optim.Optimizer, ZeroStepContract):
             ``ns_dtype`` that is not a torch.dtype. (Config values are checked earlier, with the config key in the
             message: deepspeed/runtime/optimizer_params.py.)
     """
-
-    # step() takes grad_factor (see the class docstring); ZeRO asks for this instead of unscaling the gradients.
-    accepts_grad_factor = True
-    # ZeRO-Offload: the momentum and the Adam state stay on the host; Newton-Schulz still runs on the accelerator.
-    steps_on_host = True
-    # On the host (run_on_host), step() takes fp16_param_groups and writes the updated params into them in the pass
-    # that updates them; ZeRO-Offload asks for this instead of casting every master again to publish it.
-    writes_param_copies_on_host = True
 
     def __init__(self, param_groups: Iterable[dict[str, Any]], lr: float | None = None) -> None:
         super().__init__(list(param_groups), defaults={} if lr is None else {"lr": lr})
@@ -166,6 +158,18 @@ class MuonWithAuxAdam(torch.optim.Optimizer, ZeroStepContract):
             executor.end_of_step()
         return loss
 
+    def step_partitions(self, grad_factor: Tensor, lp_copies: Sequence[Sequence[Tensor]] | None,
+                        workspace: Sequence[Tensor]) -> bool:
+        """ZeRO's step (``step_contract.ZeroStep``): :meth:`step` on the loss-scaled gradients with ``grad_factor``,
+        Newton-Schulz in ``workspace`` (see :meth:`lend_step_workspace`), and on the host the updated params written
+        into ``lp_copies`` (``fp16_param_groups``) in the passes that update them. Returns whether it wrote them."""
+        lent = _buffers_key(workspace)
+        if lent != self.__dict__.get("_lent_workspace"):
+            # Lent anew only when the buffers change: the carving and its CUDA graphs are kept for the same ones.
+            self.lend_step_workspace(workspace)
+        self.step(grad_factor=grad_factor, fp16_param_groups=lp_copies)
+        return lp_copies is not None
+
     def lend_step_workspace(self, buffers: Sequence[Tensor]) -> None:
         """Let :meth:`step` use ``buffers`` as scratch memory for Newton-Schulz from now on (an empty list stops it).
 
@@ -182,6 +186,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer, ZeroStepContract):
             ValueError: as :class:`~deepspeed.runtime.zero.muon.executor.ns_workspace.NSWorkspace`.
         """
         self._executor.lend_workspace(buffers)
+        self.__dict__["_lent_workspace"] = _buffers_key(buffers)
 
     @property
     def graph_pool_bytes(self) -> int:
@@ -235,6 +240,11 @@ class MuonWithAuxAdam(torch.optim.Optimizer, ZeroStepContract):
         for pid, p in zip(saved_ids, params, strict=True):
             if pid in saved_state:
                 self.state[p] = {key: _restored(key, value, p) for key, value in saved_state[pid].items()}
+
+
+def _buffers_key(buffers: Sequence[Tensor]) -> tuple:
+    """What identifies lent buffers for the carving: their memory, size and dtype."""
+    return tuple((buffer.data_ptr(), buffer.numel(), buffer.dtype) for buffer in buffers)
 
 
 def _restored(key: str, value: Any, param: Tensor) -> Any:

@@ -85,7 +85,7 @@ def test_grad_factor_and_copies_in_one_step():
     for step in range(3):
         set_grads(params, step, scale=512.0)
         set_grads(twin, step)
-        optimizer.step(fp16_param_groups=[copies], grad_factor=1 / 512)
+        optimizer.step(fp16_param_groups=[copies], grad_factor=torch.tensor(1 / 512))
         twin_optimizer.step()
     for p, t, c in zip(params, twin, copies):
         # 512 is a power of two: scaling and unscaling are exact, so the two runs agree bit for bit.

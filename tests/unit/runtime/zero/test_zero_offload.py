@@ -144,7 +144,8 @@ class TestOffloadPublishedWeights(DistributedTest):
     def test_lp_partitions_are_the_masters_cast_by_torch(self, stage, dtype):
         engine, _ = initialize(make_model(HIDDEN), offload_config(stage, dtype, MUON, clip=1.0))
         optimizer = engine.optimizer
-        assert type(engine.basic_optimizer) is MuonWithAuxAdam and optimizer._host_step_writes_lp
+        # The optimizer is its own step contract: its host step writes the lp copies (step_contract.py).
+        assert type(engine.basic_optimizer) is MuonWithAuxAdam and optimizer._contract is engine.basic_optimizer
         batches = global_batches(4, 8, HIDDEN)
         for step, batch in enumerate(batches):
             before = [m.clone() for m in optimizer.single_partition_of_fp32_groups]
@@ -394,7 +395,7 @@ class TestOffloadConfig(DistributedTest):
         model = make_model(HIDDEN)
         engine = deepspeed.initialize(model=model, optimizer=DeepSpeedCPUAdam(model.parameters(), lr=1e-3),
                                       config=offload_config(3, "bf16"))[0]
-        assert engine.optimizer.cpu_offload and engine.optimizer._fuses_grad_factor
+        assert engine.optimizer.cpu_offload and engine.optimizer._contract is engine.basic_optimizer
         config = offload_config(3, "fp32", zero_force_ds_cpu_optimizer=False)
         model = make_model(HIDDEN)
         engine = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config)[0]

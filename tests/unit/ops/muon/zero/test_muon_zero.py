@@ -362,9 +362,9 @@ class TestMuonWorkSplit(DistributedTest):
 
 
 class TestStepWorkspace(DistributedTest):
-    """ZeRO lends the basic optimizer its lp weights as scratch memory for step(): they are dead then, and are
-    rewritten from the masters after the step, even one that raises. (The reduced gradients are not lent: the step
-    reads them.)"""
+    """ZeRO passes the basic optimizer its lp weights as the step's scratch memory (the contract call's workspace):
+    they are dead then, and are rewritten from the masters after the step, even one that raises. (The reduced
+    gradients are not lent: the step reads them.)"""
     reuse_dist_env = True
 
     world_size = 2
@@ -375,8 +375,6 @@ class TestStepWorkspace(DistributedTest):
         engine, _, _, _ = deepspeed.initialize(model=TinyTransformer(layers=2), config=muon_config(stage, "bf16"))
         zero, basic = engine.optimizer, engine.optimizer.optimizer
         lent = list(zero.bit16_groups_flat)
-        workspace = basic._executor.workspace
-        assert workspace is not None and workspace.capacity == sum(t.numel() * t.element_size() for t in lent)
         step_of_basic = basic.step
         rank = dist.get_rank()
 
@@ -394,6 +392,10 @@ class TestStepWorkspace(DistributedTest):
             engine.backward(engine(tokens, tokens))
             if step < 2:
                 engine.step()
+                # The contract call's workspace: the lp weights, carved by the step it was passed to.
+                workspace = basic._executor.workspace
+                assert workspace is not None and workspace.capacity == sum(t.numel() * t.element_size()
+                                                                           for t in lent)
             else:
                 with pytest.raises(RuntimeError, match="the basic optimizer failed"):
                     engine.step()
