@@ -44,7 +44,6 @@ def phases():
     return [
         (optimizer_step, "reduced_statistics", "gradient norm and overflow check"),
         (zero, "_prepare", "prepare (before the verdict)"),
-        (stage_1_and_2, "unscaled", "- unscale: fp32 gradients"),
         (zero, "_apply", "apply (after the verdict)"),
         (MuonStepExecutor, "fold", "- muon: fold and direction (op)"),
         (HostStepExecutor, "orthogonalise", "- muon: orthogonalise (Newton-Schulz, transfers; the adam half inside)"),

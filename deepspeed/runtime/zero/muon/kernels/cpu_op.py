@@ -11,7 +11,6 @@ ZeRO-Offload publishes, rounded as torch's ``.to(dtype)`` rounds).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,9 +21,9 @@ from deepspeed.runtime.zero.muon.math import update as math_update
 from deepspeed.runtime.zero.muon.math.update import flat_view, stacked_view
 
 
-@functools.cache
 def op() -> Any:
-    """The cpu_adam op (built or loaded once per process).
+    """The cpu_adam op (built or loaded once per process: the op builder keeps what it loaded, and only there, so a
+    process that drops it from the builder's cache loads it again).
 
     Raises:
         OpBuildError: it cannot be built here.
