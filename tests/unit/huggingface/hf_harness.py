@@ -297,3 +297,24 @@ def assert_changes_match(start: Dict[str, torch.Tensor], got: Dict[str, torch.Te
     errors = {name: relative_error(got[name] - start[name], expected[name] - start[name]) for name in got}
     worst = max(errors, key=errors.get)
     assert errors[worst] <= tolerance, f"worst {worst}: {errors[worst]:.2e}; all: {errors}"
+
+
+def accelerate_train(accelerator, engine, optimizer, loader, steps: int, gas: int, scheduler=None) -> list:
+    """`steps` optimizer steps of `gas` micro-batches each through accelerate's loop (the scheduler stepped after
+    each micro-batch, as accelerate's examples do); each step's loss averaged over ranks and micro-batches."""
+    losses, micro_losses = [], []
+    for batch in loader:
+        with accelerator.accumulate(engine):
+            loss = engine(**batch).loss
+            micro_losses.append(accelerator.gather(loss.detach().float()).mean())
+            accelerator.backward(loss)
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+            optimizer.zero_grad()
+        if len(micro_losses) == gas:
+            losses.append(torch.stack(micro_losses).mean().item())
+            micro_losses = []
+            if len(losses) == steps:
+                break
+    return losses

@@ -23,7 +23,8 @@ import deepspeed.comm as dist
 from unit.common import DistributedTest
 from unit.ops.muon.math.reference import newton_schulz_fp64
 
-from hf_harness import (ADAM_EPS, MUON_LR, SAMPLES, SEQ, VOCAB, TokenDataset, accelerate, assert_changes_match,
+from hf_harness import (ADAM_EPS, MUON_LR, SAMPLES, SEQ, VOCAB, TokenDataset, accelerate, accelerate_train,
+                        assert_changes_match,
                         auto_config, full_fp32_params, reference_training, saved_model, schedule_lrs, step_batches,
                         transformers, use_deepspeed_state)
 
@@ -252,20 +253,7 @@ class TestAccelerateMoE(DistributedTest):
         assert all(deepspeed.utils.z3_leaf_module(m) for m in engine.module.modules()
                    if type(m).__name__ == block_class)
 
-        losses, micro_losses = [], []
-        for batch in loader:
-            with accelerator.accumulate(engine):
-                loss = engine(**batch).loss
-                micro_losses.append(accelerator.gather(loss.detach().float()).mean())
-                accelerator.backward(loss)
-                wrapped.step()
-                scheduler.step()
-                wrapped.zero_grad()
-            if len(micro_losses) == GAS:
-                losses.append(torch.stack(micro_losses).mean().item())
-                micro_losses = []
-                if len(losses) == STEPS:
-                    break
+        losses = accelerate_train(accelerator, engine, wrapped, loader, STEPS, GAS, scheduler)
         assert engine.global_steps == STEPS
         routing.assert_uneven()
         assert losses == pytest.approx(expected_losses, rel=1e-5)

@@ -19,7 +19,7 @@ import deepspeed
 import deepspeed.comm as dist
 from unit.common import DistributedFixture, DistributedTest
 
-from hf_harness import (MUON_LR, TokenDataset, accelerate, assert_changes_match, full_fp32_params,
+from hf_harness import (MUON_LR, TokenDataset, accelerate, accelerate_train, assert_changes_match, full_fp32_params,
                         guide_zero3_offload_config, llama_config, reference_training, saved_model, step_batches,
                         transformers, use_deepspeed_state, warmup_lrs)
 from test_hf_trainer import (BETAS, CLIP, GAS, LR, MICRO, STEPS, TOLERANCE, WARMUP, WEIGHT_DECAY, initial_weights,
@@ -139,24 +139,6 @@ def accelerate_prepared(model_dir: str):
     return accelerator, engine, optimizer, loader
 
 
-def accelerate_train(accelerator, engine, optimizer, loader, steps: int) -> list:
-    """`steps` optimizer steps of GAS micro-batches; each step's loss averaged over ranks and micro-batches."""
-    losses, micro_losses = [], []
-    for batch in loader:
-        with accelerator.accumulate(engine):
-            loss = engine(**batch).loss
-            micro_losses.append(accelerator.gather(loss.detach().float()).mean())
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-        if len(micro_losses) == GAS:
-            losses.append(torch.stack(micro_losses).mean().item())
-            micro_losses = []
-            if len(losses) == steps:
-                break
-    return losses
-
-
 def accelerate_dir(class_tmpdir) -> str:
     return os.path.join(str(class_tmpdir), "accelerate-zero3-offload")
 
@@ -169,10 +151,10 @@ class UninterruptedAccelerateOffload(DistributedFixture):
         model_dir = saved_model(str(class_tmpdir), llama_config())
         directory = accelerate_dir(class_tmpdir)
         accelerator, engine, optimizer, loader = accelerate_prepared(model_dir)
-        first = accelerate_train(accelerator, engine, optimizer, loader, SAVE_AT)
+        first = accelerate_train(accelerator, engine, optimizer, loader, SAVE_AT, GAS)
         accelerator.save_state(os.path.join(directory, "state"))
         rest = accelerate_train(accelerator, engine, optimizer, accelerator.skip_first_batches(loader, SAVE_AT * GAS),
-                                STEPS - SAVE_AT)
+                                STEPS - SAVE_AT, GAS)
         exported = accelerator.get_state_dict(engine)
         record = {"losses": first + rest, "params": full_fp32_params(engine)}
         named = dict(engine.module.named_parameters())
@@ -205,7 +187,7 @@ class TestAccelerateZero3Offload(DistributedTest):
         accelerator.load_state(os.path.join(directory, "state"))
         assert engine.global_steps == SAVE_AT
         remaining = accelerator.skip_first_batches(loader, SAVE_AT * GAS)
-        losses = accelerate_train(accelerator, engine, optimizer, remaining, STEPS - SAVE_AT)
+        losses = accelerate_train(accelerator, engine, optimizer, remaining, STEPS - SAVE_AT, GAS)
         assert losses == whole["losses"][SAVE_AT:]
         got = full_fp32_params(engine)
         for name, value in whole["params"].items():
