@@ -30,6 +30,8 @@ from deepspeed.accelerator import get_accelerator
 from .dist_launcher import RankSpec, WorkerPool, failure_message, launch_one_shot, reap_leaving, skip_message
 
 DEEPSPEED_TEST_TIMEOUT = int(os.environ.get("DS_UNITTEST_TIMEOUT") or 600)
+# Pools of ranks kept alive per pytest worker (one per world size and backend), most recently used first.
+MAX_POOLS = 2
 
 
 def get_xdist_worker_id() -> int | None:
@@ -98,7 +100,8 @@ class DistributedExec:
     """Runs `self.run(**kwargs)` on `world_size` ranks with an initialised process group.
 
     Class attributes: world_size (int or list of ints), backend, init_distributed, set_dist_env,
-    requires_cuda_env, reuse_dist_env (keep ranks alive between tests), exec_timeout (seconds).
+    requires_cuda_env, reuse_dist_env (keep ranks alive between tests: True, False, or None for this harness's
+    default, which keeps them on CPU ranks and starts fresh ones on accelerators), exec_timeout (seconds).
     """
 
     world_size: int | list[int] | tuple[int, ...] = 2
@@ -106,7 +109,7 @@ class DistributedExec:
     init_distributed: bool = True
     set_dist_env: bool = True
     requires_cuda_env: bool = True
-    reuse_dist_env: bool = False
+    reuse_dist_env: bool | None = None
     exec_timeout: float = DEEPSPEED_TEST_TIMEOUT
     _pool_cache: ClassVar[dict[tuple[Any, ...], WorkerPool]] = {}
 
@@ -141,8 +144,14 @@ class DistributedExec:
         )
 
     def _uses_pool(self) -> bool:
+        reuse = self.reuse_dist_env
+        if reuse is None:
+            # CPU ranks: a fresh launch per test (fork, rendezvous, gloo, teardown) cost more than many tests' bodies
+            # on the 2-core CI machine. Pooled ranks restore what a test may change between tasks (`_pool_main`);
+            # a class that changes more (the process group itself, say) sets reuse_dist_env = False.
+            reuse = _is_cpu_accelerator()
         return (
-            self.reuse_dist_env
+            reuse
             and self.init_distributed
             and self.set_dist_env
             and os.environ.get("DS_DISABLE_REUSE_DIST_ENV") != "1"
@@ -150,10 +159,16 @@ class DistributedExec:
 
     def _pool_for(self, ctx: Any, num_procs: int, start_method: str) -> WorkerPool:
         key = (num_procs, self.backend, start_method)
-        pool = DistributedExec._pool_cache.get(key)
-        if pool is None or not pool.is_alive():
+        pool = DistributedExec._pool_cache.pop(key, None)
+        if pool is not None and not pool.is_alive():
+            pool.close(graceful=False)
+            pool = None
+        if pool is None:
+            # Idle ranks hold memory: keep the most recently used pools only.
+            while len(DistributedExec._pool_cache) >= MAX_POOLS:
+                DistributedExec._pool_cache.pop(next(iter(DistributedExec._pool_cache))).close()
             pool = WorkerPool(ctx, self._rank_spec(num_procs))
-            DistributedExec._pool_cache[key] = pool
+        DistributedExec._pool_cache[key] = pool  # last in the dict: the most recently used
         return pool
 
     def _launch_procs(self, num_procs: int, method_name: str = "run", kwargs: dict[str, Any] | None = None) -> None:

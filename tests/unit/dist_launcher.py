@@ -181,6 +181,7 @@ def _pool_main(rank: int, spec: RankSpec, conn: Connection) -> None:
     except BaseException:  # noqa: BLE001 -- setup failures must reach the parent
         conn.send(_error_result(rank))
         return
+    baseline = _ProcessState.capture()
     while True:
         try:
             payload = conn.recv()
@@ -192,9 +193,40 @@ def _pool_main(rank: int, spec: RankSpec, conn: Connection) -> None:
             result = _run_task(rank, pickle.loads(payload))
         except BaseException:  # noqa: BLE001 -- an unpicklable task fails the test, not the pool
             result = _error_result(rank)
+        baseline.restore()
         _flush_stdio()
         conn.send(result)
     _teardown_rank()
+
+
+@dataclasses.dataclass
+class _ProcessState:
+    """What a test may change in its rank's process and the next test on a pooled rank must not inherit."""
+
+    environ: dict[str, str]
+    cwd: str
+    default_dtype: Any
+    num_threads: int
+    grad_enabled: bool
+
+    @classmethod
+    def capture(cls) -> _ProcessState:
+        import torch
+
+        return cls(dict(os.environ), os.getcwd(), torch.get_default_dtype(), torch.get_num_threads(),
+                   torch.is_grad_enabled())
+
+    def restore(self) -> None:
+        import torch
+
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        torch.set_default_dtype(self.default_dtype)
+        torch.set_num_threads(self.num_threads)
+        torch.set_grad_enabled(self.grad_enabled)
+        # The test's engines, models and tensors go now, not at some later test's allocation.
+        gc.collect()
 
 
 def _remove_init_file(spec: RankSpec) -> None:

@@ -1,5 +1,6 @@
 """The DistributedTest harness itself: failures, skips, crashes and hangs are reported, never swallowed."""
 
+import json
 import os
 import random
 import time
@@ -18,6 +19,7 @@ from unit.common import (
 )
 
 import deepspeed.comm as dist
+from deepspeed.accelerator import get_accelerator
 
 
 def _rank() -> int:
@@ -53,6 +55,19 @@ class _Probe(DistributedExec):
         if _rank() == 0:
             time.sleep(600)
         raise RuntimeError("rank one gave up")
+
+    def change_process_state(self, out_dir):
+        os.environ["DS_HARNESS_PROBE"] = "set by a test"
+        os.environ.pop("RANK")
+        torch.set_default_dtype(torch.float64)
+        torch.set_grad_enabled(False)
+        os.chdir(out_dir)
+
+    def record_process_state(self, out_dir):
+        state = (os.environ.get("DS_HARNESS_PROBE"), os.environ.get("RANK"), str(torch.get_default_dtype()),
+                 torch.is_grad_enabled(), os.getcwd())
+        with open(os.path.join(out_dir, f"state_{dist.get_rank()}"), "w") as f:
+            json.dump(state, f)
 
     def record_pid(self, out_dir, tag):
         assert dist.is_initialized() and dist.get_world_size() == 2
@@ -135,6 +150,30 @@ def test_reused_ranks_survive_between_tests(tmp_path):
     finally:
         DistributedExec.close_pools()
     assert not any(_is_running(pid) for pid in third)
+
+
+def test_reused_ranks_start_each_test_from_the_state_they_were_set_up_with(tmp_path):
+    """What a test changes in its ranks' processes (environment, default dtype, grad mode, working directory) is
+    gone when the next test runs on the same pooled ranks."""
+    probe = _Probe()
+    probe.init_distributed = probe.reuse_dist_env = True
+    try:
+        probe._launch_procs(2, "change_process_state", {"out_dir": str(tmp_path)})
+        probe._launch_procs(2, "record_process_state", {"out_dir": str(tmp_path)})
+    finally:
+        DistributedExec.close_pools()
+    for rank in range(2):
+        state = json.loads((tmp_path / f"state_{rank}").read_text())
+        assert state == [None, str(rank), "torch.float32", True, os.getcwd()], state
+
+
+def test_cpu_ranks_are_pooled_unless_a_class_says_otherwise():
+    assert DistributedTest.reuse_dist_env is None
+    default, fresh = _Probe(), _Probe()
+    default.init_distributed = fresh.init_distributed = True
+    fresh.reuse_dist_env = False
+    assert default._uses_pool() == (get_accelerator().device_name() == "cpu")
+    assert not fresh._uses_pool()
 
 
 def test_master_port_ranges_per_xdist_worker(monkeypatch):

@@ -9,6 +9,11 @@ Data order: the datasets here are sampled sequentially (`train_sampling_strategy
 micro-batch size b and G accumulation steps, optimizer step j consumes samples [j*G*W*b, (j+1)*G*W*b): the reference
 trains on those contiguous slices. Every sequence has the same number of tokens, so the mean token loss of the slice
 is what the Trainer's token-count normalisation, DeepSpeed's rank average and the accumulation add up to.
+
+Fresh ranks per test (`reuse_dist_env = False` in every test class here): transformers and accelerate keep
+process-wide state between runs (accelerate's `AcceleratorState`, and the `HfDeepSpeedConfig` that makes
+`from_config` build under zero.Init on the ranks that still hold it), which a pooled rank would carry into the
+next test.
 """
 
 from __future__ import annotations

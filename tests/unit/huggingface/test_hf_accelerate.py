@@ -91,6 +91,7 @@ def train(accelerator, engine, optimizer, loader, scheduler, steps: int, poison_
 
 class TestAccelerateEqualsReference(DistributedTest):
     world_size = 2
+    reuse_dist_env = False  # transformers and accelerate keep process-wide state (hf_harness)
 
     @pytest.mark.parametrize("stage, optimizer", [(3, "AdamW"), (2, "Muon"), (3, "Muon")])
     def test_prepare_backward_step_equal_reference(self, stage, optimizer, class_tmpdir):
@@ -112,6 +113,7 @@ class TestAccelerateEqualsReference(DistributedTest):
 
 class TestAccelerateSkippedStep(DistributedTest):
     world_size = 2
+    reuse_dist_env = False  # transformers and accelerate keep process-wide state (hf_harness)
 
     @pytest.mark.parametrize("precision", ["fp16", "bf16"])
     def test_optimizer_step_was_skipped_changes_nothing(self, precision, class_tmpdir):
@@ -164,6 +166,7 @@ class UninterruptedAccelerate(DistributedFixture):
     """SAVE_AT steps, save_state, the rest; records the losses and masters after the save (one DeepSpeed
     Accelerator per process, so the loading run is the test's own processes)."""
     world_size = 2
+    reuse_dist_env = False  # transformers and accelerate keep process-wide state (hf_harness)
 
     def run(self, class_tmpdir, stage, optimizer, precision):
         model_dir = saved_model(str(class_tmpdir), llama_config())
@@ -181,6 +184,7 @@ class UninterruptedAccelerate(DistributedFixture):
 
 class TestAccelerateSaveLoadState(DistributedTest):
     world_size = 2
+    reuse_dist_env = False  # transformers and accelerate keep process-wide state (hf_harness)
 
     @pytest.mark.parametrize("stage, optimizer, precision", [(2, "Muon", "bf16"), (3, "AdamW", "fp16"),
                                                               (3, "Muon", "fp32")])

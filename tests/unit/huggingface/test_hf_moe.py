@@ -184,6 +184,7 @@ def test_split_log_line_counts_the_experts_matrices_and_names_the_routers():
 
 class TestTrainerMoE(DistributedTest):
     world_size = 2
+    reuse_dist_env = False  # transformers and accelerate keep process-wide state (hf_harness)
 
     @pytest.mark.parametrize("optimizer", OPTIMIZERS)
     @pytest.mark.parametrize("stage", [2, 3])
@@ -226,6 +227,7 @@ class TestTrainerMoE(DistributedTest):
 
 class TestAccelerateMoE(DistributedTest):
     world_size = 2
+    reuse_dist_env = False  # transformers and accelerate keep process-wide state (hf_harness)
 
     @pytest.mark.parametrize("optimizer", OPTIMIZERS)
     @pytest.mark.parametrize("stage", [2, 3])

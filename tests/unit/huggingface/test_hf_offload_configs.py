@@ -37,6 +37,7 @@ def assert_offloaded(engine) -> None:
 
 class TestGuideZero3OffloadTrainer(DistributedTest):
     world_size = 2
+    reuse_dist_env = False  # transformers and accelerate keep process-wide state (hf_harness)
 
     @pytest.mark.parametrize("optimizer", ["AdamW", "Muon"])
     def test_trains_exports_and_consolidates_like_the_reference(self, optimizer, class_tmpdir, tmpdir):
@@ -83,6 +84,7 @@ class UninterruptedGuideTrainer(DistributedFixture):
     """STEPS Trainer steps under the guide's config with a checkpoint halfway (one DeepSpeed Accelerator per process:
     the resumed run is the test's own processes)."""
     world_size = 2
+    reuse_dist_env = False  # transformers and accelerate keep process-wide state (hf_harness)
 
     def run(self, class_tmpdir):
         model_dir = saved_model(str(class_tmpdir), llama_config())
@@ -97,6 +99,7 @@ class UninterruptedGuideTrainer(DistributedFixture):
 
 class TestGuideZero3OffloadTrainerResume(DistributedTest):
     world_size = 2
+    reuse_dist_env = False  # transformers and accelerate keep process-wide state (hf_harness)
 
     def test_resume_from_checkpoint_equals_uninterrupted(self, UninterruptedGuideTrainer, class_tmpdir):
         model_dir = saved_model(str(class_tmpdir), llama_config())
@@ -146,6 +149,7 @@ def accelerate_dir(class_tmpdir) -> str:
 class UninterruptedAccelerateOffload(DistributedFixture):
     """SAVE_AT steps, save_state, the rest; records the losses, masters and exported weights."""
     world_size = 2
+    reuse_dist_env = False  # transformers and accelerate keep process-wide state (hf_harness)
 
     def run(self, class_tmpdir):
         model_dir = saved_model(str(class_tmpdir), llama_config())
@@ -167,6 +171,7 @@ class UninterruptedAccelerateOffload(DistributedFixture):
 
 class TestAccelerateZero3Offload(DistributedTest):
     world_size = 2
+    reuse_dist_env = False  # transformers and accelerate keep process-wide state (hf_harness)
 
     def test_trains_exports_and_resumes(self, UninterruptedAccelerateOffload, class_tmpdir):
         model_dir = saved_model(str(class_tmpdir), llama_config())

@@ -60,6 +60,7 @@ def train_with_trainer(model_dir: str, output_dir: str, config: dict, **override
 
 class TestTrainerEqualsReference(DistributedTest):
     world_size = 2
+    reuse_dist_env = False  # transformers and accelerate keep process-wide state (hf_harness)
 
     # optimizer None: the Trainer's own AdamW and schedule (under offload accelerate swaps in DeepSpeedCPUAdam).
     @pytest.mark.parametrize("stage, optimizer, offload", [(2, "AdamW", False), (3, "AdamW", False),
@@ -102,6 +103,7 @@ class UninterruptedTrainer(DistributedFixture):
     runs in other processes, as a user's resumed job does.
     """
     world_size = 2
+    reuse_dist_env = False  # transformers and accelerate keep process-wide state (hf_harness)
 
     def run(self, class_tmpdir, stage, optimizer, offload):
         model_dir = saved_model(str(class_tmpdir), llama_config())
@@ -116,6 +118,7 @@ class UninterruptedTrainer(DistributedFixture):
 
 class TestTrainerResume(DistributedTest):
     world_size = 2
+    reuse_dist_env = False  # transformers and accelerate keep process-wide state (hf_harness)
 
     @pytest.mark.parametrize("stage, optimizer, offload", [(3, "Muon", False), (2, "AdamW", True)])
     def test_resume_from_checkpoint_equals_uninterrupted(self, UninterruptedTrainer, class_tmpdir, stage, optimizer,
@@ -143,6 +146,7 @@ class TestTrainerResume(DistributedTest):
 
 class TestTrainerExport(DistributedTest):
     world_size = 2
+    reuse_dist_env = False  # transformers and accelerate keep process-wide state (hf_harness)
 
     def test_save_model_at_stage3_reloads_the_trained_weights(self, class_tmpdir, tmpdir):
         """GPT-2's lm_head is tied to the token embedding: every key must be written with its full shape."""
