@@ -25,6 +25,13 @@ def ownership_blocks(shape: Sequence[int], num_heads: int = 1) -> int:
     return matrix_blocks(shape, num_heads)[0]
 
 
+def split_rows(shape: Sequence[int], num_heads: int = 1) -> int:
+    """The rows of a Muon parameter of `shape` whose Newton-Schulz the ranks holding them may share
+    (`muon/executor/split_ns.py`): a 2-D matrix orthogonalised whole; 1 (never split) for anything else, which is
+    blocks of its own (`ownership_blocks`) or a conv kernel."""
+    return shape[0] if len(shape) == 2 and num_heads == 1 else 1
+
+
 def piece_view(shape: Sequence[int], num_heads: int, numel: int) -> Tuple[torch.Size, int]:
     """(shape, head count) under which Muon orthogonalises `numel` elements of whole blocks of a parameter of `shape`
     orthogonalised in `num_heads` heads: the parameter's own for all of it; whole matrices of a tensor of 3 or more
