@@ -29,6 +29,10 @@ import deepspeed.comm as dist
 from deepspeed.runtime.zero.muon.math.ns_coefficients import DEFAULT_NS_COEFFICIENTS
 from deepspeed.runtime.zero.muon.math.ns_split import split_zeropower
 
+# Set by ZeRO on the optimizer's view of a piece of a split matrix (`zero/split_matrices.SplitMatrix`): the step runs
+# that piece's Newton-Schulz with the other holders (`split_rows_zeropower`) and scales it as the whole matrix.
+SPLIT_ATTRIBUTE = "muon_split_matrix"
+
 
 def column_widths(rows_per_holder: Sequence[int], cols: int) -> list[int]:
     """The columns each holder takes when a wide matrix cut by rows is exchanged into column blocks: in proportion

@@ -7,6 +7,7 @@ through the checkpoint description."""
 import pytest
 import torch
 
+from deepspeed.runtime.zero import owner_blocks
 from deepspeed.runtime.zero.flat_layout import (SPLIT_FROM, GroupLayout, newton_schulz_cost, owner_layout,
                                                 rank_costs, split_repeated_cost)
 from deepspeed.runtime.zero.owner_blocks import ownership_blocks, split_rows
@@ -15,6 +16,12 @@ from deepspeed.runtime.zero.owner_blocks import ownership_blocks, split_rows
 # row-split (its experts are blocks of their own).
 LAYER = [(48, 16), (16, 16), (64, 16), (16, 64)]
 SHAPES = LAYER * 2 + [(4, 16, 16)]
+
+
+@pytest.fixture(autouse=True)
+def small_matrices_split(monkeypatch):
+    """These small matrices may be split (the engine splits none below MIN_SPLIT_NUMEL elements)."""
+    monkeypatch.setattr(owner_blocks, "MIN_SPLIT_NUMEL", 64)
 
 
 def plan(shapes, ranks, split=True):
@@ -73,6 +80,12 @@ def test_balanced_plans_and_other_tensors_are_not_split():
     assert layout == plan(shapes, 4, split=False)[0] and layout.shared is None
     assert split_rows((4, 16, 16)) == 1 and split_rows((8, 4, 3, 3)) == 1 and split_rows((64, 16), 4) == 1
     assert split_rows((64, 16)) == 64
+
+
+def test_small_matrices_are_never_split(monkeypatch):
+    monkeypatch.setattr(owner_blocks, "MIN_SPLIT_NUMEL", 2**18)
+    assert split_rows((512, 511)) == 1 and split_rows((512, 512)) == 512
+    assert plan(SHAPES, 12)[0] == plan(SHAPES, 12, split=False)[0]
 
 
 def test_shared_flags_are_checked_when_read_back():
