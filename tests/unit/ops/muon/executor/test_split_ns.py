@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import deepspeed.comm as dist
+from deepspeed.runtime.zero.muon.executor import split_ns
 from deepspeed.runtime.zero.muon.executor.split_ns import column_widths, split_rows_zeropower
-from deepspeed.runtime.zero.muon.math import ns_split
 from deepspeed.runtime.zero.muon.math.newton_schulz import NS_FUNCTIONS
 from unit.common import DistributedTest
 
@@ -73,29 +73,32 @@ class _SplitParity:
         dist.barrier()
 
     @pytest.mark.parametrize("dropped", ["gram", "norm"])
-    def test_unsummed_split_is_far_off(self, dropped, monkeypatch):
+    def test_unsummed_split_is_far_off(self, dropped):
         """The negative control: a split that sums only the norm (Gram matrices left per rank) or only the Gram
         matrices (each rank's norm its own) is off by far more than the tolerance."""
-        original = ns_split.split_zeropower
+        original = split_ns.split_zeropower
 
         def without_sum(block, rows, cols, sum_pieces, *args, **kwargs):
-            calls = []
 
             def partial_sum(tensor):
-                calls.append(tensor)
                 if (tensor.ndim == 0) == (dropped == "gram"):
                     sum_pieces(tensor)
 
             return original(block, rows, cols, partial_sum, *args, **kwargs)
 
-        from deepspeed.runtime.zero.muon.executor import split_ns
-        monkeypatch.setattr(split_ns, "split_zeropower", without_sum)
-        for shape in [(96, 24), (24, 96)]:
-            whole = matrix(shape)
-            counts = uneven_rows(shape[0], self.world_size)
-            got = split_rows_zeropower(my_rows(whole, counts, dist.get_rank()), shape, counts, None, method="standard")
-            want = my_rows(NS_FUNCTIONS["standard"](whole), counts, dist.get_rank())
-            assert relative_error(got, want) > 100 * TOLERANCE
+        # Patched and restored here, in the rank's process: the ranks' processes outlive the test (reuse_dist_env),
+        # and pytest's monkeypatch would restore only the launching process.
+        split_ns.split_zeropower = without_sum
+        try:
+            for shape in [(96, 24), (24, 96)]:
+                whole = matrix(shape)
+                counts = uneven_rows(shape[0], self.world_size)
+                got = split_rows_zeropower(my_rows(whole, counts, dist.get_rank()), shape, counts, None,
+                                           method="standard")
+                want = my_rows(NS_FUNCTIONS["standard"](whole), counts, dist.get_rank())
+                assert relative_error(got, want) > 100 * TOLERANCE
+        finally:
+            split_ns.split_zeropower = original
 
 
 class TestSplitNewtonSchulzFourRanks(_SplitParity, DistributedTest):
