@@ -76,6 +76,10 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
         # Every rank makes the groups of the matrices whose Newton-Schulz their holders share, in the same order.
         self._split = (split_matrices(self.layouts, [[full_shape(p) for p in params] for params in self.bit16_groups],
                                       dp_group) if dist.is_initialized() else {})
+        if self._split and self.dp_rank == 0:
+            logger.info(f"ZeRO Muon: {len(self._split)} dense matrices have their Newton-Schulz shared by the ranks "
+                        f"holding their rows (up to {max(len(s.rows_per_holder) for s in self._split.values())} "
+                        f"ranks each; docs/performance.md, 'Muon at scale')")
         self._flatten_lp_params()
         self._offload = self._build_offload()
         self._create_hp_partitions()
