@@ -79,11 +79,14 @@ def _start_method() -> str:
 
 @functools.cache
 def _answer_before_forking() -> None:
-    """Ask, once in this process, what every rank that loads a native op would ask again: the CPU's features.
+    """Do once in this process what every rank would otherwise do again after each fork.
 
-    py-cpuinfo answers in a subprocess of its own (about a second of CPU); ranks forked after this inherit the
-    cached answer, so each offload or cpu_adam test no longer pays it on every rank.
+    py-cpuinfo answers what the CPU's features are in a subprocess of its own (about a second of CPU); ranks forked
+    after this inherit the cached answer, so each offload or cpu_adam test no longer pays it on every rank. The first
+    torch optimizer a process builds imports torch._dynamo (`Optimizer.add_param_group` is wrapped by
+    `torch._disable_dynamo`), about 2 s of CPU, which every rank of a test that builds an engine would pay.
     """
+    import torch._dynamo  # noqa: F401
     try:
         from deepspeed.ops.op_builder.builder import cpu_info
     except ImportError:
