@@ -22,6 +22,14 @@ Schemes (per rank, per optimizer step, Muon group only; elements move as bf16, 2
   engine's block counts); every partition padded to the largest. The reduce-scatter ZeRO does anyway delivers each
   matrix's reduced gradient to its owner and the all-gather publishes the update, so the bytes are ZeRO's
   reduce-scatter + all-gather over the padded partition: 2 (N - 1) P elements sent and as many received.
+* owner + split NS (dense models): `owner_layout` also given `split_rows` and `split_repeated_cost`: where whole
+  matrices leave the busiest rank above `flat_layout.SPLIT_FROM` (1.1x) an even share, a dense matrix may be cut
+  between consecutive ranks at row boundaries, its holders sharing its Newton-Schulz (`executor/split_ns.py`): each
+  computes its rows' part of the Gram and of the product with X and repeats the m x m product (m^3 a step, m the
+  smaller side); per step the m x m Gram is all-reduced among them, and a wide matrix (rows < cols) is exchanged into
+  column blocks and back (two all-to-alls). Bytes: ZeRO's reduce-scatter + all-gather over the padded partition plus
+  those. The alternative for a wide matrix cut by rows, summing its n x n Gram instead ("wide by n x n Gram"), on the
+  same layout; and a plan with the m x m product split too (each holder its rows of it, one all-gather a step).
 * owner, whole tensors (before): the same with every tensor whole on one owner (no cut); MoE only.
 * even + gather-to-owner (plan, not in the engine): the Muon group laid out evenly as for AdamW (no owner padding);
   each matrix's owner (the whole-tensor assignment) receives the slices of its reduced gradient that other ranks'
@@ -69,8 +77,9 @@ from provenance import provenance  # noqa: E402
 
 import deepspeed  # noqa: E402
 from deepspeed.runtime.zero.flat_layout import ALIGNMENT, even_layout, rank_costs  # noqa: E402
-from deepspeed.runtime.zero.flat_layout import newton_schulz_cost, owner_layout  # noqa: E402
-from deepspeed.runtime.zero.owner_blocks import ownership_blocks  # noqa: E402
+from deepspeed.runtime.zero.flat_layout import newton_schulz_cost, owner_layout, split_repeated_cost  # noqa: E402
+from deepspeed.runtime.zero.muon.executor.split_ns import column_widths  # noqa: E402
+from deepspeed.runtime.zero.owner_blocks import ownership_blocks, split_rows  # noqa: E402
 
 RANKS = (8, 64, 256, 1024)
 NS_STEPS = 5
@@ -81,14 +90,17 @@ MOMENTUM_COPY_BYTES = 4
 GIB = 2**30
 
 OWNER = "owner (this fork)"
+SPLIT = "owner + split NS"
+SPLIT_FULL = "owner + split NS, m x m split too (plan)"
+SPLIT_LARGE_GRAM = "owner + split NS, wide by n x n Gram"
 OWNER_WHOLE = "owner, whole tensors (before)"
 GATHER = "even + gather-to-owner (plan)"
 ROUND_ROBIN = "round-robin"
 PER_EXPERT = "owner per expert (plan)"
 UPSTREAM = "upstream ZeRO-1/2"
 DION = "Dion Muon (FSDP2)"
-COLORS = {OWNER: "C0", OWNER_WHOLE: "C5", GATHER: "C6", ROUND_ROBIN: "C1", PER_EXPERT: "C4", UPSTREAM: "C2",
-          DION: "C3"}
+COLORS = {OWNER: "C0", SPLIT: "C7", SPLIT_FULL: "C8", SPLIT_LARGE_GRAM: "C9", OWNER_WHOLE: "C5", GATHER: "C6",
+          ROUND_ROBIN: "C1", PER_EXPERT: "C4", UPSTREAM: "C2", DION: "C3"}
 
 
 def gpt_shapes(config: GPTConfig) -> list[tuple[int, ...]]:
@@ -140,6 +152,11 @@ class Row:
     zero_rs_ag_gib: float
     bytes_over_zero: float
     owner_peak_gib: float
+    # Split Newton-Schulz schemes: matrices split, the most ranks sharing one, and the bytes a rank sends for the
+    # split (Gram all-reduces, the wide matrices' exchanges) within sent_gib.
+    split_matrices: int = 0
+    split_holders_max: int = 0
+    split_sent_gib: float = 0.0
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -176,6 +193,57 @@ def owner_scheme(model, shapes, costs, ranks, scheme, owners=None, blocks=None) 
     zero_bytes = 2 * (ranks - 1) * _even_partition(shapes, ranks) * ELEMENT_BYTES
     peak = partition * (STATE_BYTES + NS_WORKSPACE_BYTES)
     return _row(model, ranks, scheme, loads, exchanged, exchanged, peak, zero_bytes)
+
+
+def split_scheme(model, shapes, costs, ranks, scheme) -> Row:
+    """The engine's owner layout with `split_rows`: where whole matrices and blocks leave the busiest rank above
+    SPLIT_FROM (1.1) times an even share, dense matrices may be cut at row boundaries between consecutive ranks, which
+    share the matrix's Newton-Schulz (`executor/split_ns.py`).
+
+    Per split matrix (m the smaller side, n the larger, k holders, holder j with a share f_j of the rows), per step of
+    NS_STEPS: each holder computes its part of the Gram and of the product with X (f_j 2 m^2 n) and repeats the m x m
+    product A^2 (m^3); the m x m Gram is all-reduced (ring: 2 (k - 1) / k m^2 elements sent per holder). A wide matrix
+    (rows < cols) cut by rows is exchanged into column blocks and back (each holder sends the part of its rows outside
+    its own columns, twice). SPLIT_LARGE_GRAM: the wide matrices' alternative, their n x n Gram X_i^T X_i summed
+    instead (f_j 2 m n^2 + n^3 per holder per step, n^2 all-reduced), on the same layout. SPLIT_FULL (a plan, not
+    in the engine): the m x m product split too, each holder computing its rows of b A + c A^2, and an all-gather of
+    them per step ((k - 1) / k m^2 elements sent per holder); the layout is planned with nothing repeated."""
+    numels = [numel(s) for s in shapes]
+    rows = [split_rows(s) for s in shapes]
+    full, large_gram = scheme == SPLIT_FULL, scheme == SPLIT_LARGE_GRAM
+    repeated = [0 if full else split_repeated_cost(s) for s in shapes]
+    layout = owner_layout(numels, costs, ranks, [ownership_blocks(s) for s in shapes], rows, repeated)
+    loads = rank_costs(layout, costs, repeated)
+    size = layout.partition_size
+    extra = [0.0] * ranks
+    split, most = 0, 0
+    for index, shape in enumerate(shapes):
+        if not (layout.shared and layout.shared[index] and layout.is_cut(index)):
+            continue
+        start, end = layout.param_range(index)
+        holders = list(range(start // size, -(-end // size)))
+        pieces = [(min(end, (r + 1) * size) - max(start, r * size)) // shape[1] for r in holders]
+        k, m, n = len(holders), min(shape), max(shape)
+        split, most = split + 1, max(most, k)
+        wide = shape[0] < shape[1]
+        gram = n * n if wide and large_gram else m * m
+        widths = column_widths(pieces, shape[1]) if wide and not large_gram else None
+        for j, (rank, piece) in enumerate(zip(holders, pieces)):
+            extra[rank] += NS_STEPS * (2 + full) * (k - 1) / k * gram
+            if widths is not None:
+                extra[rank] += 2 * piece * (shape[1] - widths[j])
+            if wide and large_gram:
+                share = piece / shape[0]
+                divided = (costs[index] - repeated[index]) * share + repeated[index]
+                loads[rank] += share * 2 * m * n * n + n**3 - divided
+    zero = 2 * (ranks - 1) * size
+    sent = max(zero + e for e in extra)
+    zero_bytes = 2 * (ranks - 1) * _even_partition(shapes, ranks) * ELEMENT_BYTES
+    peak = size * (STATE_BYTES + NS_WORKSPACE_BYTES)
+    row = _row(model, ranks, scheme, loads, sent * ELEMENT_BYTES, sent * ELEMENT_BYTES, peak, zero_bytes,
+               unique_cost=sum(costs))
+    row.split_matrices, row.split_holders_max, row.split_sent_gib = split, most, max(extra) * ELEMENT_BYTES / GIB
+    return row
 
 
 def per_expert_items(shapes):
@@ -255,6 +323,8 @@ def plan(model: str, shapes, ranks: int) -> list[Row]:
     blocks = [ownership_blocks(s) for s in shapes]
     rows = [owner_scheme(model, shapes, costs, ranks, OWNER, blocks=blocks)]
     fused = any(len(s) == 3 for s in shapes)
+    if not fused:
+        rows += [split_scheme(model, shapes, costs, ranks, scheme) for scheme in (SPLIT, SPLIT_LARGE_GRAM, SPLIT_FULL)]
     if fused:
         rows.append(owner_scheme(model, shapes, costs, ranks, OWNER_WHOLE))
     rows.append(gather_scheme(model, shapes, costs, ranks))
@@ -271,7 +341,8 @@ COLUMNS = [("ranks", "ranks", "{}"), ("scheme", "scheme", "{}"), ("ns_max_over_m
            ("idle_share", "idle share of NS (%)", "{:.1f}"), ("ns_max_tflop", "NS TFLOP busiest rank", "{:.3g}"),
            ("sent_gib", "sent GiB/rank", "{:.3g}"), ("received_gib", "received GiB/rank", "{:.3g}"),
            ("zero_rs_ag_gib", "ZeRO RS+AG GiB/rank", "{:.3g}"), ("bytes_over_zero", "bytes / ZeRO (x)", "{:.3f}"),
-           ("owner_peak_gib", "owner peak GiB", "{:.3g}")]
+           ("owner_peak_gib", "owner peak GiB", "{:.3g}"), ("split_matrices", "split matrices", "{}"),
+           ("split_holders_max", "most ranks per split", "{}"), ("split_sent_gib", "split GiB/rank", "{:.3g}")]
 
 
 def densest_tensor(shapes) -> tuple | None:

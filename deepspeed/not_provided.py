@@ -219,7 +219,7 @@ NOT_PROVIDED: dict[str, dict[str, Missing]] = {
         **_callables(COMMS_LOGGER, "timed_op", "reset_log", "has_comm_data", "get_comm_operation_count",
                      "get_logged_comm_ops", "get_default_args", "get_tensor_position", "get_tensor_kwarg",
                      "get_msg_size_from_args", "get_debug_log_name"),
-        **_callables(COLLECTIVE, "reduce_scatter_fn", "allgather_fn", "all_to_all_single", "all_to_all", "send",
+        **_callables(COLLECTIVE, "reduce_scatter_fn", "allgather_fn", "all_to_all", "send",
                      "recv", "isend", "irecv", "P2POp", "batch_isend_irecv", "gather", "scatter", "reduce_scatter",
                      "has_all_reduce_coalesced", "has_coalescing_manager", "all_gather_coalesced",
                      "inference_all_reduce", "all_reduce_coalesced", "enable_symm_mem_for_group"),

@@ -212,7 +212,8 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "            if is_muon_group(group):\n"
                   "                costs = [newton_schulz_cost(full_shape(p), head_count(p)) for p in params]\n"
                   "                blocks = [ownership_blocks(full_shape(p), head_count(p)) for p in params]\n"
-                  "                layouts.append(owner_layout(numels, costs, partitions, blocks))\n"
+                  "                layouts.append(owner_layout(numels, costs, partitions, blocks, "
+                  "*self._split_plan(params, group)))\n"
                   "                self._warn_of_padding(layouts[-1])\n"
                   "            else:\n"
                   "                layouts.append(even_layout(numels, partitions))\n",

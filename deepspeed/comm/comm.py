@@ -45,6 +45,7 @@ __all__ = [
     "all_gather_into_tensor",
     "all_gather_object",
     "all_reduce",
+    "all_to_all_single",
     "barrier",
     "broadcast",
     "broadcast_object_list",
@@ -417,6 +418,21 @@ def reduce_scatter_tensor(
         output_tensor.copy_(reduced.view(-1).narrow(0, start, output_tensor.numel()).view_as(output_tensor))
 
     return finish_now(work, async_op, copy_slice)
+
+
+@_collective
+def all_to_all_single(
+    output: torch.Tensor,
+    tensor: torch.Tensor,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
+    """Send rank r the r-th slice of `tensor` (dim 0, `input_split_sizes` or equal) and receive rank r's slice for
+    this rank into the r-th slice of `output` (`output_split_sizes` or equal), on every rank of `group`."""
+    return torch_dist.all_to_all_single(output, tensor, output_split_sizes, input_split_sizes, group=group,
+                                        async_op=async_op)
 
 
 def has_all_gather_into_tensor() -> bool:

@@ -9,13 +9,16 @@ rank r owns `[r * partition_size, (r + 1) * partition_size)`. Two layouts exist:
   orthogonalise it). A parameter that is several matrices (a fused expert tensor [experts, out, in], a matrix
   orthogonalised per head: `blocks` equal, contiguous slices) may be cut between consecutive partitions at block
   boundaries, so its blocks have different owners. Owners are chosen to balance a per-matrix cost, and each
-  partition is padded to the largest one so that collectives still see equal slices.
+  partition is padded to the largest one so that collectives still see equal slices. Where whole matrices and
+  blocks leave the busiest rank above `SPLIT_FROM` times an even share, a dense matrix may also be cut at row
+  boundaries, its holders sharing its Newton-Schulz (`muon/executor/split_ns.py`; `GroupLayout.shared`).
 
 Nothing here touches tensors or torch.distributed; the same inputs give the same layout on every rank.
 """
 
 import heapq
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -60,6 +63,9 @@ class GroupLayout:
     owners: Optional[Tuple[int, ...]] = None
     # Per parameter, the equal contiguous blocks a partition boundary may cut it into (owner layouts that cut one).
     blocks: Optional[Tuple[int, ...]] = None
+    # Per parameter, whether its blocks are the rows of one matrix whose Newton-Schulz its holders share (a dense
+    # matrix cut at row boundaries) rather than matrices of their own. None: none is.
+    shared: Optional[Tuple[bool, ...]] = None
 
     @property
     def total_numel(self) -> int:
@@ -115,6 +121,7 @@ class GroupLayout:
             "num_partitions": self.num_partitions,
             "owners": None if self.owners is None else list(self.owners),
             **({} if self.blocks is None else {"blocks": list(self.blocks)}),
+            **({} if self.shared is None else {"shared": list(self.shared)}),
         }
 
     @classmethod
@@ -134,19 +141,24 @@ class GroupLayout:
             owners = None if owners is None else tuple(_as_int(o) for o in owners)
             blocks = description.get("blocks")
             blocks = None if blocks is None else tuple(_as_int(b) for b in blocks)
+            shared = description.get("shared")
+            shared = None if shared is None else tuple(_as_bool(x) for x in shared)
         except (KeyError, TypeError) as exc:
             raise ValueError(f"layout description {description!r} is malformed ({type(exc).__name__}: {exc})") from exc
         _check(numels, num_partitions)
-        if len(offsets) != len(numels) or any(x is not None and len(x) != len(numels) for x in (owners, blocks)):
+        if len(offsets) != len(numels) or any(x is not None and len(x) != len(numels)
+                                              for x in (owners, blocks, shared)):
             raise ValueError(f"layout description {description!r} needs one offset (and owner, block count) per "
                              f"parameter")
         if blocks is not None and (owners is None or any(b < 1 or n % b for n, b in zip(numels, blocks))):
             raise ValueError(f"layout description {description!r}: block counts need owners and must divide each "
                              f"parameter's numel")
+        if shared is not None and blocks is None:
+            raise ValueError(f"layout description {description!r}: shared Newton-Schulz flags need block counts")
         if partition_size < 0 or (owners is not None and not all(0 <= o < num_partitions for o in owners)):
             raise ValueError(f"layout description {description!r}: partition_size must be >= 0 and owners ranks "
                              f"below num_partitions")
-        layout = cls(numels, offsets, partition_size, num_partitions, owners, blocks)
+        layout = cls(numels, offsets, partition_size, num_partitions, owners, blocks, shared)
         cursor = 0
         for index in sorted(range(len(numels)), key=lambda i: (offsets[i], numels[i])):
             start, end = layout.param_range(index)
@@ -214,7 +226,8 @@ def assign_owners(costs: Sequence[int], num_partitions: int) -> List[int]:
 
 
 def owner_layout(numels: Sequence[int], costs: Sequence[int], num_partitions: int,
-                 blocks: Optional[Sequence[int]] = None) -> GroupLayout:
+                 blocks: Optional[Sequence[int]] = None, split_rows: Optional[Sequence[int]] = None,
+                 repeated_costs: Optional[Sequence[int]] = None) -> GroupLayout:
     """Place every Muon matrix whole in the partition of its owner, owners balanced by `costs`.
 
     Without `blocks` (or when no parameter has more than one) every parameter is whole on one owner, owners by
@@ -223,20 +236,51 @@ def owner_layout(numels: Sequence[int], costs: Sequence[int], num_partitions: in
     (`block_layout`); the layout with the lower busiest-rank cost is kept (then the smaller buffer), so cutting is
     used only where it balances the Newton-Schulz work.
 
+    With `split_rows[i]` > 1, parameter i is one dense matrix of that many rows whose Newton-Schulz may be shared by
+    the ranks that hold its rows (`muon/executor/split_ns.py`): each holder then does its rows' share of `costs[i]`
+    minus `repeated_costs[i]`, plus all of `repeated_costs[i]` (the work every holder repeats, `split_repeated_cost`).
+    Such cuts are tried only where the best plan so far leaves the busiest rank above `SPLIT_FROM` times an even
+    share, and kept where they lower it (then the smaller buffer), by the same rule.
+
     Raises:
-        ValueError: if the lengths of `numels`, `costs` and `blocks` differ, or on bad sizes.
+        ValueError: if the lengths of `numels`, `costs`, `blocks`, `split_rows` and `repeated_costs` differ, or on
+            bad sizes.
     """
     _check(numels, num_partitions)
-    if len(costs) != len(numels) or (blocks is not None and len(blocks) != len(numels)):
-        raise ValueError(f"owner_layout needs one cost per parameter (and one block count), got {len(costs)} costs "
-                         f"for {len(numels)} parameters")
-    whole = _whole_owner_layout(numels, costs, num_partitions)
-    if blocks is None or num_partitions == 1 or all(b <= 1 for b in blocks):
-        return whole
-    cut = block_layout(numels, costs, blocks, num_partitions)
-    if cut is None or _plan_key(cut, costs) >= _plan_key(whole, costs):
-        return whole
-    return cut
+    if len(costs) != len(numels) or any(x is not None and len(x) != len(numels)
+                                        for x in (blocks, split_rows, repeated_costs)):
+        raise ValueError(f"owner_layout needs one cost per parameter (and one block count, row count, repeated "
+                         f"cost), got {len(costs)} costs for {len(numels)} parameters")
+    best = _whole_owner_layout(numels, costs, num_partitions)
+    if num_partitions == 1:
+        return best
+    if blocks is not None and any(b > 1 for b in blocks):
+        cut = block_layout(numels, costs, blocks, num_partitions)
+        if cut is not None and _plan_key(cut, costs) < _plan_key(best, costs):
+            best = cut
+    if split_rows is None or all(r <= 1 for r in split_rows) or _plan_key(best, costs)[0] <= SPLIT_FROM:
+        return best
+    repeated = [0] * len(numels) if repeated_costs is None else list(repeated_costs)
+    blocks = [1] * len(numels) if blocks is None else list(blocks)
+    shared = [r > 1 and b <= 1 for r, b in zip(split_rows, blocks)]
+    split = split_layout(numels, costs, [r if s else b for r, b, s in zip(split_rows, blocks, shared)],
+                         num_partitions, [c if s else 0 for c, s in zip(repeated, shared)], shared)
+    if split is not None and _plan_key(split, costs, repeated) < _plan_key(best, costs):
+        return split
+    return best
+
+
+# Where the best plan of whole matrices and blocks leaves the busiest rank's Newton-Schulz cost above this many times
+# an even share, `owner_layout` also tries dense matrices cut at row boundaries with their Newton-Schulz shared.
+SPLIT_FROM = 1.1
+
+
+def split_repeated_cost(shape: Sequence[int]) -> int:
+    """What every holder of a rows x cols matrix whose Newton-Schulz is split between them repeats, in
+    `newton_schulz_cost`'s units (one standard step): the m x m product A^2 (m = the smaller side), m^3. The Gram
+    and the product with X (2 m^2 n) are divided between the holders by their rows (`math/ns_split.py`)."""
+    m = min(shape[-2:])
+    return m * m * m
 
 
 def _whole_owner_layout(numels: Sequence[int], costs: Sequence[int], num_partitions: int) -> GroupLayout:
@@ -273,22 +317,29 @@ def excess_padding(layout: GroupLayout) -> bool:
     return layout.total_numel > MAX_OWNER_PADDING * even and layout.total_numel - even >= MIN_PADDING_WARNED
 
 
-def rank_costs(layout: GroupLayout, costs: Sequence[int]) -> List[float]:
-    """Each rank's Newton-Schulz cost under `layout`: a cut parameter's cost shared by its blocks."""
+def rank_costs(layout: GroupLayout, costs: Sequence[int],
+               repeated_costs: Optional[Sequence[int]] = None) -> List[float]:
+    """Each rank's Newton-Schulz cost under `layout`: a cut parameter's cost shared by its blocks; one whose
+    Newton-Schulz its holders share (`GroupLayout.shared`) costs each holder its rows' share of the cost less
+    `repeated_costs[i]`, plus `repeated_costs[i]`."""
     loads = [0.0] * layout.num_partitions
     size = max(layout.partition_size, 1)
     for index, cost in enumerate(costs):
         start, end = layout.param_range(index)
+        repeated = 0
+        if layout.shared is not None and layout.shared[index] and layout.is_cut(index) and repeated_costs:
+            repeated = repeated_costs[index]
         for rank in range(start // size, -(-end // size)):
             lo, hi = max(start, rank * size), min(end, (rank + 1) * size)
             if hi > lo:
-                loads[rank] += cost * (hi - lo) / (end - start)
+                loads[rank] += (cost - repeated) * (hi - lo) / (end - start) + repeated
     return loads
 
 
-def _plan_key(layout: GroupLayout, costs: Sequence[int]) -> Tuple[float, int]:
-    # The busiest rank's cost to 0.1 % (a smaller buffer wins a tie).
-    loads = rank_costs(layout, costs)
+def _plan_key(layout: GroupLayout, costs: Sequence[int],
+              repeated_costs: Optional[Sequence[int]] = None) -> Tuple[float, int]:
+    # The busiest rank's cost to 0.1 % (a smaller buffer wins a tie), over an even share of the work done once.
+    loads = rank_costs(layout, costs, repeated_costs)
     ideal = max(sum(costs) / layout.num_partitions, 1)
     return round(max(loads) / ideal, 3), layout.total_numel
 
@@ -383,6 +434,106 @@ def _fill(numels: Sequence[int], costs: Sequence[int], blocks: Sequence[int], nu
         done += left * block_cost
     return GroupLayout(tuple(numels), tuple(offsets), partition_size, num_partitions, tuple(owners),
                        tuple(max(1, b) for b in blocks))
+
+
+def split_layout(numels: Sequence[int], costs: Sequence[int], blocks: Sequence[int], num_partitions: int,
+                 repeated_costs: Sequence[int], shared: Sequence[bool]) -> Optional[GroupLayout]:
+    """Parameters in order, each rank filled up to one cost budget, the smallest budget that places them all on
+    `num_partitions` ranks (a bisection at each of a few partition sizes); a parameter of several blocks is cut at
+    block boundaries where a rank's budget ends, with the contiguity `block_layout` keeps (first piece ends a
+    partition, middle pieces fill one, the last starts one).
+
+    `shared[i]`: parameter i's blocks are the rows of one dense matrix whose Newton-Schulz its holders share
+    (`GroupLayout.shared`); each piece of it costs its rows' share of the cost less `repeated_costs[i]`, plus
+    `repeated_costs[i]`. Filling to a budget
+    rather than to an even share of the cost (`block_layout`) is what keeps this plan within the partitions: every
+    piece of a shared matrix adds its repeated cost, so the work to place grows with each cut. Returns the plan with
+    the lowest busiest-rank cost (then the smallest buffer), or None if none fits.
+    """
+    units = [n // b if b > 1 and n % b == 0 else n for n, b in zip(numels, blocks)]
+    base = max(max(units, default=1), -(-sum(numels) // num_partitions), 1)
+    splittable = [i for i, b in enumerate(blocks) if b > 1 and numels[i] % b == 0]
+    # Any cut parameter's middle piece must be whole blocks: partition sizes that are multiples of every block size
+    # (when that is not above the base), else of the largest parameter's.
+    multiple = math.lcm(*[units[i] for i in splittable]) if splittable else 1
+    if multiple > base:
+        multiple = units[max(splittable, key=lambda i: numels[i])]
+    candidates = sorted({_round_up(int(base * 2 ** (step / 8)), multiple * ALIGNMENT) for step in range(17)})
+    shared = tuple(shared)
+    lowest = sum(costs) / num_partitions
+    best, best_key = None, None
+    for partition_size in candidates:
+        low, high, found = lowest, float(sum(costs) + sum(repeated_costs) * num_partitions), None
+        while high - low > 5e-4 * lowest:
+            budget = (low + high) / 2
+            layout = _fill_to_budget(numels, costs, blocks, repeated_costs, num_partitions, partition_size, budget)
+            if layout is None:
+                low = budget
+            else:
+                high, found = budget, layout
+        if found is not None:
+            found = replace(found, shared=shared)
+            key = _plan_key(found, costs, repeated_costs)
+            if best is None or key < best_key:
+                best, best_key = found, key
+    return best
+
+
+def _fill_to_budget(numels: Sequence[int], costs: Sequence[int], blocks: Sequence[int], repeated: Sequence[int],
+                    num_partitions: int, partition_size: int, budget: float) -> Optional[GroupLayout]:
+    """`split_layout` at one partition size and budget; None when the parameters do not fit."""
+    offsets, owners = [], []
+    rank, used, load = 0, 0, 0.0
+    for n, cost, count, again in zip(numels, costs, blocks, repeated):
+        if n <= partition_size - used and load + cost <= budget:
+            offsets.append(rank * partition_size + used)
+            owners.append(rank)
+            used, load = used + n, load + cost
+            continue
+        cuttable = count > 1 and n % count == 0
+        block = n // count if cuttable else n
+        block_cost = (cost - again) / count if cuttable else cost
+        # Blocks of it this rank still takes (a first piece ends the partition).
+        room = min(count - 1, (partition_size - used) // block, int((budget - load - again) // block_cost))
+        if not cuttable or room < 1:
+            # On the next rank: whole if it fits there, else cut from there.
+            if used:
+                rank, used, load = rank + 1, 0, 0.0
+            if rank >= num_partitions:
+                return None
+            if n <= partition_size and cost <= budget:
+                offsets.append(rank * partition_size)
+                owners.append(rank)
+                used, load = n, cost
+                continue
+            if not cuttable:
+                return None
+            room = min(count - 1, partition_size // block, int((budget - again) // block_cost))
+            if room < 1:
+                return None
+        offsets.append((rank + 1) * partition_size - room * block)
+        owners.append(rank)
+        left = count - room
+        while left * block > partition_size:
+            # A middle piece fills a whole partition.
+            if partition_size % block or partition_size // block * block_cost + again > budget:
+                return None
+            rank += 1
+            left -= partition_size // block
+        rank += 1
+        if rank >= num_partitions:
+            return None
+        used, load = left * block, left * block_cost + again
+        if load > budget:
+            return None
+    return GroupLayout(tuple(numels), tuple(offsets), partition_size, num_partitions, tuple(owners),
+                       tuple(max(1, b) for b in blocks))
+
+
+def _as_bool(value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"expected true or false, got {value!r}")
+    return value
 
 
 def _as_int(value) -> int:

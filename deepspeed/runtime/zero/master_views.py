@@ -7,11 +7,12 @@ reach the views the same way: each gets a strided view of its group's gradient b
 """
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from deepspeed.runtime.zero.flat_layout import GroupLayout, full_shape
+from deepspeed.runtime.zero.muon.executor.split_ns import SPLIT_ATTRIBUTE
 from deepspeed.runtime.zero.muon.per_head import NUM_HEADS_ATTRIBUTE, head_count
 from deepspeed.runtime.zero.owner_blocks import piece_view
 from deepspeed.runtime.zero.param_groups import is_muon_group
@@ -40,11 +41,14 @@ class MasterViews:
         lp_groups: per group, the model's parameters (their shapes and head counts).
         partition_base: group -> offset of this rank's partition in the group's flat buffer.
         owner_rank: group -> the rank whose partition this rank holds (0 for an unpartitioned group).
+        split: (group, parameter index) -> its `split_matrices.SplitMatrix`, for the matrices whose Newton-Schulz
+            their holders share; each holder's view carries it (`executor/split_ns.SPLIT_ATTRIBUTE`).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, masters: Sequence[torch.Tensor],
                  layouts: Sequence[GroupLayout], lp_groups: Sequence[Sequence[torch.Tensor]],
-                 partition_base: Callable[[int], int], owner_rank: Callable[[int], int]):
+                 partition_base: Callable[[int], int], owner_rank: Callable[[int], int],
+                 split: Optional[Dict[Tuple[int, int], Any]] = None):
         self.optimizer = optimizer
         self.slots: Dict[int, MasterSlot] = {}
         for g, (group, layout) in enumerate(zip(optimizer.param_groups, layouts)):
@@ -62,6 +66,9 @@ class MasterViews:
                         setattr(view, NUM_HEADS_ATTRIBUTE, num_heads)
                     self.slots[id(view)] = MasterSlot(g, start, piece.numel, shape)
                     params.append(view)
+                for piece, view in zip(layout.fragments(owner_rank(g)), params):
+                    if (g, piece.param_index) in (split or {}):
+                        setattr(view, SPLIT_ATTRIBUTE, split[(g, piece.param_index)])
             else:
                 params = [hp]
                 self.slots[id(hp)] = MasterSlot(g, 0, hp.numel(), hp.shape)

@@ -25,18 +25,35 @@ def ownership_blocks(shape: Sequence[int], num_heads: int = 1) -> int:
     return matrix_blocks(shape, num_heads)[0]
 
 
+# Matrices below this many elements are never split: their Newton-Schulz takes less time than the collectives a split
+# adds (one all-reduce a step, each a few microseconds of latency or more).
+MIN_SPLIT_NUMEL = 2**18
+
+
+def split_rows(shape: Sequence[int], num_heads: int = 1) -> int:
+    """The rows of a Muon parameter of `shape` whose Newton-Schulz the ranks holding them may share
+    (`muon/executor/split_ns.py`): a 2-D matrix orthogonalised whole, of `MIN_SPLIT_NUMEL` elements or more; 1 (never
+    split) for anything else, which is blocks of its own (`ownership_blocks`), a conv kernel or a small matrix."""
+    if len(shape) != 2 or num_heads != 1 or shape[0] * shape[1] < MIN_SPLIT_NUMEL:
+        return 1
+    return shape[0]
+
+
 def piece_view(shape: Sequence[int], num_heads: int, numel: int) -> Tuple[torch.Size, int]:
     """(shape, head count) under which Muon orthogonalises `numel` elements of whole blocks of a parameter of `shape`
     orthogonalised in `num_heads` heads: the parameter's own for all of it; whole matrices of a tensor of 3 or more
     dims as (matrices, out, in) in the same heads; otherwise the piece's rows (rows, cols), in heads of the
-    parameter's head rows. Each block is the same matrix either way, so the update is the same.
+    parameter's head rows. Each block is the same matrix either way, so the update is the same. A dense matrix's rows
+    (a piece of a matrix whose Newton-Schulz its holders share, `split_rows`) are viewed as (rows, cols).
 
     Raises:
-        ValueError: `numel` is not a whole number of blocks.
+        ValueError: `numel` is not a whole number of blocks (of rows, for a dense matrix).
     """
     shape = torch.Size(shape)
     if numel == shape.numel():
         return shape, num_heads
+    if len(shape) == 2 and num_heads == 1 and numel % shape[1] == 0:
+        return torch.Size([numel // shape[1], shape[1]]), 1
     blocks, block_rows, cols = matrix_blocks(shape, num_heads)
     if len(shape) == 4 or numel % (block_rows * cols):
         raise ValueError(f"{numel} elements are not whole blocks of a Muon parameter of shape {tuple(shape)} "

@@ -26,14 +26,15 @@ import deepspeed.comm as dist
 from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
 from deepspeed.runtime.optimizer_step import StepOutcome, transactional_step
 from deepspeed.runtime.zero.flat_layout import (GroupLayout, even_layout, excess_padding, full_shape,
-                                                newton_schulz_cost, owner_layout, padding_factor)
+                                                newton_schulz_cost, owner_layout, padding_factor, split_repeated_cost)
 from deepspeed.utils.logging import logger
 from deepspeed.runtime.zero.full_params import FullParamAccess
 from deepspeed.runtime.zero.grad_reducer import GradReducer
 from deepspeed.runtime.zero.master_views import MasterViews
 from deepspeed.runtime.zero.muon.per_head import head_count
 from deepspeed.runtime.zero.offload import HostOffload
-from deepspeed.runtime.zero.owner_blocks import ownership_blocks
+from deepspeed.runtime.zero.owner_blocks import ownership_blocks, split_rows
+from deepspeed.runtime.zero.split_matrices import split_matrices
 from deepspeed.runtime.zero.options import ZeroOptions
 from deepspeed.runtime.zero.param_groups import is_muon_group
 from deepspeed.runtime.zero.rank_state import DeclaredZeroState, load_zero_state
@@ -72,11 +73,18 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
         self.param_names = param_names
         self.bit16_groups = [[p for p in group["params"] if p.requires_grad] for group in init_optimizer.param_groups]
         self.layouts = self._build_layouts()
+        # Every rank makes the groups of the matrices whose Newton-Schulz their holders share, in the same order.
+        self._split = (split_matrices(self.layouts, [[full_shape(p) for p in params] for params in self.bit16_groups],
+                                      dp_group) if dist.is_initialized() else {})
+        if self._split and self.dp_rank == 0:
+            logger.info(f"ZeRO Muon: {len(self._split)} dense matrices have their Newton-Schulz shared by the ranks "
+                        f"holding their rows (up to {max(len(s.rows_per_holder) for s in self._split.values())} "
+                        f"ranks each; docs/performance.md, 'Muon at scale')")
         self._flatten_lp_params()
         self._offload = self._build_offload()
         self._create_hp_partitions()
         self._masters = MasterViews(self.optimizer, self.single_partition_of_fp32_groups, self.layouts,
-                                    self.bit16_groups, self._partition_base, self._owner_rank)
+                                    self.bit16_groups, self._partition_base, self._owner_rank, self._split)
         self.reducer = GradReducer(self.layouts, self._reduction_order(), self.dp_rank, self.dp_world_size, dp_group,
                                    self.options.reducer_options(), self.device)
         if self._offload is not None and self._offload.is_staged:
@@ -98,11 +106,20 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
             if is_muon_group(group):
                 costs = [newton_schulz_cost(full_shape(p), head_count(p)) for p in params]
                 blocks = [ownership_blocks(full_shape(p), head_count(p)) for p in params]
-                layouts.append(owner_layout(numels, costs, partitions, blocks))
+                layouts.append(owner_layout(numels, costs, partitions, blocks, *self._split_plan(params, group)))
                 self._warn_of_padding(layouts[-1])
             else:
                 layouts.append(even_layout(numels, partitions))
         return layouts
+
+    def _split_plan(self, params: List[torch.nn.Parameter], group: dict) -> Tuple[List[int], List[int]]:
+        """`owner_layout`'s `split_rows` and `repeated_costs` for a Muon group: dense matrices may have their
+        Newton-Schulz shared by the ranks holding their rows, except under ZeRO-Offload (its host step keeps every
+        matrix whole) and with NorMuon (its normalisation is kept on whole matrices)."""
+        if self.options.offload_optimizer is not None or group.get("normuon", False):
+            return [1] * len(params), [0] * len(params)
+        return ([split_rows(full_shape(p), head_count(p)) for p in params],
+                [split_repeated_cost(full_shape(p)) for p in params])
 
     def _warn_of_padding(self, layout: GroupLayout) -> None:
         """Say so once (rank 0) when a Muon group's owner layout pads its partitions far beyond an even layout: ranks

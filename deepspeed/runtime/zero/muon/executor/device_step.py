@@ -18,7 +18,8 @@ from torch import Tensor
 from deepspeed.runtime.zero.muon.executor.aux_adam import adam_in_chunks, counted_adam_state, fusable, fused_adamw
 from deepspeed.runtime.zero.muon.executor.ns_graph import GraphedCalls
 from deepspeed.runtime.zero.muon.executor.ns_workspace import NSWorkspace
-from deepspeed.runtime.zero.muon.executor.step import BatchKey, FoldedGroup, MuonStepExecutor, _batch_views
+from deepspeed.runtime.zero.muon.executor.step import (BatchKey, FoldedGroup, MuonStepExecutor, _batch_views,
+                                                       has_split, orthogonalise_with_splits)
 from deepspeed.runtime.zero.muon.kernels import fused_momentum, fused_update
 from deepspeed.runtime.zero.muon.math.newton_schulz import NS_FUNCTIONS
 from deepspeed.runtime.zero.muon.math.ns_common import resolve_ns_dtype
@@ -82,7 +83,9 @@ class DeviceStepExecutor(MuonStepExecutor):
         first = next(iter(by_key.values()))[0]
         device, dtype = first.device, resolve_ns_dtype(first, group["ns_dtype"])
         workspace = self.workspace
-        if workspace is None:
+        if workspace is None or has_split(by_key):
+            # A group with a piece of a split matrix runs on new memory, eagerly: its pieces' collectives are neither
+            # carved from the workspace nor captured.
             return torch.empty(numel, dtype=dtype, device=device), None
         method, steps, coefficients = group["ns_method"], group["ns_steps"], group["ns_coefficients"]
 
@@ -114,7 +117,7 @@ class DeviceStepExecutor(MuonStepExecutor):
         dtype = folded.direction.dtype
         in_workspace: _InWorkspace | None = folded.in_workspace
         if in_workspace is None:
-            return orthogonalise(folded.directions, method, steps, dtype, coefficients)
+            return orthogonalise_with_splits(folded.directions, folded.batches, method, steps, dtype, coefficients)
         workspace = self.workspace
         if in_workspace.captured is not None:
             updates = in_workspace.captured.replay(workspace)

@@ -21,6 +21,7 @@ from deepspeed.runtime.zero.muon.executor.aux_adam import counted_adam_state
 from deepspeed.runtime.zero.muon.executor.step import BatchKey, FoldedGroup, MuonStepExecutor
 from deepspeed.runtime.zero.muon.kernels import cpu_op
 from deepspeed.runtime.zero.muon.math.ns_common import resolve_ns_dtype
+from deepspeed.runtime.zero.muon.executor.split_ns import SPLIT_ATTRIBUTE
 from deepspeed.runtime.zero.muon.math.update import orthogonalise
 
 
@@ -108,6 +109,9 @@ class HostStepExecutor(MuonStepExecutor):
         kept for the group (contiguous; :meth:`apply` waits for them); the Adam groups step meanwhile."""
         if folded is None:
             return []
+        if any(getattr(params[0], SPLIT_ATTRIBUTE, None) is not None for params, _ in folded.batches):
+            raise ValueError("MuonWithAuxAdam: the host step (ZeRO-Offload) keeps every Muon matrix whole; a piece of "
+                             "a split matrix reached it")
         method, steps, coefficients = group["ns_method"], group["ns_steps"], group["ns_coefficients"]
         dtype = folded.direction.dtype
         if folded.direction.device == self.ns_device:

@@ -19,12 +19,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from deepspeed.runtime.zero.muon.executor.split_ns import SPLIT_ATTRIBUTE, split_rows_zeropower
 from deepspeed.runtime.zero.muon.math.normuon import NEURON_SECOND_MOMENT, muon_state_shape, neuron_normalised
-from deepspeed.runtime.zero.muon.math.update import flat_view, matrix_blocks, stacked_view, update_scale
+from deepspeed.runtime.zero.muon.math.update import flat_view, matrix_blocks, orthogonalise, stacked_view, update_scale
 from deepspeed.runtime.zero.muon.per_head import head_count
 
-# A Muon batch: matrices of one shape orthogonalised in the same number of row blocks (heads; 1 for whole).
-BatchKey = tuple[torch.Size, int]
+# A Muon batch: matrices of one shape orthogonalised in the same number of row blocks (heads; 1 for whole); a piece of
+# a split matrix is a batch of its own (its param's id appended).
+BatchKey = tuple
 
 
 @dataclass
@@ -109,7 +111,7 @@ class MuonStepExecutor:
                                                 direction[start:end], beta, nesterov, grad_factor=grad_factor)
                 start = end
         directions = _batch_views(direction, by_key)
-        batches = [(batch, update_scale(view.size(-2), view.size(-1), group["adjust_lr_fn"]))
+        batches = [(batch, update_scale(*_scaled_shape(batch[0], view), group["adjust_lr_fn"]))
                    for batch, view in zip(by_key.values(), directions)]
         return FoldedGroup(batches, direction, directions, in_workspace)
 
@@ -244,8 +246,40 @@ def _with_grads_by_key(group: dict[str, Any]) -> tuple[list[Tensor], dict[BatchK
     params = [p for p in group["params"] if p.grad is not None]
     by_key: dict[BatchKey, list[Tensor]] = {}
     for p in params:
-        by_key.setdefault(batch_key(p), []).append(p)
+        key = batch_key(p)
+        if getattr(p, SPLIT_ATTRIBUTE, None) is not None:
+            key = (*key, id(p))
+        by_key.setdefault(key, []).append(p)
     return params, by_key
+
+
+def has_split(by_key: dict[BatchKey, list[Tensor]]) -> bool:
+    """Whether a group's batches include a piece of a split matrix."""
+    return any(len(key) > 2 for key in by_key)
+
+
+def _scaled_shape(param: Tensor, view: Tensor) -> tuple[int, int]:
+    """The shape whose ``update_scale`` a batch's update takes: its blocks', or a split matrix's whole shape."""
+    split = getattr(param, SPLIT_ATTRIBUTE, None)
+    return tuple(split.shape) if split is not None else (view.size(-2), view.size(-1))
+
+
+def orthogonalise_with_splits(directions: list[Tensor], batches: list[tuple[list[Tensor], float]], method: str,
+                              steps: int, dtype: torch.dtype, coefficients: str) -> list[Tensor]:
+    """``orthogonalise`` of every batch, the whole ones in one call, then each piece of a split matrix with its other
+    holders (``split_rows_zeropower``) in batch order: the params' flat order, the same on every holder, so the
+    holders of each matrix call its collectives in the same order."""
+    splits = [getattr(params[0], SPLIT_ATTRIBUTE, None) for params, _ in batches]
+    whole = [view for view, split in zip(directions, splits) if split is None]
+    results = iter(orthogonalise(whole, method, steps, dtype, coefficients) if whole else [])
+    updates = []
+    for view, split in zip(directions, splits):
+        if split is None:
+            updates.append(next(results))
+        else:
+            updates.append(split_rows_zeropower(view[0], split.shape, split.rows_per_holder, split.group, steps, dtype,
+                                                coefficients, method).unsqueeze(0))
+    return updates
 
 
 def _batch_views(flat: Tensor, by_key: dict[BatchKey, list[Tensor]]) -> list[Tensor]:
@@ -253,8 +287,8 @@ def _batch_views(flat: Tensor, by_key: dict[BatchKey, list[Tensor]]) -> list[Ten
     param's ``matrix_blocks``: one view op per batch (4-D kernels as (out, -1), a 3-D tensor's experts as separate
     matrices; a head's rows are contiguous, so its block is a plain view too)."""
     views, start = [], flat.storage_offset()  # as_strided's offset counts from the storage's start
-    for (shape, num_heads), params in by_key.items():
-        per_param, rows, cols = matrix_blocks(shape, num_heads)
+    for key, params in by_key.items():
+        per_param, rows, cols = matrix_blocks(key[0], key[1])
         blocks = len(params) * per_param
         views.append(flat.as_strided((blocks, rows, cols), (rows * cols, cols, 1), start))
         start += blocks * rows * cols

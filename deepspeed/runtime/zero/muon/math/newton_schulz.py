@@ -23,7 +23,7 @@ from torch import Tensor
 from deepspeed.runtime.zero.muon.math.ns_by_shape import method_for_shape
 from deepspeed.runtime.zero.muon.math.ns_coefficients import (DEFAULT_NS_COEFFICIENTS, Coefficients,
                                                               coefficient_schedule)
-from deepspeed.runtime.zero.muon.math.ns_common import (Workspace, _allocator, _gram_buffers, _memory_of,
+from deepspeed.runtime.zero.muon.math.ns_common import (SumPieces, Workspace, _allocator, _gram_buffers, _memory_of,
                                                          _normalized_wide, _restored_layout, _tall)
 from deepspeed.runtime.zero.muon.math.symmetric_gram import zeropower_via_symmetric_gram
 
@@ -49,7 +49,7 @@ def gram_restarts_at(k: int, coefficients: str = DEFAULT_NS_COEFFICIENTS) -> boo
 
 
 def _standard_iterations(X: Tensor, schedule: Sequence[Coefficients], workspace: Workspace | None = None,
-                         tall: bool = False) -> Tensor:
+                         tall: bool = False, sum_pieces: SumPieces | None = None) -> Tensor:
     """X <- a X + (b A + c A^2) X with A = X X^T, one step per (a, b, c) of ``schedule``; the scalars ride in
     ``baddbmm`` (three launches per step).
 
@@ -57,6 +57,7 @@ def _standard_iterations(X: Tensor, schedule: Sequence[Coefficients], workspace:
     the workspace when given: the same products, so the same bits as fresh tensors. With ``tall`` (the input was
     transposed into the wide orientation) the last product is written transposed, X^T <- a X^T + X^T B^T, so the
     result comes back contiguous in the matrix's own layout: whoever applies it reads it in one contiguous pass.
+    ``sum_pieces``: X is a column block of the matrix; each A is summed over the blocks (``ns_split``).
     """
     steps = len(schedule)
     if steps == 0:
@@ -67,6 +68,8 @@ def _standard_iterations(X: Tensor, schedule: Sequence[Coefficients], workspace:
     spare = empty(X.shape)
     for step, (a, b, c) in enumerate(schedule):
         torch.bmm(X, X.mT, out=A)
+        if sum_pieces is not None:
+            sum_pieces(A)
         torch.baddbmm(A, A, A, beta=b, alpha=c, out=B)
         if tall and step + 1 == steps:
             return torch.baddbmm(X.mT, X.mT, B.mT, beta=a, out=_tall(spare, X.shape))
@@ -163,7 +166,8 @@ def zeropower_via_gram_newtonschulz(G: Tensor | Sequence[Tensor], steps: int = 5
 
 
 def _gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients], workspace: Workspace | None = None,
-                     tall: Sequence[bool] | None = None, restarts: str = DEFAULT_NS_COEFFICIENTS) -> list[Tensor]:
+                     tall: Sequence[bool] | None = None, restarts: str = DEFAULT_NS_COEFFICIENTS,
+                     sum_pieces: SumPieces | None = None) -> list[Tensor]:
     """The Gram iteration for 3-D batches of wide matrices that share the small side m.
 
     Each batch keeps its own X (different widths); R, Z, Q and the products among them are m x m and are
@@ -176,6 +180,8 @@ def _gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients], workspa
     ``tall[i]``: batch i was transposed into the wide orientation; its result comes back in the matrix's own
     layout, contiguous, because the last product is written transposed ((Q X)^T = X^T Q^T).
     ``restarts``: the schedule whose restart iterations apply (:func:`gram_restarts_at`).
+    ``sum_pieces``: each X is a column block of its matrix; R is summed over the blocks (``ns_split``), once per
+    build of R, for all batches in one call.
     """
     steps = len(schedule)
     tall, sizes, empty, R, PR, free, spares = _gram_buffers(Xs, tall, workspace)
@@ -183,6 +189,8 @@ def _gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients], workspa
     def gram_matrices(Xs: list[Tensor]) -> None:
         for X, R_part in zip(Xs, R.split(sizes)):
             torch.bmm(X, X.mT, out=R_part)
+        if sum_pieces is not None:
+            sum_pieces(R)
 
     def left_multiplied(Q: Tensor, Xs: list[Tensor], last: bool = False) -> list[Tensor]:
         products = []

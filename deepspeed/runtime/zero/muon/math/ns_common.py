@@ -24,6 +24,11 @@ class Workspace(Protocol):
         """An uninitialised tensor of ``shape`` and ``dtype`` carved from the lent memory."""
 
 
+# Sums a tensor in place over the holders of a matrix's column blocks (an all-reduce), so that each holder's Gram
+# matrix X_i X_i^T becomes the whole matrix's X X^T (``ns_split``). None: the matrix is whole here.
+SumPieces = Callable[[Tensor], None]
+
+
 def resolve_ns_dtype(tensor: Tensor, dtype: torch.dtype | None = None) -> torch.dtype:
     """Pick the Newton-Schulz compute dtype for ``tensor``.
 

@@ -38,6 +38,7 @@ from deepspeed.runtime.zero.muon.math.ns_coefficients import (DEFAULT_NS_COEFFIC
                                                               coefficient_schedule)
 from deepspeed.runtime.zero.muon.math.ns_common import (
     NS_NORM_EPS,
+    SumPieces,
     _allocator,
     _gram_buffers,
     _memory_of,
@@ -171,10 +172,10 @@ def symmetric_left_product(S: Tensor, X: Tensor, out: Tensor, beta: float | None
 
 
 def _symmetric_standard_iterations(X: Tensor, schedule: Sequence[Coefficients], workspace: Workspace | None = None,
-                                   tall: bool = False) -> Tensor:
+                                   tall: bool = False, sum_pieces: SumPieces | None = None) -> Tensor:
     """The standard iteration X <- a X + (b A + c A^2) X, A = X X^T, one step per (a, b, c) of ``schedule``, with A
     and A^2 computed on their upper blocks (both are Gram products, so their halves are those of the whole
-    product)."""
+    product). ``sum_pieces``: X is a column block of the matrix; each A is summed over the blocks (``ns_split``)."""
     steps = len(schedule)
     if steps == 0:
         return X.mT if tall else X
@@ -184,6 +185,8 @@ def _symmetric_standard_iterations(X: Tensor, schedule: Sequence[Coefficients], 
     spare = empty(X.shape)
     for step, (a, b, c) in enumerate(schedule):
         symmetric_gram(X, A)
+        if sum_pieces is not None:
+            sum_pieces(A)
         symmetric_product(A, A, B, addend=A, beta=b, alpha=c)
         last = step + 1 == steps
         out = _tall(spare, X.shape) if tall and last else spare
@@ -275,7 +278,8 @@ def zeropower_via_symmetric_gram(G: Tensor | Sequence[Tensor], steps: int = 5, d
 
 def _symmetric_gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients],
                                workspace: Workspace | None = None,
-                               tall: Sequence[bool] | None = None) -> list[Tensor]:
+                               tall: Sequence[bool] | None = None,
+                               sum_pieces: SumPieces | None = None) -> list[Tensor]:
     """The Gram iteration on upper-stored m x m matrices, for scaled wide batches sharing the small side m.
 
     As ``newton_schulz._gram_iterations``: R, the factors P_k = a I + Z_k (Z_k = b' R + c' R^2, with b and c
@@ -292,6 +296,9 @@ def _symmetric_gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients
 
     Memory is taken once and reused by role, from the workspace when given: R and P R, three m x m buffers that
     the factors and Q (or W) rotate through, and per batch a spare X that ping-pongs with X's own memory.
+
+    ``sum_pieces``: each X is a column block of its matrix; R is summed over the blocks (``ns_split``) at every
+    build of R (its lower block, never read, is summed too).
     """
     steps = len(schedule)
     tall, sizes, empty, R, PR, free, spares = _gram_buffers(Xs, tall, workspace)
@@ -299,6 +306,8 @@ def _symmetric_gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients
     def gram_matrices(Xs: list[Tensor]) -> None:
         for X, R_part in zip(Xs, R.split(sizes)):
             symmetric_gram(X, R_part)
+        if sum_pieces is not None:
+            sum_pieces(R)
 
     def left_multiplied(Q: Tensor, Xs: list[Tensor], alpha: float | None, last: bool = False) -> list[Tensor]:
         """Q X per batch, or alpha X + W X when Q = alpha I + W (``alpha`` given)."""

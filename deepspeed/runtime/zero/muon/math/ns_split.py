@@ -1,0 +1,94 @@
+"""Newton-Schulz of one matrix whose columns are split between several holders, each computing its own columns of
+the result.
+
+Take the matrix in its wide orientation W (m x n, m <= n). Every method's result is Q W, where the m x m matrix Q
+depends on W only through Gram matrices: the standard iteration's A_k = X_k X_k^T at each step, the Gram iterations'
+R = X X^T at the start and at each restart; every product with X acts on its columns one by one (A X, Q X, a X). So
+if holder i has the column block W_i, running the same iteration on W_i with each Gram matrix summed over the blocks
+(sum_i W_i W_i^T = W W^T, one all-reduce of an m x m matrix) gives holder i the columns Q W_i of the result; the
+Frobenius norm Newton-Schulz starts from is the square root of the blocks' summed squares (one all-reduce of a
+scalar). Exact in exact arithmetic; in floating point only the sums' order differs from the whole matrix's.
+
+What is divided and what is not, per standard step: the Gram X_i X_i^T and the product B X_i (2 m^2 n_i
+multiply-adds) are each holder's own; the m x m product A^2 (m^3) every holder repeats. The Gram iterations repeat
+all their m x m work (14 m^3 in five steps; 10.5 m^3 for "gram_sym") and sum R only where they build it (twice in
+five steps with the default schedule, three times with Polar Express). A tall matrix (rows > cols) split by rows is
+its wide orientation split by columns; a wide one split by rows is not, and its holders first exchange their pieces
+into column blocks (``executor/split_ns.py``).
+
+Nothing here knows about ranks: the caller passes ``sum_pieces``, which sums a tensor in place over the holders (an
+all-reduce over their process group), and every holder must make the same calls in the same order, which the same
+shape, method and schedule guarantee.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from deepspeed.runtime.zero.muon.math.newton_schulz import _gram_iterations, _standard_iterations, check_ns_method
+from deepspeed.runtime.zero.muon.math.ns_by_shape import method_for_shape
+from deepspeed.runtime.zero.muon.math.ns_coefficients import DEFAULT_NS_COEFFICIENTS, coefficient_schedule
+from deepspeed.runtime.zero.muon.math.ns_common import NS_NORM_EPS, SumPieces, resolve_ns_dtype
+from deepspeed.runtime.zero.muon.math.symmetric_gram import (FP16_SCALE, MIN_GRAM_ROWS, _in_compute_dtype,
+                                                             _symmetric_gram_iterations,
+                                                             _symmetric_standard_iterations, inner_dtype)
+
+
+def split_method(method: str, rows: int, cols: int) -> str:
+    """The iteration the whole matrix of ``rows`` x ``cols`` takes under ``method`` (the single-matrix functions'
+    choice, made from the whole shape so every holder makes it alike): "standard", "gram", "sym_standard" or
+    "gram_sym"."""
+    check_ns_method(method)
+    if method == "auto":
+        method = method_for_shape((rows, cols))
+    if method == "gram":
+        return "standard" if rows == cols else "gram"
+    if method == "gram_sym":
+        return "sym_standard" if min(rows, cols) < MIN_GRAM_ROWS or rows == cols else "gram_sym"
+    return method
+
+
+def split_zeropower(block: Tensor, rows: int, cols: int, sum_pieces: SumPieces, steps: int = 5,
+                    dtype: torch.dtype | None = None, coefficients: str = DEFAULT_NS_COEFFICIENTS,
+                    method: str = "gram") -> Tensor:
+    """This holder's columns of the Newton-Schulz of a wide matrix split by columns (see the module docstring).
+
+    Args:
+        block: this holder's column block W_i (m x n_i) of the wide matrix W. Never modified.
+        rows, cols: W's shape (m <= n), the same on every holder.
+        sum_pieces: sums a tensor in place over the holders (every holder passes its own and gets the sum).
+        steps, dtype, coefficients: as :func:`~.newton_schulz.zeropower_via_newtonschulz5`.
+        method: the ``ns_method`` the whole matrix would take (:data:`~.newton_schulz.NS_FUNCTIONS`'s names).
+
+    Returns:
+        The block's columns of the result (m x n_i), in the compute dtype.
+
+    Raises:
+        ValueError: a block that is not m x n_i, a shape that is not wide, or an unknown method or schedule.
+    """
+    if block.ndim != 2 or block.size(0) != rows or rows > cols:
+        raise ValueError(f"a split Newton-Schulz takes column blocks (rows x some cols) of a wide matrix, got a block "
+                         f"of shape {tuple(block.shape)} of a {rows} x {cols} matrix")
+    schedule = coefficient_schedule(coefficients, steps)
+    iteration = split_method(method, rows, cols)
+    compute_dtype = resolve_ns_dtype(block, dtype)
+    X = block.to(compute_dtype).unsqueeze(0)
+    # The whole matrix's norm: in fp32 for the symmetric Gram iteration (as its single-matrix form takes it), else
+    # in the compute dtype (as ``Tensor.norm`` takes it).
+    squares = torch.linalg.vector_norm(X, dtype=torch.float32 if iteration == "gram_sym" else compute_dtype).square()
+    sum_pieces(squares)
+    norm = squares.sqrt() + NS_NORM_EPS
+    if iteration == "gram_sym":
+        scaled = torch.empty_like(X, dtype=inner_dtype(compute_dtype))
+        torch.mul(X, math.sqrt(FP16_SCALE) / norm, out=scaled)
+        result = _symmetric_gram_iterations([scaled], schedule, sum_pieces=sum_pieces)[0]
+        return _in_compute_dtype(result, compute_dtype)[0]
+    X = X / norm.to(compute_dtype)
+    if iteration == "gram":
+        return _gram_iterations([X], schedule, restarts=coefficients, sum_pieces=sum_pieces)[0][0]
+    if iteration == "sym_standard":
+        return _symmetric_standard_iterations(X, schedule, sum_pieces=sum_pieces)[0]
+    return _standard_iterations(X, schedule, sum_pieces=sum_pieces)[0]

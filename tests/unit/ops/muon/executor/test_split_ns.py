@@ -1,0 +1,117 @@
+"""Newton-Schulz of one matrix split by rows between 4 and 8 gloo ranks (`executor/split_ns.py`): each rank's rows of
+the result equal the same rows of the single-process Newton-Schulz of the whole matrix, for every method and
+coefficient schedule, for tall, square and wide matrices (a wide one's pieces are exchanged into column blocks), on
+the whole world or a subgroup; and a split whose Gram matrices or norm are not summed over the ranks is far off."""
+
+import pytest
+import torch
+
+import deepspeed.comm as dist
+from deepspeed.runtime.zero.muon.executor import split_ns
+from deepspeed.runtime.zero.muon.executor.split_ns import column_widths, split_rows_zeropower
+from deepspeed.runtime.zero.muon.math.newton_schulz import NS_FUNCTIONS
+from unit.common import DistributedTest
+
+# fp32: the split sums the Gram matrices and the norm in another order than one process; nothing else differs.
+TOLERANCE = 2e-5
+# Shapes (rows, cols): tall, square, wide (exchanged into column blocks), and with the small side >= 64 so that
+# "gram_sym" runs its Gram iteration (the symmetric standard iteration below that, and for square ones).
+SHAPES = [(96, 24), (40, 40), (24, 96), (160, 64), (64, 200)]
+METHODS = ["standard", "gram", "gram_sym", "auto"]
+
+
+def matrix(shape, seed=0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def uneven_rows(rows, holders):
+    """Row counts that differ between neighbouring holders, each at least one."""
+    base = rows // holders
+    counts = [base + (1 if i % 2 else -1) for i in range(holders)]
+    counts[-1] += rows - sum(counts)
+    assert counts[-1] >= 1
+    return counts
+
+
+def my_rows(whole, counts, index):
+    start = sum(counts[:index])
+    return whole[start:start + counts[index]]
+
+
+def relative_error(got, want):
+    return ((got - want).norm() / want.norm()).item()
+
+
+def check_split_equals_whole(group, holders, index, shape, method, coefficients):
+    whole = matrix(shape)
+    counts = uneven_rows(shape[0], holders)
+    mine = my_rows(whole, counts, index).clone()
+    before = mine.clone()
+    got = split_rows_zeropower(mine, shape, counts, group, method=method, coefficients=coefficients)
+    want = my_rows(NS_FUNCTIONS[method](whole, coefficients=coefficients), counts, index)
+    assert torch.equal(mine, before), "the rows given were written"
+    error = relative_error(got, want)
+    assert error <= TOLERANCE, f"{shape} {method} {coefficients}: rank {index}'s rows off by {error:.2e}"
+
+
+class _SplitParity:
+    exec_timeout = 300
+
+    @pytest.mark.parametrize("coefficients", ["jordan", "polar_express"])
+    @pytest.mark.parametrize("method", METHODS)
+    def test_split_equals_whole(self, method, coefficients):
+        for shape in SHAPES:
+            check_split_equals_whole(None, self.world_size, dist.get_rank(), shape, method, coefficients)
+
+    def test_subgroup(self):
+        """The holders are ranks 1.. of the world (a new group made on every rank); rank 0 takes no part."""
+        holders = list(range(1, self.world_size))
+        group = dist.new_group(holders)
+        if dist.get_rank() in holders:
+            for shape in SHAPES:
+                check_split_equals_whole(group, len(holders), holders.index(dist.get_rank()), shape, "auto", "jordan")
+        dist.barrier()
+
+    @pytest.mark.parametrize("dropped", ["gram", "norm"])
+    def test_unsummed_split_is_far_off(self, dropped):
+        """The negative control: a split that sums only the norm (Gram matrices left per rank) or only the Gram
+        matrices (each rank's norm its own) is off by far more than the tolerance."""
+        original = split_ns.split_zeropower
+
+        def without_sum(block, rows, cols, sum_pieces, *args, **kwargs):
+
+            def partial_sum(tensor):
+                if (tensor.ndim == 0) == (dropped == "gram"):
+                    sum_pieces(tensor)
+
+            return original(block, rows, cols, partial_sum, *args, **kwargs)
+
+        # Patched and restored here, in the rank's process: the ranks' processes outlive the test (reuse_dist_env),
+        # and pytest's monkeypatch would restore only the launching process.
+        split_ns.split_zeropower = without_sum
+        try:
+            for shape in [(96, 24), (24, 96)]:
+                whole = matrix(shape)
+                counts = uneven_rows(shape[0], self.world_size)
+                got = split_rows_zeropower(my_rows(whole, counts, dist.get_rank()), shape, counts, None,
+                                           method="standard")
+                want = my_rows(NS_FUNCTIONS["standard"](whole), counts, dist.get_rank())
+                assert relative_error(got, want) > 100 * TOLERANCE
+        finally:
+            split_ns.split_zeropower = original
+
+
+class TestSplitNewtonSchulzFourRanks(_SplitParity, DistributedTest):
+    reuse_dist_env = True
+    world_size = 4
+
+
+class TestSplitNewtonSchulzEightRanks(_SplitParity, DistributedTest):
+    reuse_dist_env = True
+    world_size = 8
+
+
+def test_column_widths():
+    assert column_widths([1, 2, 3, 2], 96) == [12, 24, 36, 24]
+    widths = column_widths([1, 2, 21], 96)
+    assert sum(widths) == 96 and widths == [4, 8, 84]

@@ -1,0 +1,197 @@
+"""Muon matrices whose Newton-Schulz the ranks holding their rows share, in the engine, on 4 and 8 gloo ranks.
+
+A tall (256 x 64) and a wide (64 x 256) matrix cost far more than the other two Muon matrices, so no plan of whole
+matrices balances them; the owner layout cuts both at row boundaries between consecutive ranks, which share each
+one's Newton-Schulz (`executor/split_ns.py`; the wide one exchanged into column blocks). Training must equal
+single-process Muon (stages 1-3) step by step; under ZeRO-Offload and with NorMuon the matrices stay whole. A
+checkpoint saved at 4 ranks with the matrices split loads at 2 and 8 ranks (their own split plans) with every fp32
+master and momentum equal bit for bit, and training continues.
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import deepspeed
+import deepspeed.comm as dist
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+from deepspeed.runtime.zero import owner_blocks
+from deepspeed.runtime.zero.flat_layout import newton_schulz_cost, owner_layout, split_repeated_cost
+from deepspeed.runtime.zero.owner_blocks import ownership_blocks, split_rows
+from unit.common import DistributedFixture, DistributedTest
+from unit.runtime.engine_harness import relative_error, train_steps
+from unit.ops.muon.zero.test_muon_zero import masters, muon_config, reference_muon
+from unit.ops.muon.zero.test_muon_owner_plan import config_for
+from unit.runtime.zero.test_stage3_three_ranks import stage3  # noqa: F401  (config_for's stage 3 settings)
+
+IN, HIDDEN, WIDE, CLASSES = 16, 64, 256, 16
+# fp32. The engine without splitting is already 2.5e-5 to 2.8e-5 off the single-process run on the tall and wide
+# matrices (the ranks' gradient sums in another order, amplified by Newton-Schulz); splitting moves that by about a
+# tenth. A piece scaled by its own shape, or a Gram not summed over the holders, is off by 1e-2 or more.
+SPLIT_TOLERANCE = 5e-5
+
+
+class SplitNet(torch.nn.Module):
+    """fc_in (64 x 16), tall (256 x 64), wide (64 x 256), fc_out (16 x 64): the tall and wide matrices hold most of
+    the Newton-Schulz work."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc_in = torch.nn.Linear(IN, HIDDEN)
+        self.tall = torch.nn.Linear(HIDDEN, WIDE)
+        self.wide = torch.nn.Linear(WIDE, HIDDEN)
+        self.fc_out = torch.nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.fc_in(x))
+        h = torch.tanh(self.wide(torch.tanh(self.tall(h))))
+        return F.cross_entropy(self.fc_out(h).float(), y)
+
+
+def batches(steps, global_batch, seed=1234):
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(global_batch, IN, generator=generator),
+             torch.randint(0, CLASSES, (global_batch, ), generator=generator)) for _ in range(steps)]
+
+
+class small_matrices_split:  # noqa: N801 (a context manager named for what it does)
+    """Lets this test's small matrices be split (the engine splits none below MIN_SPLIT_NUMEL elements)."""
+
+    def __enter__(self):
+        self.saved, owner_blocks.MIN_SPLIT_NUMEL = owner_blocks.MIN_SPLIT_NUMEL, 1024
+
+    def __exit__(self, *exc):
+        owner_blocks.MIN_SPLIT_NUMEL = self.saved
+
+
+def muon_layout(engine):
+    optimizer = engine.optimizer
+    (group, ) = [g for g, group in enumerate(optimizer.optimizer.param_groups) if group["use_muon"]]
+    shapes = [tuple(getattr(p, "ds_shape", p.shape)) for p in optimizer.bit16_groups[group]]
+    return optimizer.layouts[group], shapes
+
+
+class _SplitParity:
+    exec_timeout = 300
+
+    def check_training_equals_single_process(self, stage, offload=False, **muon_params):
+        torch.manual_seed(0)
+        model = SplitNet()
+        micro = 32
+        data = batches(3, micro * self.world_size)
+        config = config_for(stage, micro, offload)
+        config["optimizer"]["params"].update(muon_params)
+        reference = reference_muon(model, data, config["optimizer"]["params"])
+        with small_matrices_split():
+            engine = deepspeed.initialize(model=model, config=config)[0]
+            layout, shapes = muon_layout(engine)
+            numels = [torch.Size(s).numel() for s in shapes]
+            costs = [newton_schulz_cost(s) for s in shapes]
+            split = not offload and not muon_params.get("normuon", False)
+            rows = [split_rows(s) if split else 1 for s in shapes]
+            expected = owner_layout(numels, costs, self.world_size, [ownership_blocks(s) for s in shapes], rows,
+                                    [split_repeated_cost(s) for s in shapes])
+        assert layout == expected
+        cut = {shapes[i] for i in range(len(shapes)) if layout.is_cut(i)}
+        if split:
+            assert layout.shared is not None and cut == {(WIDE, HIDDEN), (HIDDEN, WIDE)}, cut
+        else:
+            assert layout.shared is None and not cut
+        for step, batch in enumerate(data):
+            train_steps(engine, [batch], "fp32")
+            assert engine.was_step_applied(), f"step {step} was skipped"
+            for index, (got, want) in enumerate(zip(masters(engine), reference[step + 1], strict=True)):
+                start = reference[0][index]
+                error = relative_error(got - start, want - start)
+                assert error <= SPLIT_TOLERANCE, f"stage {stage} step {step} param {index}: relative error {error:.2e}"
+
+
+class TestSplitNewtonSchulzFourRanks(_SplitParity, DistributedTest):
+    reuse_dist_env = True
+    world_size = 4
+
+    @pytest.mark.parametrize("stage", [1, 2, 3])
+    def test_training_equals_single_process(self, stage):
+        self.check_training_equals_single_process(stage)
+
+    @pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw"])
+    def test_scale_rule_is_the_whole_matrix(self, adjust_lr_fn):
+        self.check_training_equals_single_process(2, adjust_lr_fn=adjust_lr_fn)
+
+    def test_offload_and_normuon_keep_matrices_whole(self):
+        self.check_training_equals_single_process(2, offload=True)
+        self.check_training_equals_single_process(2, normuon=True)
+
+
+class TestSplitNewtonSchulzEightRanks(_SplitParity, DistributedTest):
+    reuse_dist_env = True
+    world_size = 8
+
+    @pytest.mark.parametrize("stage", [1, 2, 3])
+    def test_training_equals_single_process(self, stage):
+        self.check_training_equals_single_process(stage)
+
+
+RESUME_STAGES = (2, 3)
+SAVED_STEPS = 2
+RESUME_MICRO_TIMES_WORLD = 128
+
+
+def resume_engine(stage):
+    torch.manual_seed(0)
+    model = SplitNet()
+    with small_matrices_split():
+        return deepspeed.initialize(model=model,
+                                    config=config_for(stage, RESUME_MICRO_TIMES_WORLD // dist.get_world_size()))[0]
+
+
+def gathered_state(engine):
+    """Every parameter's fp32 master and, for the Muon matrices, momentum, whole (collectives: every rank)."""
+    params = list(engine.module.parameters())
+    masters = [safe_get_full_fp32_param(p).cpu().clone() for p in params]
+    momenta = [safe_get_full_optimizer_state(p, "momentum_buffer").cpu().clone() for p in params if p.dim() == 2]
+    return masters, momenta
+
+
+class SavedSplitAtFour(DistributedFixture):
+    world_size = 4
+
+    def run(self, class_tmpdir):
+        for stage in RESUME_STAGES:
+            engine = resume_engine(stage)
+            layout, _ = muon_layout(engine)
+            assert layout.shared is not None and any(layout.is_cut(i) for i in range(len(layout.numels)))
+            for batch in batches(SAVED_STEPS, RESUME_MICRO_TIMES_WORLD):
+                train_steps(engine, [batch], "fp32")
+            directory = os.path.join(str(class_tmpdir), f"stage{stage}")
+            engine.save_checkpoint(directory)
+            state = gathered_state(engine)
+            if dist.get_rank() == 0:
+                torch.save(state, os.path.join(directory, "saved_state.pt"))
+            dist.barrier()
+
+
+class TestSplitCheckpointsResumeAtOtherWorldSizes(DistributedTest):
+    exec_timeout = 300
+
+    @pytest.mark.world_size([2, 8])
+    def test_saved_at_four(self, SavedSplitAtFour, class_tmpdir):
+        for stage in RESUME_STAGES:
+            directory = os.path.join(str(class_tmpdir), f"stage{stage}")
+            engine = resume_engine(stage)
+            if dist.get_world_size() == 8:
+                assert muon_layout(engine)[0].shared is not None
+            engine.load_checkpoint(directory)
+            saved_masters, saved_momenta = torch.load(os.path.join(directory, "saved_state.pt"))
+            masters, momenta = gathered_state(engine)
+            for index, (got, want) in enumerate(zip(masters + momenta, saved_masters + saved_momenta, strict=True)):
+                assert torch.equal(got, want), f"stage {stage} at {dist.get_world_size()} ranks: tensor {index}"
+            train_steps(engine, batches(1, RESUME_MICRO_TIMES_WORLD, seed=99), "fp32")
+            assert engine.was_step_applied()
+
+
+def test_muon_config_is_the_owner_plan_tests():
+    # config_for builds on test_muon_zero's muon_config: fp32 Newton-Schulz, as the tolerance assumes.
+    assert config_for(2, 16)["optimizer"]["params"]["ns_dtype"] == muon_config(2)["optimizer"]["params"]["ns_dtype"]
