@@ -23,7 +23,6 @@ benchmarks/README.md; figures: docs/performance.md.
 
 import argparse
 import contextlib
-import functools
 import gc
 import json
 import os
@@ -490,7 +489,7 @@ def _cyclic_gc_paused():
 
 
 def run_extras(modes: list, runners: dict, run: Run) -> None:
-    """Phase timing, Newton-Schulz calls and profiles, mode by mode (they wrap global functions)."""
+    """Phase timing, Newton-Schulz calls and profiles, mode by mode, in untimed steps."""
     args = run.args
     profile_modes = profile_mode_names(args)
     longest_s = 0.0
@@ -512,7 +511,8 @@ def run_extras(modes: list, runners: dict, run: Run) -> None:
 def measure_extras(mode, runner, args, accelerator, profile: bool) -> dict:
     """This rank's optimizer-step phases, Newton-Schulz calls (Muon modes) and profile, in untimed steps.
 
-    The phases and Newton-Schulz calls are timed by wrapping this checkout's functions: not in a release's run.
+    The phases are read from the profiler ranges this checkout's step emits (step_ranges.py) and the Newton-Schulz
+    calls through its `NS_FUNCTIONS` table (ns_timing.py): not in a release's run.
     """
     local = {}
     if mode.tree == THIS_TREE:
@@ -521,8 +521,6 @@ def measure_extras(mode, runner, args, accelerator, profile: bool) -> dict:
     if host_steps:
         local["host_probe"] = host_probe(runner, accelerator, host_steps)
         print(f"host probe {mode.label} rank {torch.distributed.get_rank()}: {local['host_probe']}", flush=True)
-    if host_steps and mode.tree == THIS_TREE:
-        local["host_phases"] = _host_phases(mode, runner, host_steps)
     if profile:
         try:
             local["profile"] = profile_runner(runner, accelerator, args.profile_steps, mode.label)
@@ -533,13 +531,24 @@ def measure_extras(mode, runner, args, accelerator, profile: bool) -> dict:
 
 def _internal_timings(mode, runner, args, accelerator) -> dict:
     from ns_timing import summarize_calls, timed_newton_schulz
-    from step_phases import DDP_PHASES, DEEPSPEED_PHASES, measure_phases
+    from step_ranges import DDP_PHASES, DEEPSPEED_PHASES, measure_phases
 
     local = {}
     if args.ns_timing_steps:
         phases = DEEPSPEED_PHASES if mode.backend == "deepspeed" else DDP_PHASES
-        local["phases"] = measure_phases(phases, args.ns_timing_steps,
-                                         functools.partial(timed_step, runner, accelerator, True))
+
+        def forward_backward():
+            runner.forward_backward()
+            accelerator.synchronize()
+
+        def optimizer_step():
+            runner.optimizer_step()
+            accelerator.synchronize()
+
+        measured = measure_phases(phases, args.ns_timing_steps, optimizer_step, before_step=forward_backward)
+        # The device's time where there is one (what the phase costs the step); the host's beside it.
+        local["phases"] = measured.get("device", measured["host"])
+        local["host_phases"] = measured["host"]
     if args.ns_timing_steps and mode.optimizer == "muon":
         records, per_step = [], []
         with timed_newton_schulz(records):
@@ -549,21 +558,6 @@ def _internal_timings(mode, runner, args, accelerator) -> dict:
                 per_step.append(records[first:])
         local["ns"] = summarize_calls(per_step)
     return local
-
-
-def _host_phases(mode, runner, steps: int) -> dict:
-    """The optimizer step's phases on the host clock only (BENCH_HOST_PROBE)."""
-    import step_phases
-
-    step_phases.SYNCHRONIZE = False
-    try:
-        phases = step_phases.DEEPSPEED_PHASES if mode.backend == "deepspeed" else step_phases.DDP_PHASES
-        measured = step_phases.measure_phases(phases, steps, functools.partial(runner_step, runner))
-    finally:
-        step_phases.SYNCHRONIZE = True
-    print(f"host phases {mode.label} rank {torch.distributed.get_rank()}: "
-          + ", ".join(f"{k}: {v:.2f}" for k, v in measured.items()), flush=True)
-    return measured
 
 
 def runner_step(runner) -> None:
@@ -703,6 +697,7 @@ def merge_extras(gathered: list) -> dict:
         merged["ns_per_rank"] = [rank["ns"] for rank in gathered]
     if "phases" in gathered[0]:
         merged["phases_per_rank"] = [rank["phases"] for rank in gathered]
+        merged["host_phases_per_rank"] = [rank["host_phases"] for rank in gathered]
     if "profile" in gathered[0]:
         merged["profile_rank0"] = gathered[0]["profile"]
     if "profile_error" in gathered[0]:

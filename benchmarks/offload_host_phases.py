@@ -13,8 +13,9 @@ not write them).
     DS_ACCELERATOR=cpu python benchmarks/offload_host_phases.py                # 4 layers, 16k vocabulary
     DS_ACCELERATOR=cpu python benchmarks/offload_host_phases.py --layers 12 --vocab 50304 --json out.json
 
-Each phase is the median over the timed steps of the time spent in it per step; nested phases are indented and
-included in their parent. Uses torch's intra-op threads (torch.get_num_threads(), --threads).
+Each phase is the median over the timed steps of the host time spent in it per step, read from the profiler ranges
+the step emits (step_ranges.py; engine.step() itself on the host clock, outside the profiler's accounting); nested
+phases are indented and included in their parent. Uses torch's intra-op threads (torch.get_num_threads(), --threads).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import os
 import statistics
 import sys
 import time
-from collections import defaultdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -34,23 +34,19 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def phases():
-    import deepspeed.runtime.optimizer_step as optimizer_step
-    import deepspeed.runtime.zero.stage_1_and_2 as stage_1_and_2
-    from deepspeed.runtime.zero.muon.executor.host_step import HostStepExecutor
-    from deepspeed.runtime.zero.muon.executor.step import MuonStepExecutor
-    from deepspeed.runtime.zero.muon.kernels import cpu_op
+    """(profiler range, label) of the host step, in the order it runs (see step_ranges.py)."""
+    from deepspeed.runtime import step_ranges as ranges
 
-    zero = stage_1_and_2.DeepSpeedZeroOptimizer
     return [
-        (optimizer_step, "reduced_statistics", "gradient norm and overflow check"),
-        (zero, "_prepare", "prepare (before the verdict)"),
-        (zero, "_apply", "apply (after the verdict)"),
-        (MuonStepExecutor, "fold", "- muon: fold and direction (op)"),
-        (HostStepExecutor, "orthogonalise", "- muon: orthogonalise (Newton-Schulz, transfers; the adam half inside)"),
-        (HostStepExecutor, "_step_adam_groups", "  - adam half"),
-        (HostStepExecutor, "apply", "- muon: wait for the updates, apply"),
-        (cpu_op, "apply_update", "  - updates into the masters (op)"),
-        (zero, "_publish", "- publish: weights to the device"),
+        (ranges.STATISTICS, "gradient norm and overflow check"),
+        (ranges.PREPARE, "prepare (before the verdict)"),
+        (ranges.APPLY, "apply (after the verdict)"),
+        (ranges.MUON_FOLD, "- muon: fold and direction (op)"),
+        (ranges.MUON_ORTHOGONALISE, "- muon: orthogonalise (Newton-Schulz, transfers; the adam half inside)"),
+        (ranges.MUON_NEWTON_SCHULZ, "  - Newton-Schulz"),
+        (ranges.MUON_ADAM, "  - adam half"),
+        (ranges.MUON_APPLY, "- muon: wait for the updates, apply"),
+        (ranges.PUBLISH, "- publish: weights to the device"),
     ]
 
 
@@ -70,9 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     import deepspeed
-    from deepspeed.runtime.zero.muon import original_muon
+    from deepspeed.runtime import step_ranges
     from gpt_model import GPT, GPTConfig, count_parameters, is_hidden_matrix
-    from step_phases import timed_phases
+    from step_ranges import measure_phases
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -93,51 +89,33 @@ def main(argv: list[str] | None = None) -> None:
     tokens = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len + 1), generator=torch.Generator().manual_seed(1))
     inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
-    ns_label = "  - Newton-Schulz"
     table = phases()
-    originals = dict(original_muon.NS_FUNCTIONS)
 
-    def run_steps(count: int, timed: bool) -> list[dict]:
-        per_step = []
-        for _ in range(count):
-            engine.backward(engine(inputs, targets))
-            records = defaultdict(float)
-            if not timed:
-                engine.step()
-                continue
+    def forward_backward():
+        engine.backward(engine(inputs, targets))
 
-            def ns_timed(function, records=records):
-                def wrapper(*a, **k):
-                    start = time.perf_counter()
-                    try:
-                        return function(*a, **k)
-                    finally:
-                        records[ns_label] += time.perf_counter() - start
-                return wrapper
+    step_ms = []
 
-            original_muon.NS_FUNCTIONS.update({name: ns_timed(fn) for name, fn in originals.items()})
-            try:
-                with timed_phases(table, records):
-                    start = time.perf_counter()
-                    engine.step()
-                    records["engine.step()"] = time.perf_counter() - start
-            finally:
-                original_muon.NS_FUNCTIONS.update(originals)
-            per_step.append(dict(records))
-        return per_step
+    def timed_step():
+        start = time.perf_counter()
+        engine.step()
+        step_ms.append(1e3 * (time.perf_counter() - start))
 
-    run_steps(args.warmup, timed=False)
-    per_step = run_steps(args.steps, timed=True)
-    labels = ["engine.step()"] + [label for _, _, label in table] + [ns_label]
-    medians = {label: 1e3 * statistics.median(step.get(label, 0.0) for step in per_step)
-               for label in labels if any(label in step for step in per_step)}
+    for _ in range(args.warmup):
+        forward_backward()
+        engine.step()
+    medians = {"engine.step()": None} | measure_phases(table, args.steps, timed_step, forward_backward,
+                                                       device=False)["host"]
+    medians["engine.step()"] = statistics.median(step_ms)
+    ns_label = dict(table)[step_ranges.MUON_NEWTON_SCHULZ]
     medians["engine.step() without Newton-Schulz"] = medians["engine.step()"] - medians.get(ns_label, 0.0)
     result = {"params": count_parameters(model), "muon_params": muon_numel, "layers": args.layers,
               "vocab": args.vocab, "threads": torch.get_num_threads(), "ms": medians}
     print(f"{result['params'] / 1e6:.1f}M params ({muon_numel / 1e6:.1f}M in Muon matrices), "
           f"{result['threads']} threads; median ms per step over {args.steps} steps")
+    width = max(map(len, medians))
     for label, value in medians.items():
-        print(f"  {label:<48} {value:9.1f}")
+        print(f"  {label:<{width}} {value:9.1f}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(result, handle, indent=2)
