@@ -12,7 +12,7 @@ Trees: a mode entry may name the code it ran in "tree" (an upstream release, e.g
 then "<mode>@<release>", e.g. "ds-z2-bf16-muon@0.19.8"). Without it, our engine's modes are "ours" and the DDP
 reference is "torch DDP". The chart puts the trees of one mode side by side. A mode a tree cannot run carries
 "not_run" (the reason) and no blocks; "notes" say how a release's mode is configured differently; meta.trees
-(benchmarks/merge_trees.py) says what each tree's run was.
+(benchmarks/run_trees.py) says what each tree's run was.
 """
 
 import argparse

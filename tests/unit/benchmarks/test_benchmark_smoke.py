@@ -215,12 +215,12 @@ def as_release_run(results: dict, release: str, factor: float) -> dict:
 
 
 def test_two_trees_merge_into_one_report(tmp_path):
-    merge_trees = bench_module("merge_trees")
+    run_trees = bench_module("run_trees")
     report = load_report()
     with open(SAVED_RUN) as f:
         ours = json.load(f)
     release = as_release_run(ours, "0.19.8", 2.0)
-    merged = merge_trees.merge([{"tree": "this", "results": ours, "exit_status": 0, "wall_s": 250.0},
+    merged = run_trees.merge([{"tree": "this", "results": ours, "exit_status": 0, "wall_s": 250.0},
                                 {"tree": "0.19.8", "results": release, "exit_status": 0, "wall_s": 300.0}])
     assert list(merged["modes"]) == MODES + [f"{name}@0.19.8" for name in MODES]
     assert merged["meta"]["deepspeed"] == ours["meta"]["deepspeed"]  # this checkout's run is the base
@@ -248,12 +248,12 @@ def test_two_trees_merge_into_one_report(tmp_path):
 
 
 def test_a_tree_without_results_or_with_another_model_is_recorded_not_merged():
-    merge_trees = bench_module("merge_trees")
+    run_trees = bench_module("run_trees")
     with open(SAVED_RUN) as f:
         ours = json.load(f)
     other_model = as_release_run(ours, "0.19.8", 1.0)
     other_model["model"] = other_model["model"] | {"n_layer": 20}
-    merged = merge_trees.merge([{"tree": "this", "results": ours, "exit_status": 0},
+    merged = run_trees.merge([{"tree": "this", "results": ours, "exit_status": 0},
                                 {"tree": "0.19.8", "results": other_model, "exit_status": 0},
                                 {"tree": "0.19.6", "results": None, "exit_status": 1}])
     assert list(merged["modes"]) == MODES
@@ -261,7 +261,7 @@ def test_a_tree_without_results_or_with_another_model_is_recorded_not_merged():
     assert "not merged" in trees["0.19.8"]["error"] and "model" in trees["0.19.8"]["error"]
     assert trees["0.19.6"]["error"] == "wrote no results (exit status 1)"
     with pytest.raises(ValueError, match="no tree wrote results"):
-        merge_trees.merge([{"tree": "0.19.6", "results": None, "exit_status": 1}])
+        run_trees.merge([{"tree": "0.19.6", "results": None, "exit_status": 1}])
 
 
 def test_a_release_gets_only_the_config_keys_it_reads():
