@@ -12,7 +12,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-import offload_host_phases  # noqa: E402
+import offload_bench  # noqa: E402
 import step_ranges  # noqa: E402
 from deepspeed.runtime import step_ranges as engine_ranges  # noqa: E402
 
@@ -22,7 +22,7 @@ TORCH_RANGES = {step_ranges.TORCH_ADAMW, step_ranges.TORCH_MUON, step_ranges.DDP
 @pytest.mark.parametrize("table", ["deepspeed", "ddp", "offload"])
 def test_every_phase_names_a_range_the_step_emits(table):
     phases = {"deepspeed": step_ranges.DEEPSPEED_PHASES, "ddp": step_ranges.DDP_PHASES,
-              "offload": offload_host_phases.phases()}[table]
+              "offload": offload_bench.phases()}[table]
     emitted = set(engine_ranges.STEP_RANGES + engine_ranges.MUON_RANGES) | TORCH_RANGES
     unknown = [name for name, _ in phases if name not in emitted]
     assert not unknown, unknown
@@ -34,10 +34,10 @@ def test_the_offload_step_emits_every_range_of_its_table(tmp_path):
     out = tmp_path / "phases.json"
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCHMARKS.parent), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, str(BENCHMARKS / "offload_host_phases.py"), "--layers", "1", "--vocab", "128",
+    cmd = [sys.executable, str(BENCHMARKS / "offload_bench.py"), "--host-phases", "--layers", "1", "--vocab", "128",
            "--seq-len", "16", "--warmup", "1", "--steps", "1", "--json", str(out)]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     measured = json.loads(out.read_text())["ms"]
-    missing = [label for _, label in offload_host_phases.phases() if label not in measured]
+    missing = [label for _, label in offload_bench.phases() if label not in measured]
     assert not missing, missing
