@@ -34,22 +34,23 @@ from pathlib import Path
 
 import torch
 
+from gpt_model import GPT2_SMALL, GPT_1_1B, size_flags  # plain torch: imports before any tree is chosen
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 THIS_TREE = "this"
 
 DEFAULT_PROFILE_MODES = "ds-z2-bf16-muon,ds-z2-bf16-adamw,ddp-bf16-muon"
 # Model presets (--model): the layer sizes, and for the large one the modes it is measured with by default.
 MODEL_PRESETS = {
-    "gpt2-small": {"layers": 12, "d_model": 768, "heads": 12, "seq_len": 1024, "vocab": 50304},
+    "gpt2-small": size_flags(GPT2_SMALL),
     # 1.11B parameters; one GPU, bf16, ZeRO-2 against DDP (NPROC=1; run_all.sh picks it for this preset).
-    "gpt-1.1b": {"layers": 20, "d_model": 2048, "heads": 16, "seq_len": 1024, "vocab": 50304,
-                 "modes": "ds-z2-bf16-muon,ds-z2-bf16-adamw,ddp-bf16-muon,ddp-bf16-adamw"},
+    "gpt-1.1b": size_flags(GPT_1_1B) | {"modes": "ds-z2-bf16-muon,ds-z2-bf16-adamw,ddp-bf16-muon,ddp-bf16-adamw"},
     # A small mixture-of-experts GPT: GPT-2 small's blocks with 8 fused experts, top-2 (521M parameters, about
     # a third of them used per token); one GPU (run_all.sh picks NPROC=1 for it), ZeRO-2 and ZeRO-3 bf16, and DDP
     # AdamW (torch.optim.Muon takes no 3-D parameters).
-    "moe-gpt": {"layers": 12, "d_model": 768, "heads": 12, "seq_len": 1024, "vocab": 50304, "experts": 8,
-                "top_k": 2, "modes": "ds-z2-bf16-muon,ds-z2-bf16-adamw,ds-z3-bf16-muon,ds-z3-bf16-adamw,"
-                                     "ddp-bf16-adamw"},
+    "moe-gpt": size_flags(GPT2_SMALL) | {"experts": 8, "top_k": 2,
+                                         "modes": "ds-z2-bf16-muon,ds-z2-bf16-adamw,ds-z3-bf16-muon,"
+                                                  "ds-z3-bf16-adamw,ddp-bf16-adamw"},
 }
 SMOKE_DEFAULTS = {
     "layers": 2, "d_model": 64, "heads": 2, "seq_len": 64, "vocab": 512, "micro_batch": 2, "grad_accum": 2,

@@ -47,14 +47,14 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
 
-from gpt_model import GPTConfig, is_hidden_matrix  # noqa: E402
+from gpt_model import GPT_1_1B, GPT_7B, GPTConfig, is_hidden_matrix  # noqa: E402
 from provenance import provenance  # noqa: E402
 
-# (n_layer, d_model, n_head, seq_len, vocab_size, micro_batch)
+# name: (model, micro-batch)
 SIZES = {
-    "7b": (32, 4096, 32, 1024, 50304, 4),
-    "1b": (20, 2048, 16, 1024, 50304, 4),
-    "tiny": (2, 64, 4, 64, 256, 2),
+    "7b": (GPT_7B, 4),
+    "1b": (GPT_1_1B, 4),
+    "tiny": (GPTConfig(n_layer=2, d_model=64, n_head=4, seq_len=64, vocab_size=256), 2),
 }
 ZERO_MODES = {
     "z3-both": (3, True, True),  # stage, offload_param, offload_optimizer
@@ -88,13 +88,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def model_config(args) -> GPTConfig:
-    layers, d_model, heads, seq_len, vocab, _ = SIZES[args.size]
-    return GPTConfig(args.layers or layers, d_model, heads, args.seq_len or seq_len, vocab,
-                     activation_checkpointing=True)
+    size, _ = SIZES[args.size]
+    return GPTConfig(args.layers or size.n_layer, size.d_model, size.n_head, args.seq_len or size.seq_len,
+                     size.vocab_size, activation_checkpointing=True)
 
 
 def micro_batch(args) -> int:
-    return args.micro_batch or SIZES[args.size][5]
+    return args.micro_batch or SIZES[args.size][1]
 
 
 def ds_config(args, optimizer: str, tree: str) -> dict:
