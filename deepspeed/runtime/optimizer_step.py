@@ -159,7 +159,7 @@ def transactional_step(grads: Sequence[torch.Tensor], loss_scaler, clip: float, 
     Returns:
         The StepOutcome.
     """
-    with step_ranges.record_function(step_ranges.STATISTICS):
+    with step_ranges.phase(step_ranges.STATISTICS):
         stats = reduced_statistics(grads, replicated, group)
         scale_used = float(loss_scaler.cur_scale)
         grad_norm, grad_factor = norm_and_grad_factor(stats, scale_used, clip)
@@ -167,13 +167,13 @@ def transactional_step(grads: Sequence[torch.Tensor], loss_scaler, clip: float, 
         # the device. Without checking nothing is decided on the host and the step is queued behind the backward.
         verdict = _Verdict(stats[1]) if check_overflow else None
     if prepare is not None:
-        with step_ranges.record_function(step_ranges.PREPARE):
+        with step_ranges.phase(step_ranges.PREPARE):
             prepare(grad_factor)
-    with step_ranges.record_function(step_ranges.VERDICT):
+    with step_ranges.phase(step_ranges.VERDICT):
         has_overflow = verdict is not None and verdict.overflow()
     loss_scaler.update_scale(has_overflow)
     if has_overflow:
         return StepOutcome(applied=False, grad_norm=NON_FINITE_NORM, loss_scale=scale_used)
-    with step_ranges.record_function(step_ranges.APPLY):
+    with step_ranges.phase(step_ranges.APPLY):
         apply(grad_factor)
     return StepOutcome(applied=True, grad_norm=grad_norm, loss_scale=scale_used)

@@ -264,7 +264,7 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
         finally:
             # The gradients are dead now: free what was made of them before the publishing all-gather allocates.
             self._release_master_grads()
-            with step_ranges.record_function(step_ranges.PUBLISH):
+            with step_ranges.phase(step_ranges.PUBLISH):
                 self._publish(is_written)
 
     def _step_inputs(self, grad_factor: torch.Tensor) -> Tuple[List[torch.Tensor], torch.Tensor, Optional[LpCopies]]:

@@ -147,16 +147,16 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             # is queued on the accelerator, while it runs.
             for group in self.param_groups:
                 if not group["use_muon"]:
-                    with step_ranges.record_function(step_ranges.MUON_ADAM):
+                    with step_ranges.phase(step_ranges.MUON_ADAM):
                         executor.adam_step(group, grad_factor, copies)
             # Muon: for each group, fold the gradient into the momentum, orthogonalise the direction, apply the update.
             for group in self.param_groups:
                 if group["use_muon"]:
-                    with step_ranges.record_function(step_ranges.MUON_FOLD):
+                    with step_ranges.phase(step_ranges.MUON_FOLD):
                         folded = executor.fold(group, grad_factor)
-                    with step_ranges.record_function(step_ranges.MUON_ORTHOGONALISE):
+                    with step_ranges.phase(step_ranges.MUON_ORTHOGONALISE):
                         updates = executor.orthogonalise(group, folded)
-                    with step_ranges.record_function(step_ranges.MUON_APPLY):
+                    with step_ranges.phase(step_ranges.MUON_APPLY):
                         executor.apply(group, folded, updates, copies)
             executor.finish()
         finally:

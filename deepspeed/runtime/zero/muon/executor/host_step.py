@@ -112,7 +112,7 @@ class HostStepExecutor(MuonStepExecutor):
         method, steps, coefficients = group["ns_method"], group["ns_steps"], group["ns_coefficients"]
         dtype = folded.direction.dtype
         if folded.direction.device == self.ns_device:
-            with step_ranges.record_function(step_ranges.MUON_NEWTON_SCHULZ):
+            with step_ranges.phase(step_ranges.MUON_NEWTON_SCHULZ):
                 updates = orthogonalise(folded.directions, method, steps, dtype, coefficients)
             self._step_adam_groups()
             return updates
@@ -125,7 +125,7 @@ class HostStepExecutor(MuonStepExecutor):
         for chunk in ns_chunks(directions, NS_CHUNK_BYTES):
             on_device = [directions[index][lo:hi].to(self.ns_device, non_blocking=self._pin)
                          for index, lo, hi in chunk]
-            with step_ranges.record_function(step_ranges.MUON_NEWTON_SCHULZ):
+            with step_ranges.phase(step_ranges.MUON_NEWTON_SCHULZ):
                 chunk_updates = orthogonalise(on_device, method, steps, dtype, coefficients)
             for (index, lo, hi), update in zip(chunk, chunk_updates):
                 # Asynchronous into page-locked memory; one wait for all of them.
@@ -163,7 +163,7 @@ class HostStepExecutor(MuonStepExecutor):
     def _step_adam_groups(self) -> None:
         queue, self._adam_queue = self._adam_queue, []
         if queue:
-            with step_ranges.record_function(step_ranges.MUON_ADAM):
+            with step_ranges.phase(step_ranges.MUON_ADAM):
                 self._step_adam_queue(queue)
 
     def _step_adam_queue(self, queue: list) -> None:
