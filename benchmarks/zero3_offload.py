@@ -83,7 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="JSON path (default: print it)")
     parser.add_argument("--timeout-s", type=float, default=None, help="per process")
-    parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)  # internal: tree,optimizer,result path
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: tree,optimizer,result path
     return parser.parse_args(argv)
 
 
@@ -300,8 +300,8 @@ def measure_rank(args, optimizer: str, tree: str = "this") -> dict:
     return result
 
 
-def _child(args) -> int:
-    tree, optimizer, path = args._child.split(",", 2)
+def run_child(args) -> int:
+    tree, optimizer, path = args.child.split(",", 2)
     try:
         result = measure_rank(args, optimizer, tree)
     except Exception as error:  # recorded, not raised: the next (tree, optimizer) still runs
@@ -331,7 +331,7 @@ def run_all(args, argv) -> dict:
         for optimizer in optimizers:
             with tempfile.TemporaryDirectory() as scratch:
                 path = os.path.join(scratch, "result.json")
-                command = [sys.executable, str(Path(__file__).resolve()), *argv, "--_child",
+                command = [sys.executable, str(Path(__file__).resolve()), *argv, "--child",
                            f"{tree},{optimizer},{path}"]
                 print(f"[zero3_offload] {tree} {optimizer} {args.zero} {args.size}", flush=True)
                 start = time.perf_counter()
@@ -354,8 +354,8 @@ def run_all(args, argv) -> dict:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    if args._child:
-        return _child(args)
+    if args.child:
+        return run_child(args)
     results = run_all(args, argv)
     text = json.dumps(results, indent=1)
     if args.out:
