@@ -26,6 +26,8 @@ ADAM_EPS = 1e-10
 THIS_TREE = "this"
 # What upstream releases fix: the Newton-Schulz steps their Muon always runs (their config has no ns_steps).
 UPSTREAM_NS_STEPS = 5
+# The profiler range around the DDP runner's gradient clipping (torch's optimizers open their own per step).
+DDP_CLIP_RANGE = "bench.clip_grad_norm"
 
 
 @dataclass(frozen=True)
@@ -328,7 +330,8 @@ class DDPRunner:
 
     def optimizer_step(self) -> None:
         if self.clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+            with torch.profiler.record_function(DDP_CLIP_RANGE):
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         for optimizer in self.optimizers:
             optimizer.step()
         for optimizer in self.optimizers:

@@ -36,6 +36,18 @@ class GPTConfig:
     top_k: int = 2  # experts per token (with n_experts > 0)
 
 
+# The sizes the published tables are measured at, named once: each benchmark's size flag maps its names onto these.
+GPT2_SMALL = GPTConfig()  # 124M parameters with the tied head
+GPT_1_1B = GPTConfig(n_layer=20, d_model=2048, n_head=16)  # 1,112,289,280 parameters, 80 Muon matrices
+GPT_7B = GPTConfig(n_layer=32, d_model=4096, n_head=32)
+
+
+def size_flags(cfg: GPTConfig) -> dict:
+    """A size as the benchmarks' size flags (--layers, --d-model, --heads, --seq-len, --vocab) spell it."""
+    return {"layers": cfg.n_layer, "d_model": cfg.d_model, "heads": cfg.n_head, "seq_len": cfg.seq_len,
+            "vocab": cfg.vocab_size}
+
+
 class CausalSelfAttention(nn.Module):
 
     def __init__(self, cfg: GPTConfig):

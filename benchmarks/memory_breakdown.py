@@ -41,12 +41,13 @@ import torch
 # bench_modes and gpt_model live beside this file; deepspeed comes from PYTHONPATH (this checkout or a release).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gpt_model import GPT2_SMALL, GPT_1_1B, GPTConfig  # noqa: E402
+
 SIZES = {
-    # name: (layers, d_model, heads, seq_len, vocab)
-    "tiny": (2, 128, 4, 64, 1024),
-    "small-cpu": (4, 256, 4, 128, 4096),
-    "gpt2-small": (12, 768, 12, 1024, 50304),
-    "1.1b": (20, 2048, 16, 1024, 50304),
+    "tiny": GPTConfig(n_layer=2, d_model=128, n_head=4, seq_len=64, vocab_size=1024),
+    "small-cpu": GPTConfig(n_layer=4, d_model=256, n_head=4, seq_len=128, vocab_size=4096),
+    "gpt2-small": GPT2_SMALL,
+    "1.1b": GPT_1_1B,
 }
 CATEGORIES = ("lp_params", "initialize", "optimizer_state", "gradients", "activations", "step_workspace", "peak")
 
@@ -154,11 +155,10 @@ class CpuMeter:
 
 def build_settings(args, device: torch.device):
     from bench_modes import Settings
-    from gpt_model import GPTConfig
 
-    layers, d_model, heads, seq_len, vocab = SIZES[args.size]
-    model = GPTConfig(args.layers or layers, args.d_model or d_model, args.heads or heads, args.seq_len or seq_len,
-                      args.vocab or vocab)
+    size = SIZES[args.size]
+    model = GPTConfig(args.layers or size.n_layer, args.d_model or size.d_model, args.heads or size.n_head,
+                      args.seq_len or size.seq_len, args.vocab or size.vocab_size)
     micro_batch = args.micro_batch or (8 if device.type == "cuda" else 2)
     fused = args.fused_adamw if args.fused_adamw is not None else device.type == "cuda"
     return Settings(model, micro_batch, 1, args.clip, 0.02, 3e-4, 0.95, args.ns_method, 5, args.ns_dtype,

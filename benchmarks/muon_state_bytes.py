@@ -23,15 +23,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpt_model import GPT, GPTConfig  # noqa: E402
+from gpt_model import GPT, GPT2_SMALL, GPT_1_1B, GPTConfig  # noqa: E402
 from provenance import provenance  # noqa: E402
 
 import deepspeed  # noqa: E402
 from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam, muon_param_groups  # noqa: E402
 
 SIZES = {
-    "gpt2-small": GPTConfig(n_layer=12, d_model=768, n_head=12, seq_len=1024, vocab_size=50304),
-    "1.1b": GPTConfig(n_layer=20, d_model=2048, n_head=16, seq_len=1024, vocab_size=50304),
+    "gpt2-small": GPT2_SMALL,
+    "1.1b": GPT_1_1B,
 }
 OPTIONS = {
     "muon (fp32 momentum)": {},

@@ -23,7 +23,6 @@ benchmarks/README.md; figures: docs/performance.md.
 
 import argparse
 import contextlib
-import functools
 import gc
 import json
 import os
@@ -35,22 +34,23 @@ from pathlib import Path
 
 import torch
 
+from gpt_model import GPT2_SMALL, GPT_1_1B, size_flags  # plain torch: imports before any tree is chosen
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 THIS_TREE = "this"
 
 DEFAULT_PROFILE_MODES = "ds-z2-bf16-muon,ds-z2-bf16-adamw,ddp-bf16-muon"
 # Model presets (--model): the layer sizes, and for the large one the modes it is measured with by default.
 MODEL_PRESETS = {
-    "gpt2-small": {"layers": 12, "d_model": 768, "heads": 12, "seq_len": 1024, "vocab": 50304},
+    "gpt2-small": size_flags(GPT2_SMALL),
     # 1.11B parameters; one GPU, bf16, ZeRO-2 against DDP (NPROC=1; run_all.sh picks it for this preset).
-    "gpt-1.1b": {"layers": 20, "d_model": 2048, "heads": 16, "seq_len": 1024, "vocab": 50304,
-                 "modes": "ds-z2-bf16-muon,ds-z2-bf16-adamw,ddp-bf16-muon,ddp-bf16-adamw"},
+    "gpt-1.1b": size_flags(GPT_1_1B) | {"modes": "ds-z2-bf16-muon,ds-z2-bf16-adamw,ddp-bf16-muon,ddp-bf16-adamw"},
     # A small mixture-of-experts GPT: GPT-2 small's blocks with 8 fused experts, top-2 (521M parameters, about
     # a third of them used per token); one GPU (run_all.sh picks NPROC=1 for it), ZeRO-2 and ZeRO-3 bf16, and DDP
     # AdamW (torch.optim.Muon takes no 3-D parameters).
-    "moe-gpt": {"layers": 12, "d_model": 768, "heads": 12, "seq_len": 1024, "vocab": 50304, "experts": 8,
-                "top_k": 2, "modes": "ds-z2-bf16-muon,ds-z2-bf16-adamw,ds-z3-bf16-muon,ds-z3-bf16-adamw,"
-                                     "ddp-bf16-adamw"},
+    "moe-gpt": size_flags(GPT2_SMALL) | {"experts": 8, "top_k": 2,
+                                         "modes": "ds-z2-bf16-muon,ds-z2-bf16-adamw,ds-z3-bf16-muon,"
+                                                  "ds-z3-bf16-adamw,ddp-bf16-adamw"},
 }
 SMOKE_DEFAULTS = {
     "layers": 2, "d_model": 64, "heads": 2, "seq_len": 64, "vocab": 512, "micro_batch": 2, "grad_accum": 2,
@@ -490,7 +490,7 @@ def _cyclic_gc_paused():
 
 
 def run_extras(modes: list, runners: dict, run: Run) -> None:
-    """Phase timing, Newton-Schulz calls and profiles, mode by mode (they wrap global functions)."""
+    """Phase timing, Newton-Schulz calls and profiles, mode by mode, in untimed steps."""
     args = run.args
     profile_modes = profile_mode_names(args)
     longest_s = 0.0
@@ -512,7 +512,8 @@ def run_extras(modes: list, runners: dict, run: Run) -> None:
 def measure_extras(mode, runner, args, accelerator, profile: bool) -> dict:
     """This rank's optimizer-step phases, Newton-Schulz calls (Muon modes) and profile, in untimed steps.
 
-    The phases and Newton-Schulz calls are timed by wrapping this checkout's functions: not in a release's run.
+    The phases are read from the profiler ranges this checkout's step emits (step_ranges.py) and the Newton-Schulz
+    calls through its `NS_FUNCTIONS` table (ns_timing.py): not in a release's run.
     """
     local = {}
     if mode.tree == THIS_TREE:
@@ -521,8 +522,6 @@ def measure_extras(mode, runner, args, accelerator, profile: bool) -> dict:
     if host_steps:
         local["host_probe"] = host_probe(runner, accelerator, host_steps)
         print(f"host probe {mode.label} rank {torch.distributed.get_rank()}: {local['host_probe']}", flush=True)
-    if host_steps and mode.tree == THIS_TREE:
-        local["host_phases"] = _host_phases(mode, runner, host_steps)
     if profile:
         try:
             local["profile"] = profile_runner(runner, accelerator, args.profile_steps, mode.label)
@@ -533,13 +532,24 @@ def measure_extras(mode, runner, args, accelerator, profile: bool) -> dict:
 
 def _internal_timings(mode, runner, args, accelerator) -> dict:
     from ns_timing import summarize_calls, timed_newton_schulz
-    from step_phases import DDP_PHASES, DEEPSPEED_PHASES, measure_phases
+    from step_ranges import DDP_PHASES, DEEPSPEED_PHASES, measure_phases
 
     local = {}
     if args.ns_timing_steps:
         phases = DEEPSPEED_PHASES if mode.backend == "deepspeed" else DDP_PHASES
-        local["phases"] = measure_phases(phases, args.ns_timing_steps,
-                                         functools.partial(timed_step, runner, accelerator, True))
+
+        def forward_backward():
+            runner.forward_backward()
+            accelerator.synchronize()
+
+        def optimizer_step():
+            runner.optimizer_step()
+            accelerator.synchronize()
+
+        measured = measure_phases(phases, args.ns_timing_steps, optimizer_step, before_step=forward_backward)
+        # The device's time where there is one (what the phase costs the step); the host's beside it.
+        local["phases"] = measured.get("device", measured["host"])
+        local["host_phases"] = measured["host"]
     if args.ns_timing_steps and mode.optimizer == "muon":
         records, per_step = [], []
         with timed_newton_schulz(records):
@@ -549,21 +559,6 @@ def _internal_timings(mode, runner, args, accelerator) -> dict:
                 per_step.append(records[first:])
         local["ns"] = summarize_calls(per_step)
     return local
-
-
-def _host_phases(mode, runner, steps: int) -> dict:
-    """The optimizer step's phases on the host clock only (BENCH_HOST_PROBE)."""
-    import step_phases
-
-    step_phases.SYNCHRONIZE = False
-    try:
-        phases = step_phases.DEEPSPEED_PHASES if mode.backend == "deepspeed" else step_phases.DDP_PHASES
-        measured = step_phases.measure_phases(phases, steps, functools.partial(runner_step, runner))
-    finally:
-        step_phases.SYNCHRONIZE = True
-    print(f"host phases {mode.label} rank {torch.distributed.get_rank()}: "
-          + ", ".join(f"{k}: {v:.2f}" for k, v in measured.items()), flush=True)
-    return measured
 
 
 def runner_step(runner) -> None:
@@ -703,6 +698,7 @@ def merge_extras(gathered: list) -> dict:
         merged["ns_per_rank"] = [rank["ns"] for rank in gathered]
     if "phases" in gathered[0]:
         merged["phases_per_rank"] = [rank["phases"] for rank in gathered]
+        merged["host_phases_per_rank"] = [rank["host_phases"] for rank in gathered]
     if "profile" in gathered[0]:
         merged["profile_rank0"] = gathered[0]["profile"]
     if "profile_error" in gathered[0]:

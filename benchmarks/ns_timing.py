@@ -1,15 +1,13 @@
 """Newton-Schulz accounting: flop counts, timing inside training steps, and timing on one device.
 
-Inside a step, `timed_newton_schulz` wraps the entries of `original_muon.NS_FUNCTIONS` (our engine) and
-torch's `torch.optim._muon._zeropower_via_newtonschulz` (the DDP reference) with synchronised timers, so
-each rank records what it orthogonalised and how long it took. `standalone_newton_schulz` times every
-Muon matrix of the model in one process, which is the "all matrices on one GPU" baseline of the owner
+Inside a step, `timed_newton_schulz` times the entries of `NS_FUNCTIONS` (the engine's table of iterations) with
+synchronised timers, so each rank records what it orthogonalised and how long it took. `standalone_newton_schulz`
+times every Muon matrix of the model in one process, which is the "all matrices on one GPU" baseline of the owner
 split, and times the standard and Gram iterations on each shape, batched as the engine calls them.
 """
 
 import contextlib
 import functools
-import importlib
 import statistics
 import time
 from collections import Counter
@@ -19,16 +17,13 @@ from dataclasses import asdict, dataclass
 import torch
 
 from deepspeed.accelerator import get_accelerator
-from deepspeed.runtime.zero.muon import original_muon
 from deepspeed.runtime.zero.muon.math import symmetric_gram
 from deepspeed.runtime.zero.flat_layout import assign_owners, newton_schulz_cost
 from deepspeed.runtime.zero.muon.math.ns_by_shape import method_for_shape
 from deepspeed.runtime.zero.muon.original_muon import NS_FUNCTIONS, gram_restarts_at, resolve_ns_dtype
 
-TORCH_MUON_MODULE = "torch.optim._muon"
 # The iterations timed and counted beside the configured one.
 TIMED_METHODS = ("standard", "gram", "gram_sym")
-TORCH_NS_NAME = "_zeropower_via_newtonschulz"
 
 
 def sync() -> None:
@@ -72,6 +67,12 @@ def gram_macs(shape, steps: int = 5) -> int:
     return mmn * m * m * n + mmm * m**3
 
 
+def _symmetric_restarts_at(k: int) -> bool:
+    """Whether `zeropower_via_symmetric_gram` re-forms X and R before its iteration `k` (its restart schedule)."""
+    first, period = symmetric_gram.FIRST_RESTART, symmetric_gram.RESTART_PERIOD
+    return k >= first and (k - first) % period == 0
+
+
 def symmetric_gram_macs(shape, steps: int = 5) -> int:
     """Multiply-adds of `zeropower_via_symmetric_gram` ("gram_sym"), counted by replaying its loop structure.
 
@@ -90,14 +91,14 @@ def symmetric_gram_macs(shape, steps: int = 5) -> int:
     macs = gram  # R = X X^T
     has_q = False
     for k in range(steps):
-        if symmetric_gram._restarts_at(k) and has_q:
+        if _symmetric_restarts_at(k) and has_q:
             macs += left + gram  # X = Q X, R = X X^T
             has_q = False
         macs += product  # the factor from R R
         if has_q:
             macs += product  # Q <- P Q
         has_q = True
-        if not (k + 1 == steps or symmetric_gram._restarts_at(k + 1)):
+        if not (k + 1 == steps or _symmetric_restarts_at(k + 1)):
             macs += 2 * product  # P R, P (P R)
     if has_q:
         macs += left  # Q X
@@ -158,32 +159,21 @@ def _timed_call(records: list, method: str, fn: Callable, matrices, *args, **kwa
 
 @contextlib.contextmanager
 def timed_newton_schulz(records: list) -> Iterator[list]:
-    """Record every Newton-Schulz call of this process (ours and torch.optim.Muon's) while the block runs.
+    """Record every Newton-Schulz call of our engine in this process while the block runs.
 
-    Each call is bracketed by device synchronisations, so the recorded time is the call's own, launch
-    overhead included; the steps run inside this block are slower than untimed ones and are not used
-    for the step-time statistics.
+    The engine looks its iterations up in `NS_FUNCTIONS` (the table new methods are entered in) at every call, so
+    the entries are swapped for timed ones for the block. Each call is bracketed by device synchronisations, so
+    the recorded time is the call's own, launch overhead included; the steps run inside this block are slower than
+    untimed ones and are not used for the step-time statistics. torch.optim.Muon (the DDP reference) has no such
+    table: its step is in the phase table (step_ranges.py), as "torch Muon.step".
     """
     originals = dict(NS_FUNCTIONS)
     for name, fn in originals.items():
         NS_FUNCTIONS[name] = functools.partial(_timed_call, records, name, fn)
-    torch_module, torch_fn = _torch_muon_ns()
-    if torch_fn is not None:
-        setattr(torch_module, TORCH_NS_NAME, functools.partial(_timed_call, records, "torch", torch_fn))
     try:
         yield records
     finally:
         NS_FUNCTIONS.update(originals)
-        if torch_fn is not None:
-            setattr(torch_module, TORCH_NS_NAME, torch_fn)
-
-
-def _torch_muon_ns():
-    try:
-        module = importlib.import_module(TORCH_MUON_MODULE)
-    except ImportError:
-        return None, None
-    return module, getattr(module, TORCH_NS_NAME, None)
 
 
 def summarize_calls(calls_per_step: list) -> dict:
@@ -304,12 +294,10 @@ def standalone_newton_schulz(shapes: list, method: str, ns_steps: int, ns_dtype,
     result |= _time_set(engine_fn, matrices, reps)
     result["owner_subset"] |= _time_set(engine_fn, subset, reps)
     result["owner_subset"]["engine_call_ms"] = _engine_call_by_method(subset, ns_steps, dtype, reps)
-    torch_fn = _torch_muon_ns()[1]
-    if torch_fn is not None:
-        # Positional, as torch.optim.Muon itself calls it: (grad, ns_coefficients, ns_steps, eps).
-        torch_call = functools.partial(_call_torch_ns, torch_fn, ns_steps)
-        _synced_sum(torch_call, matrices)
-        result["torch_synced_sum_ms"] = 1e3 * statistics.median(_synced_sum(torch_call, matrices)
+    if hasattr(torch.optim, "Muon"):
+        steps = [_torch_muon_step(matrix, ns_steps) for matrix in matrices]
+        _synced_sum(lambda step: step(), steps)
+        result["torch_step_synced_sum_ms"] = 1e3 * statistics.median(_synced_sum(lambda step: step(), steps)
                                                                 for _ in range(reps))
     counts = Counter(tuple(shape) for shape in shapes)
     batches = engine_batch_sizes(shapes, world)
@@ -377,8 +365,12 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _call_torch_ns(torch_fn: Callable, ns_steps: int, matrix: torch.Tensor) -> torch.Tensor:
-    return torch_fn(matrix, original_muon.NS_COEFFICIENTS, ns_steps, original_muon.NS_NORM_EPS)
+def _torch_muon_step(matrix: torch.Tensor, ns_steps: int) -> Callable[[], None]:
+    """torch.optim.Muon's public step on `matrix` alone (its gradient): momentum, its Newton-Schulz, the update."""
+    param = torch.nn.Parameter(torch.zeros_like(matrix))
+    param.grad = matrix
+    optimizer = torch.optim.Muon([param], lr=0.02, ns_steps=ns_steps)
+    return optimizer.step
 
 
 def _per_call_ms(fn: Callable, tensor: torch.Tensor, ns_steps: int, dtype: torch.dtype, reps: int) -> float:

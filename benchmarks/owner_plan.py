@@ -72,7 +72,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpt_model import GPT, GPTConfig  # noqa: E402
+from gpt_model import GPT, GPT_1_1B, GPTConfig  # noqa: E402
 from provenance import provenance  # noqa: E402
 
 import deepspeed  # noqa: E402
@@ -125,7 +125,7 @@ def moe_shapes(layers: int, d: int, heads: int, kv_heads: int, head_dim: int, ex
 
 
 MODELS = {
-    "gpt-1.1b": lambda: gpt_shapes(GPTConfig(n_layer=20, d_model=2048, n_head=16, seq_len=1024, vocab_size=50304)),
+    "gpt-1.1b": lambda: gpt_shapes(GPT_1_1B),
     "llama-7b": lambda: llama_shapes(32, 4096, 32, 32, 11008),
     "llama-70b": lambda: llama_shapes(80, 8192, 64, 8, 28672),
     "moe-30b-a3b": lambda: moe_shapes(48, 2048, 32, 4, 128, 128, 768),

@@ -12,7 +12,7 @@ Trees: a mode entry may name the code it ran in "tree" (an upstream release, e.g
 then "<mode>@<release>", e.g. "ds-z2-bf16-muon@0.19.8"). Without it, our engine's modes are "ours" and the DDP
 reference is "torch DDP". The chart puts the trees of one mode side by side. A mode a tree cannot run carries
 "not_run" (the reason) and no blocks; "notes" say how a release's mode is configured differently; meta.trees
-(benchmarks/merge_trees.py) says what each tree's run was.
+(benchmarks/run_trees.py) says what each tree's run was.
 """
 
 import argparse
@@ -110,6 +110,8 @@ def summarize_mode(entry: dict, tokens_per_step: int) -> dict:
         summary["ns_algorithms"] = sorted({c["algorithm"] for ns in extras["ns_per_rank"] for c in ns["calls"]})
     if "phases_per_rank" in extras:
         summary["phases_ms_per_rank"] = extras["phases_per_rank"]
+    if "host_phases_per_rank" in extras:
+        summary["host_phases_ms_per_rank"] = extras["host_phases_per_rank"]
     if "profile_rank0" in extras:
         profile = extras["profile_rank0"]
         summary["profile"] = {key: profile[key] for key in (
@@ -475,17 +477,27 @@ def _tree_lines(results: dict) -> list:
     return lines
 
 
+PROFILED_PHASES = ("Read from the profiler ranges the step emits (benchmarks/step_ranges.py): per phase the device "
+                   "time of the kernels it launched (on a CPU run the host's time) and the host's wall time in it; "
+                   "nested phases (\"-\") sit inside the phase above them.")
+# How results written before the step emitted its ranges timed the phases.
+SYNCHRONISED_PHASES = "Each phase is bracketed by device synchronisations; nested phases sit inside \"apply\"."
+
+
 def _phase_lines(summaries: dict) -> list:
-    rows = [(name, s["phases_ms_per_rank"]) for name, s in summaries.items() if s and "phases_ms_per_rank" in s]
+    rows = [(name, s["phases_ms_per_rank"], s.get("host_phases_ms_per_rank"))
+            for name, s in summaries.items() if s and "phases_ms_per_rank" in s]
     if not rows:
         return []
     lines = ["", "## Optimizer step by phase (after the blocks, ms per step, rank 0 / rank 1 / ...)", "",
-             "Each phase is bracketed by device synchronisations; nested phases sit inside \"apply\".", "",
-             "| mode | phase | ms per rank |", "|---|---|---|"]
-    for name, per_rank in rows:
+             PROFILED_PHASES if any(host for _, _, host in rows) else SYNCHRONISED_PHASES, "",
+             "| mode | phase | ms per rank | host ms per rank |", "|---|---|---|---|"]
+    for name, per_rank, host_per_rank in rows:
         labels = list(dict.fromkeys(label for phases in per_rank for label in phases))
         for label in labels:
-            lines.append(f"| {name} | {label} | {_fmt_list([phases.get(label, 0.0) for phases in per_rank], '.3f')} |")
+            host = _fmt_list([phases.get(label, 0.0) for phases in host_per_rank], '.3f') if host_per_rank else ""
+            lines.append(f"| {name} | {label} | {_fmt_list([phases.get(label, 0.0) for phases in per_rank], '.3f')} "
+                         f"| {host} |")
     return lines
 
 
@@ -535,9 +547,12 @@ def _ns_lines(results: dict) -> list:
                        ("batched_by_shape_ms",
                         "engine function, one call on a list of per-shape stacks (as in the engine)")):
         lines.append(f"| {label} | {standalone[key]:.3f} | {_fmt(subset.get(key), '.3f')} |")
-    if "torch_synced_sum_ms" in standalone:
+    if "torch_synced_sum_ms" in standalone:  # results written before torch.optim.Muon was timed by its step
         lines.append("| torch.optim.Muon's function (standard iteration), per-call synchronised | "
                      f"{standalone['torch_synced_sum_ms']:.3f} | |")
+    if "torch_step_synced_sum_ms" in standalone:
+        lines.append("| torch.optim.Muon.step on each matrix alone (momentum, standard iteration, update), per-call "
+                     f"synchronised | {standalone['torch_step_synced_sum_ms']:.3f} | |")
     peak = H200_BF16_DENSE_TFLOPS
     lines.append(f"| floor at {peak:.0f} TFLOP/s (H200 bf16 dense peak) | {flops / peak / 1e9:.3f} | "
                  f"{subset['flops'] / peak / 1e9:.3f} |")

@@ -47,14 +47,14 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
 
-from gpt_model import GPTConfig, is_hidden_matrix  # noqa: E402
+from gpt_model import GPT_1_1B, GPT_7B, GPTConfig, is_hidden_matrix  # noqa: E402
 from provenance import provenance  # noqa: E402
 
-# (n_layer, d_model, n_head, seq_len, vocab_size, micro_batch)
+# name: (model, micro-batch)
 SIZES = {
-    "7b": (32, 4096, 32, 1024, 50304, 4),
-    "1b": (20, 2048, 16, 1024, 50304, 4),
-    "tiny": (2, 64, 4, 64, 256, 2),
+    "7b": (GPT_7B, 4),
+    "1b": (GPT_1_1B, 4),
+    "tiny": (GPTConfig(n_layer=2, d_model=64, n_head=4, seq_len=64, vocab_size=256), 2),
 }
 ZERO_MODES = {
     "z3-both": (3, True, True),  # stage, offload_param, offload_optimizer
@@ -83,18 +83,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="JSON path (default: print it)")
     parser.add_argument("--timeout-s", type=float, default=None, help="per process")
-    parser.add_argument("--_child", default=None, help=argparse.SUPPRESS)  # internal: tree,optimizer,result path
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: tree,optimizer,result path
     return parser.parse_args(argv)
 
 
 def model_config(args) -> GPTConfig:
-    layers, d_model, heads, seq_len, vocab, _ = SIZES[args.size]
-    return GPTConfig(args.layers or layers, d_model, heads, args.seq_len or seq_len, vocab,
-                     activation_checkpointing=True)
+    size, _ = SIZES[args.size]
+    return GPTConfig(args.layers or size.n_layer, size.d_model, size.n_head, args.seq_len or size.seq_len,
+                     size.vocab_size, activation_checkpointing=True)
 
 
 def micro_batch(args) -> int:
-    return args.micro_batch or SIZES[args.size][5]
+    return args.micro_batch or SIZES[args.size][1]
 
 
 def ds_config(args, optimizer: str, tree: str) -> dict:
@@ -300,8 +300,8 @@ def measure_rank(args, optimizer: str, tree: str = "this") -> dict:
     return result
 
 
-def _child(args) -> int:
-    tree, optimizer, path = args._child.split(",", 2)
+def run_child(args) -> int:
+    tree, optimizer, path = args.child.split(",", 2)
     try:
         result = measure_rank(args, optimizer, tree)
     except Exception as error:  # recorded, not raised: the next (tree, optimizer) still runs
@@ -331,7 +331,7 @@ def run_all(args, argv) -> dict:
         for optimizer in optimizers:
             with tempfile.TemporaryDirectory() as scratch:
                 path = os.path.join(scratch, "result.json")
-                command = [sys.executable, str(Path(__file__).resolve()), *argv, "--_child",
+                command = [sys.executable, str(Path(__file__).resolve()), *argv, "--child",
                            f"{tree},{optimizer},{path}"]
                 print(f"[zero3_offload] {tree} {optimizer} {args.zero} {args.size}", flush=True)
                 start = time.perf_counter()
@@ -354,8 +354,8 @@ def run_all(args, argv) -> dict:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    if args._child:
-        return _child(args)
+    if args.child:
+        return run_child(args)
     results = run_all(args, argv)
     text = json.dumps(results, indent=1)
     if args.out:

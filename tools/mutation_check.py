@@ -112,7 +112,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "    def _apply(self, grad_factor: torch.Tensor) -> None:\n"),
             # The optimizer applies the update computed before the decision instead of computing its own.
             Patch(MUON_OPTIMIZER,
-                  "                if group[\"use_muon\"]:\n                    folded = executor.fold(",
+                  "                if group[\"use_muon\"]:\n                    with step_ranges.phase(",
                   "                if group[\"use_muon\"]:\n"
                   "                    with_grad = [p for p in group['params'] if p.grad is not None]\n"
                   "                    precomputed = [self.state[p].pop('precomputed_update', None)\n"
@@ -120,7 +120,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "                    if precomputed and all(u is not None for u in precomputed):\n"
                   "                        torch._foreach_add_(with_grad, precomputed, alpha=-group['lr'])\n"
                   "                        continue\n"
-                  "                    folded = executor.fold("),
+                  "                    with step_ranges.phase("),
         ),
     ),
     Mutation(
@@ -169,9 +169,12 @@ MUTATIONS: Tuple[Mutation, ...] = (
         patches=(
             # Muon reads the loss-scaled gradient (no factor), and its update is scaled by the factor instead.
             Patch(MUON_OPTIMIZER,
-                  "                    folded = executor.fold(group, grad_factor)\n"
-                  "                    updates = executor.orthogonalise(group, folded)\n"
-                  "                    executor.apply(group, folded, updates, copies)\n",
+                  "                    with step_ranges.phase(step_ranges.MUON_FOLD):\n"
+                  "                        folded = executor.fold(group, grad_factor)\n"
+                  "                    with step_ranges.phase(step_ranges.MUON_ORTHOGONALISE):\n"
+                  "                        updates = executor.orthogonalise(group, folded)\n"
+                  "                    with step_ranges.phase(step_ranges.MUON_APPLY):\n"
+                  "                        executor.apply(group, folded, updates, copies)\n",
                   "                    muon_lr = group['lr']\n"
                   "                    if grad_factor is not None:\n"
                   "                        group['lr'] = muon_lr * float(grad_factor)\n"

@@ -18,6 +18,7 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 import torch
 
 import deepspeed.comm as dist
+from deepspeed.runtime import step_ranges
 from deepspeed.runtime.unscaled_chunks import unscaled_chunks
 
 # Upstream reports a norm of -1 when it is not finite.
@@ -158,17 +159,21 @@ def transactional_step(grads: Sequence[torch.Tensor], loss_scaler, clip: float, 
     Returns:
         The StepOutcome.
     """
-    stats = reduced_statistics(grads, replicated, group)
-    scale_used = float(loss_scaler.cur_scale)
-    grad_norm, grad_factor = norm_and_grad_factor(stats, scale_used, clip)
-    # The skip verdict must be known before anything is mutated, so checking costs the step's one wait for
-    # the device. Without checking nothing is decided on the host and the step is queued behind the backward.
-    verdict = _Verdict(stats[1]) if check_overflow else None
+    with step_ranges.phase(step_ranges.STATISTICS):
+        stats = reduced_statistics(grads, replicated, group)
+        scale_used = float(loss_scaler.cur_scale)
+        grad_norm, grad_factor = norm_and_grad_factor(stats, scale_used, clip)
+        # The skip verdict must be known before anything is mutated, so checking costs the step's one wait for
+        # the device. Without checking nothing is decided on the host and the step is queued behind the backward.
+        verdict = _Verdict(stats[1]) if check_overflow else None
     if prepare is not None:
-        prepare(grad_factor)
-    has_overflow = verdict is not None and verdict.overflow()
+        with step_ranges.phase(step_ranges.PREPARE):
+            prepare(grad_factor)
+    with step_ranges.phase(step_ranges.VERDICT):
+        has_overflow = verdict is not None and verdict.overflow()
     loss_scaler.update_scale(has_overflow)
     if has_overflow:
         return StepOutcome(applied=False, grad_norm=NON_FINITE_NORM, loss_scale=scale_used)
-    apply(grad_factor)
+    with step_ranges.phase(step_ranges.APPLY):
+        apply(grad_factor)
     return StepOutcome(applied=True, grad_norm=grad_norm, loss_scale=scale_used)

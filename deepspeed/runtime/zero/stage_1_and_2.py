@@ -24,6 +24,7 @@ import torch
 
 import deepspeed.comm as dist
 from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
+from deepspeed.runtime import step_ranges
 from deepspeed.runtime.optimizer_step import StepOutcome, transactional_step
 from deepspeed.runtime.zero.flat_layout import (GroupLayout, even_layout, excess_padding, full_shape,
                                                 newton_schulz_cost, owner_layout, padding_factor, split_repeated_cost)
@@ -280,7 +281,8 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
         finally:
             # The gradients are dead now: free what was made of them before the publishing all-gather allocates.
             self._release_master_grads()
-            self._publish(is_written)
+            with step_ranges.phase(step_ranges.PUBLISH):
+                self._publish(is_written)
 
     def _step_inputs(self, grad_factor: torch.Tensor) -> Tuple[List[torch.Tensor], torch.Tensor, Optional[LpCopies]]:
         """This step's loss-scaled gradients, the factor on their device, and where the step may write the updated

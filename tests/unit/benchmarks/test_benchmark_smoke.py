@@ -1,7 +1,7 @@
 """benchmarks/muon_zero_bench.py --smoke end to end on CPU (two gloo processes, a 2-layer model), and its report.
 
-Not a timing test: it proves the benchmark still runs against the current engine and Muon code (it wraps
-internals such as the Newton-Schulz dispatch table and the optimizer step's phases), and that it writes the
+Not a timing test: it proves the benchmark still runs against the current engine and Muon code (it times the
+Newton-Schulz table's entries and reads the profiler ranges of the optimizer step's phases), and that it writes the
 JSON, markdown, profile tables and (with matplotlib) the chart with every mode, every target and the in-step
 records filled in. The chart's own tests need matplotlib (the dev extra brings it); without it the report
 still writes everything else and says how to get the chart.
@@ -63,6 +63,13 @@ def test_smoke_run_writes_every_mode_and_target(tmp_path):
     # The in-step Newton-Schulz records: our engine makes one call per group step, every matrix once.
     for name in ("ds-z2-bf16-muon", "ds-z1-fp16-muon"):
         assert all(calls == 1 for calls in results["summary"][name]["ns_calls_per_rank"]), name
+    # The optimizer step's phases, read from the profiler ranges the step emits: a range renamed in deepspeed/
+    # without the table (benchmarks/step_ranges.py) drops out of here.
+    phases = results["summary"]["ds-z2-bf16-muon"]["phases_ms_per_rank"]
+    for label in ("inspect: grad norm + overflow all-reduce", "apply: optimizer, publish", "- muon: orthogonalise",
+                  "- muon: update", "- adam groups of MuonWithAuxAdam", "- publish: masters to lp + all-gather"):
+        assert all(label in rank for rank in phases), label
+    assert all("torch Muon.step" in rank for rank in results["summary"]["ddp-bf16-muon"]["phases_ms_per_rank"])
     targets = {target["target"]: target for target in results["targets"]}
     assert len(targets) == 6
     assert "our Muon step <= 1.05 x our AdamW step (whole step, back to back)" in targets
@@ -208,12 +215,12 @@ def as_release_run(results: dict, release: str, factor: float) -> dict:
 
 
 def test_two_trees_merge_into_one_report(tmp_path):
-    merge_trees = bench_module("merge_trees")
+    run_trees = bench_module("run_trees")
     report = load_report()
     with open(SAVED_RUN) as f:
         ours = json.load(f)
     release = as_release_run(ours, "0.19.8", 2.0)
-    merged = merge_trees.merge([{"tree": "this", "results": ours, "exit_status": 0, "wall_s": 250.0},
+    merged = run_trees.merge([{"tree": "this", "results": ours, "exit_status": 0, "wall_s": 250.0},
                                 {"tree": "0.19.8", "results": release, "exit_status": 0, "wall_s": 300.0}])
     assert list(merged["modes"]) == MODES + [f"{name}@0.19.8" for name in MODES]
     assert merged["meta"]["deepspeed"] == ours["meta"]["deepspeed"]  # this checkout's run is the base
@@ -241,12 +248,12 @@ def test_two_trees_merge_into_one_report(tmp_path):
 
 
 def test_a_tree_without_results_or_with_another_model_is_recorded_not_merged():
-    merge_trees = bench_module("merge_trees")
+    run_trees = bench_module("run_trees")
     with open(SAVED_RUN) as f:
         ours = json.load(f)
     other_model = as_release_run(ours, "0.19.8", 1.0)
     other_model["model"] = other_model["model"] | {"n_layer": 20}
-    merged = merge_trees.merge([{"tree": "this", "results": ours, "exit_status": 0},
+    merged = run_trees.merge([{"tree": "this", "results": ours, "exit_status": 0},
                                 {"tree": "0.19.8", "results": other_model, "exit_status": 0},
                                 {"tree": "0.19.6", "results": None, "exit_status": 1}])
     assert list(merged["modes"]) == MODES
@@ -254,7 +261,7 @@ def test_a_tree_without_results_or_with_another_model_is_recorded_not_merged():
     assert "not merged" in trees["0.19.8"]["error"] and "model" in trees["0.19.8"]["error"]
     assert trees["0.19.6"]["error"] == "wrote no results (exit status 1)"
     with pytest.raises(ValueError, match="no tree wrote results"):
-        merge_trees.merge([{"tree": "0.19.6", "results": None, "exit_status": 1}])
+        run_trees.merge([{"tree": "0.19.6", "results": None, "exit_status": 1}])
 
 
 def test_a_release_gets_only_the_config_keys_it_reads():

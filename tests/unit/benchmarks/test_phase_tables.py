@@ -1,6 +1,9 @@
-"""The step benchmarks' phase tables name methods this tree has: a phase renamed in deepspeed/ must be renamed in
-the table too, or the benchmark stops timing it (benchmarks/step_phases.py refuses a missing one)."""
+"""The step benchmarks' phase tables name the profiler ranges the engine emits (deepspeed/runtime/step_ranges.py):
+a range renamed or dropped in deepspeed/ must change the table too, or the benchmark stops showing that phase."""
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -9,21 +12,32 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-import offload_host_phases  # noqa: E402
-import step_phases  # noqa: E402
+import offload_bench  # noqa: E402
+import step_ranges  # noqa: E402
+from deepspeed.runtime import step_ranges as engine_ranges  # noqa: E402
+
+TORCH_RANGES = {step_ranges.TORCH_ADAMW, step_ranges.TORCH_MUON, step_ranges.DDP_CLIP_RANGE}
 
 
-@pytest.mark.parametrize("table", ["deepspeed", "offload"])
-def test_every_phase_names_an_attribute_of_this_tree(table):
-    phases = step_phases.DEEPSPEED_PHASES if table == "deepspeed" else offload_host_phases.phases()
-    missing = [(owner, attribute) for owner, attribute, _ in phases if not hasattr(owner, attribute)]
+@pytest.mark.parametrize("table", ["deepspeed", "ddp", "offload"])
+def test_every_phase_names_a_range_the_step_emits(table):
+    phases = {"deepspeed": step_ranges.DEEPSPEED_PHASES, "ddp": step_ranges.DDP_PHASES,
+              "offload": offload_bench.phases()}[table]
+    emitted = set(engine_ranges.STEP_RANGES + engine_ranges.MUON_RANGES) | TORCH_RANGES
+    unknown = [name for name, _ in phases if name not in emitted]
+    assert not unknown, unknown
+
+
+def test_the_offload_step_emits_every_range_of_its_table(tmp_path):
+    """A CPU-offload Muon step, one tiny layer, profiled in its own process: every phase of the host table is
+    measured."""
+    out = tmp_path / "phases.json"
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCHMARKS.parent), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, str(BENCHMARKS / "offload_bench.py"), "--host-phases", "--layers", "1", "--vocab", "128",
+           "--seq-len", "16", "--warmup", "1", "--steps", "1", "--json", str(out)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    measured = json.loads(out.read_text())["ms"]
+    missing = [label for _, label in offload_bench.phases() if label not in measured]
     assert not missing, missing
-
-
-def test_a_missing_phase_is_refused():
-    class Owner:
-        pass
-
-    with pytest.raises(AttributeError, match="update the phase table"):
-        with step_phases.timed_phases([(Owner, "gone", "- a renamed phase")], {}):
-            pass

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from deepspeed.runtime import step_ranges
 from deepspeed.runtime.zero.muon.executor.device_step import DeviceStepExecutor
 from deepspeed.runtime.zero.muon.executor.host_step import HostStepExecutor
 from deepspeed.runtime.zero.muon.executor.step import MuonStepExecutor, batch_key, logical_shape
@@ -146,13 +147,17 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             # is queued on the accelerator, while it runs.
             for group in self.param_groups:
                 if not group["use_muon"]:
-                    executor.adam_step(group, grad_factor, copies)
+                    with step_ranges.phase(step_ranges.MUON_ADAM):
+                        executor.adam_step(group, grad_factor, copies)
             # Muon: for each group, fold the gradient into the momentum, orthogonalise the direction, apply the update.
             for group in self.param_groups:
                 if group["use_muon"]:
-                    folded = executor.fold(group, grad_factor)
-                    updates = executor.orthogonalise(group, folded)
-                    executor.apply(group, folded, updates, copies)
+                    with step_ranges.phase(step_ranges.MUON_FOLD):
+                        folded = executor.fold(group, grad_factor)
+                    with step_ranges.phase(step_ranges.MUON_ORTHOGONALISE):
+                        updates = executor.orthogonalise(group, folded)
+                    with step_ranges.phase(step_ranges.MUON_APPLY):
+                        executor.apply(group, folded, updates, copies)
             executor.finish()
         finally:
             executor.end_of_step()

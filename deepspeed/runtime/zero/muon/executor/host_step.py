@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from deepspeed.runtime import step_ranges
 from deepspeed.runtime.pinned_memory import empty_pinned
 from deepspeed.runtime.zero.muon.executor.aux_adam import counted_adam_state
 from deepspeed.runtime.zero.muon.executor.step import BatchKey, FoldedGroup, MuonStepExecutor
@@ -115,7 +116,8 @@ class HostStepExecutor(MuonStepExecutor):
         method, steps, coefficients = group["ns_method"], group["ns_steps"], group["ns_coefficients"]
         dtype = folded.direction.dtype
         if folded.direction.device == self.ns_device:
-            updates = orthogonalise(folded.directions, method, steps, dtype, coefficients)
+            with step_ranges.phase(step_ranges.MUON_NEWTON_SCHULZ):
+                updates = orthogonalise(folded.directions, method, steps, dtype, coefficients)
             self._step_adam_groups()
             return updates
         directions = folded.directions
@@ -127,7 +129,9 @@ class HostStepExecutor(MuonStepExecutor):
         for chunk in ns_chunks(directions, NS_CHUNK_BYTES):
             on_device = [directions[index][lo:hi].to(self.ns_device, non_blocking=self._pin)
                          for index, lo, hi in chunk]
-            for (index, lo, hi), update in zip(chunk, orthogonalise(on_device, method, steps, dtype, coefficients)):
+            with step_ranges.phase(step_ranges.MUON_NEWTON_SCHULZ):
+                chunk_updates = orthogonalise(on_device, method, steps, dtype, coefficients)
+            for (index, lo, hi), update in zip(chunk, chunk_updates):
                 # Asynchronous into page-locked memory; one wait for all of them.
                 host[index][lo:hi].copy_(update, non_blocking=self._pin)
         if self._pin:
@@ -162,6 +166,11 @@ class HostStepExecutor(MuonStepExecutor):
 
     def _step_adam_groups(self) -> None:
         queue, self._adam_queue = self._adam_queue, []
+        if queue:
+            with step_ranges.phase(step_ranges.MUON_ADAM):
+                self._step_adam_queue(queue)
+
+    def _step_adam_queue(self, queue: list) -> None:
         for group, grad_factor, copies in queue:
             scale = 1.0 if grad_factor is None else float(grad_factor)
             beta1, beta2 = group["betas"]
