@@ -51,3 +51,11 @@ def split_matrices(layouts: Sequence[GroupLayout], shapes: Sequence[Sequence[tor
                 made[world_ranks] = dist.new_group(list(world_ranks))
             found[(g, index)] = SplitMatrix(torch.Size(shapes[g][index]), rows, made[world_ranks])
     return found
+
+
+def release_groups(split: Dict[Tuple[int, int], SplitMatrix]) -> None:
+    """Destroy the holders' process groups this rank belongs to (the engine's `destroy`): each holds sockets and
+    worker threads, and a process that builds engine after engine would otherwise keep them all."""
+    for group in {id(matrix.group): matrix.group for matrix in split.values()}.values():
+        if dist.get_rank(group) >= 0:
+            dist.destroy_process_group(group)

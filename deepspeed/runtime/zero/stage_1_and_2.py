@@ -35,7 +35,7 @@ from deepspeed.runtime.zero.master_views import MasterViews
 from deepspeed.runtime.zero.muon.per_head import head_count
 from deepspeed.runtime.zero.offload import HostOffload
 from deepspeed.runtime.zero.owner_blocks import ownership_blocks, split_rows
-from deepspeed.runtime.zero.split_matrices import split_matrices
+from deepspeed.runtime.zero.split_matrices import release_groups, split_matrices
 from deepspeed.runtime.zero.options import ZeroOptions
 from deepspeed.runtime.zero.param_groups import is_muon_group
 from deepspeed.runtime.zero.rank_state import DeclaredZeroState, load_zero_state
@@ -350,6 +350,8 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
+        release_groups(self._split)
+        self._split = {}
 
     # ------------------------------------------------------------------ checkpoints (the rest: rank_state.py)
     def load_state_dict(self, state_dict: dict, path: str = "<state_dict>",

@@ -106,6 +106,7 @@ class _SplitParity:
                 start = reference[0][index]
                 error = relative_error(got - start, want - start)
                 assert error <= SPLIT_TOLERANCE, f"stage {stage} step {step} param {index}: relative error {error:.2e}"
+        engine.destroy()
 
 
 class TestSplitNewtonSchulzFourRanks(_SplitParity, DistributedTest):
@@ -171,6 +172,7 @@ class SavedSplitAtFour(DistributedFixture):
             if dist.get_rank() == 0:
                 torch.save(state, os.path.join(directory, "saved_state.pt"))
             dist.barrier()
+            engine.destroy()
 
 
 class TestSplitCheckpointsResumeAtOtherWorldSizes(DistributedTest):
@@ -190,6 +192,23 @@ class TestSplitCheckpointsResumeAtOtherWorldSizes(DistributedTest):
                 assert torch.equal(got, want), f"stage {stage} at {dist.get_world_size()} ranks: tensor {index}"
             train_steps(engine, batches(1, RESUME_MICRO_TIMES_WORLD, seed=99), "fp32")
             assert engine.was_step_applied()
+            engine.destroy()
+
+
+class TestSplitGroupsAreReleased(DistributedTest):
+    world_size = 4
+
+    def test_destroy_releases_the_holders_groups(self):
+        """engine.destroy() destroys the process groups made for split matrices: a process that builds engine after
+        engine (a sweep, a test runner's pooled ranks) would otherwise keep every one's sockets and threads."""
+        engine = resume_engine(2)
+        groups = {id(m.group): m.group for m in engine.optimizer._split.values()}.values()
+        mine = [group for group in groups if dist.get_rank(group) >= 0]
+        assert mine, "this model's split matrices have holders' groups on every rank"
+        engine.destroy()
+        for group in mine:
+            with pytest.raises((ValueError, RuntimeError)):
+                dist.get_rank(group)
 
 
 def test_muon_config_is_the_owner_plan_tests():
