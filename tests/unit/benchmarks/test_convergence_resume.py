@@ -9,9 +9,9 @@ evaluation; the last invocation also reuses adamw's history, finished two invoca
 import json
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
+
+from unit.python_process import PythonProcess
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = REPO_ROOT / "benchmarks" / "convergence.py"
@@ -32,15 +32,14 @@ def environment() -> dict:
                 OMP_NUM_THREADS="1")
 
 
-def start(out: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(SCRIPT), *RUN, "--out", str(out), *extra], env=environment(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def start(out: Path, *extra: str) -> PythonProcess:
+    return PythonProcess(str(SCRIPT), [*RUN, "--out", str(out), *extra], environment())
 
 
-def finish(process: subprocess.Popen) -> str:
-    output, _ = process.communicate(timeout=300)
-    assert process.returncode == 0, output[-4000:]
-    return output
+def finish(process: PythonProcess) -> str:
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, (out + err)[-4000:]
+    return out + err
 
 
 def test_a_run_continued_over_invocations_matches_an_uninterrupted_one(tmp_path):

@@ -4,9 +4,9 @@ concludes needs its GPU run; this keeps the script working.)"""
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
+
+from unit.python_process import run_python
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = REPO_ROOT / "benchmarks" / "convergence.py"
@@ -15,9 +15,9 @@ SCRIPT = REPO_ROOT / "benchmarks" / "convergence.py"
 def test_every_mode_trains_and_the_report_is_written(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), DS_ACCELERATOR="cpu", MASTER_PORT="29573")
     # 48 steps per mode (evaluated at 0, 40, 48): every mode's held-out loss is down by over 2 at step 40.
-    command = [sys.executable, str(SCRIPT), "--size", "tiny", "--tokens", "5e4", "--batch", "16", "--eval-every",
-               "40", "--eval-batches", "2", "--device", "cpu", "--out", str(tmp_path)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
+    args = ["--size", "tiny", "--tokens", "5e4", "--batch", "16", "--eval-every", "40", "--eval-batches", "2",
+            "--device", "cpu", "--out", str(tmp_path)]
+    result = run_python(str(SCRIPT), args, env, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     results = json.loads((tmp_path / "convergence.json").read_text())
     assert set(results["modes"]) == {"adamw", "muon", "muon-standard", "muon-polar-express", "normuon",
@@ -30,12 +30,11 @@ def test_every_mode_trains_and_the_report_is_written(tmp_path):
         assert last["val_loss"] < first["val_loss"] - 1.0, f"{mode}: {first['val_loss']} -> {last['val_loss']}"
     table = (tmp_path / "convergence.md").read_text()
     assert "| adamw |" in table and "| muon |" in table
-    rendered = subprocess.run([sys.executable, str(SCRIPT), "--report", str(tmp_path / "convergence.json")],
-                              env=env, capture_output=True, text=True, timeout=120, check=False)
+    rendered = run_python(str(SCRIPT), ["--report", str(tmp_path / "convergence.json")], env, timeout=120)
     assert rendered.returncode == 0 and "| muon-standard |" in rendered.stdout, rendered.stderr[-2000:]
-    compared = subprocess.run([sys.executable, str(SCRIPT), "--compare", str(tmp_path / "convergence.json"),
-                               str(tmp_path / "convergence.json"), "--out", str(tmp_path / "compared")],
-                              env=env, capture_output=True, text=True, timeout=120, check=False)
+    compared = run_python(str(SCRIPT), ["--compare", str(tmp_path / "convergence.json"),
+                                        str(tmp_path / "convergence.json"), "--out", str(tmp_path / "compared")],
+                          env, timeout=120)
     assert compared.returncode == 0, compared.stderr[-2000:]
     table = (tmp_path / "compared" / "comparison.md").read_text()
     assert table.count("| this | normuon |") == 2 and "| this | adamw | " in table

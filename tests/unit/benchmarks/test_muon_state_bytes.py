@@ -3,18 +3,17 @@ ones, NorMuon adds one fp32 value per row of every Muon matrix, and the Adam hal
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
+
+from unit.python_process import run_python
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_the_counted_bytes_follow_the_options(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    result = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "muon_state_bytes.py"), "--sizes",
-                             "gpt2-small", "--out", str(tmp_path)], env=env, capture_output=True, text=True,
-                            timeout=300, check=False)
+    result = run_python(str(REPO_ROOT / "benchmarks" / "muon_state_bytes.py"), ["--sizes", "gpt2-small", "--out",
+                                                                                str(tmp_path)], env, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     counted = json.loads((tmp_path / "muon_state_bytes.json").read_text())["sizes"]["gpt2-small"]
     fp32, bf16 = counted["muon (fp32 momentum)"], counted["muon, momentum_dtype bf16"]

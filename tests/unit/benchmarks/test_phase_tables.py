@@ -3,7 +3,6 @@ a range renamed or dropped in deepspeed/ must change the table too, or the bench
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ sys.path.insert(0, str(BENCHMARKS))
 import offload_bench  # noqa: E402
 import step_ranges  # noqa: E402
 from deepspeed.runtime import step_ranges as engine_ranges  # noqa: E402
+from unit.python_process import run_python  # noqa: E402
 
 TORCH_RANGES = {step_ranges.TORCH_ADAMW, step_ranges.TORCH_MUON, step_ranges.DDP_CLIP_RANGE}
 
@@ -34,9 +34,9 @@ def test_the_offload_step_emits_every_range_of_its_table(tmp_path):
     out = tmp_path / "phases.json"
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCHMARKS.parent), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, str(BENCHMARKS / "offload_bench.py"), "--host-phases", "--layers", "1", "--vocab", "128",
-           "--seq-len", "16", "--warmup", "1", "--steps", "1", "--json", str(out)]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
+    args = ["--host-phases", "--layers", "1", "--vocab", "128", "--seq-len", "16", "--warmup", "1", "--steps", "1",
+            "--json", str(out)]
+    result = run_python(str(BENCHMARKS / "offload_bench.py"), args, env, timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     measured = json.loads(out.read_text())["ms"]
     missing = [label for _, label in offload_bench.phases() if label not in measured]

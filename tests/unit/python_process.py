@@ -1,0 +1,121 @@
+"""Run a Python script in a process of its own, as `python SCRIPT ARGS` would, without paying for the big imports.
+
+Every fresh interpreter that trains imports torch (about 2.4 s of CPU here), deepspeed and, with its first torch
+optimizer, torch._dynamo (`Optimizer.add_param_group` is wrapped by `torch._disable_dynamo`: another 2.3 s). The
+benchmark scripts' tests start over a dozen such processes. On the CPU accelerator this forks them instead from a
+server process that imported those modules once (multiprocessing's forkserver); each child still gets its own
+argv, environment, working directory, `__main__` and exit status, and shares nothing else with its siblings. On an
+accelerator (a forked CUDA context is unusable) it is a plain `subprocess` call.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+import traceback
+from typing import Sequence
+
+PRELOAD = ["torch", "torch._dynamo", "deepspeed"]
+
+
+def _is_cpu_run(env: dict) -> bool:
+    """True where the child would run on the CPU accelerator (the variable, else what this process detected)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return False
+    if "DS_ACCELERATOR" in env:
+        return env["DS_ACCELERATOR"] == "cpu"
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cpu"
+
+
+def _main(script: str, args: Sequence[str], env: dict, cwd: str | None, out_path: str, err_path: str) -> None:
+    """The child: `python script *args` with `env`, output to the two files."""
+    for fd, path in ((1, out_path), (2, err_path)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 -- the process's own stdio
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
+    import torch
+
+    if env.get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # torch read the variable when the server imported it
+    python_path = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    sys.path[:0] = [os.path.dirname(os.path.abspath(script)), *python_path]
+    sys.argv = [script, *args]
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        if not isinstance(exit_.code, (int, type(None))):
+            print(exit_.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 -- reported the way the interpreter reports an uncaught exception
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class PythonProcess:
+    """A started `python SCRIPT ARGS`; `communicate` waits for it like `subprocess.Popen.communicate`."""
+
+    def __init__(self, script: str, args: Sequence[str], env: dict, cwd: str | None = None) -> None:
+        self.args = [sys.executable, str(script), *map(str, args)]
+        self.returncode: int | None = None
+        if not _is_cpu_run(env):
+            self._popen = subprocess.Popen(self.args, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True)
+            return
+        self._popen = None
+        self._dir = tempfile.mkdtemp(prefix="python_process_")
+        self._out, self._err = os.path.join(self._dir, "stdout"), os.path.join(self._dir, "stderr")
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload(PRELOAD)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self._process = context.Process(target=_main, args=(str(script), list(map(str, args)), dict(env), cwd,
+                                                            self._out, self._err), daemon=False)
+        self._process.start()
+
+    def communicate(self, timeout: float) -> tuple[str, str]:
+        """Wait up to `timeout` seconds; (stdout, stderr). Raises subprocess.TimeoutExpired (the child is killed)."""
+        if self._popen is not None:
+            try:
+                out, err = self._popen.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self._popen.kill()
+                self._popen.communicate()
+                raise
+            self.returncode = self._popen.returncode
+            return out, err
+        self._process.join(timeout)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        self.returncode = self._process.exitcode
+        with open(self._out) as out, open(self._err) as err:
+            result = out.read(), err.read()
+        for path in (self._out, self._err):
+            os.remove(path)
+        os.rmdir(self._dir)
+        return result
+
+
+def run_python(script: str, args: Sequence[str], env: dict, timeout: float,
+               cwd: str | None = None) -> subprocess.CompletedProcess:
+    """`subprocess.run([python, script, *args], env=env, capture_output=True, text=True)`, through `PythonProcess`."""
+    process = PythonProcess(script, args, env, cwd)
+    out, err = process.communicate(timeout)
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
