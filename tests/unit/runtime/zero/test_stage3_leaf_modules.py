@@ -5,7 +5,9 @@ different collectives and hang; with the block marked as a leaf (deepspeed.utils
 config's zero_optimization.leaf_module) the run matches single-process AdamW on the whole batch.
 """
 
+import faulthandler
 import multiprocessing
+import os
 
 import pytest
 import torch
@@ -147,6 +149,11 @@ class _MoETraining(DistributedExec):
     requires_cuda_env = False
 
     def run(self, marked):
+        if not marked:
+            # This run is meant to hang or to die in a mismatched collective (gloo then aborts the process): its
+            # crash report on stderr would read as a failure in the suite's output. The outcome is what is tested.
+            faulthandler.disable()
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
         model = MoENet()
         if marked:
             set_z3_leaf_modules(model, ["SparseMoeBlock"])
