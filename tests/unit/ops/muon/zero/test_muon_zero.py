@@ -125,6 +125,15 @@ def masters(engine):
     return [safe_get_full_fp32_param(p).cpu().clone() for p in engine.module.parameters()]
 
 
+def assert_masters_follow(engine, reference, step, tolerance, what=""):
+    """After optimizer step `step`, each fp32 master's change since the start equals `reference_muon`'s within
+    `tolerance` (relative error of the change)."""
+    for index, (got, want) in enumerate(zip(masters(engine), reference[step + 1], strict=True)):
+        start = reference[0][index]
+        error = relative_error(got - start, want - start)
+        assert error <= tolerance, f"{what}step {step} param {index}: relative error {error:.2e}"
+
+
 class TestMuonReferenceParity(DistributedTest):
     reuse_dist_env = True
     world_size = 2
@@ -143,10 +152,7 @@ class TestMuonReferenceParity(DistributedTest):
         reference = reference_muon(model, batches, config["optimizer"]["params"])
 
         def check(engine, step):
-            for index, (got, want) in enumerate(zip(masters(engine), reference[step + 1])):
-                start = reference[0][index]
-                error = relative_error(got - start, want - start)
-                assert error <= 1e-5, f"step {step} param {index}: relative error {error:.2e}"
+            assert_masters_follow(engine, reference, step, 1e-5)
 
         run_engine(model, config, batches, after_step=check)
 
