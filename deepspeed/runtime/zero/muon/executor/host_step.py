@@ -4,7 +4,7 @@ Newton-Schulz on the accelerator.
 Params, gradients, momenta and Adam moments are CPU tensors here. The fold and the update's application run in the
 op (``kernels/cpu_op.py``, the math's bits); the direction is written straight in the Newton-Schulz dtype into host
 memory kept from step to step (page-locked when it travels to a GPU, so the copies run at full speed), travels to
-the Newton-Schulz device, and the update comes back into kept host memory in that dtype. The Adam groups step with
+the Newton-Schulz device, and the update comes back over it in that memory. The Adam groups step with
 the op's ``adam_step``, while the accelerator runs Newton-Schulz. Both write the updated master in the model dtype
 in the same pass when given ``copies``: the weights ZeRO-Offload publishes.
 """
@@ -106,8 +106,8 @@ class HostStepExecutor(MuonStepExecutor):
         return self._buffer(("direction", id(group)), numel, dtype), None
 
     def orthogonalise(self, group: dict[str, Any], folded: FoldedGroup | None) -> list[Tensor]:
-        """Newton-Schulz on the accelerator, queued: the directions go there, the updates come back into host memory
-        kept for the group (contiguous; :meth:`apply` waits for them); the Adam groups step meanwhile."""
+        """Newton-Schulz on the accelerator, queued: the directions go there, the updates come back over them in the
+        host memory kept for the group (:meth:`apply` waits for them); the Adam groups step meanwhile."""
         if folded is None:
             return []
         if any(getattr(params[0], SPLIT_ATTRIBUTE, None) is not None for params, _ in folded.batches):
@@ -120,12 +120,10 @@ class HostStepExecutor(MuonStepExecutor):
                 updates = orthogonalise(folded.directions, method, steps, dtype, coefficients)
             self._step_adam_groups()
             return updates
-        directions = folded.directions
-        flat = self._buffer(("updates", id(group)), sum(direction.numel() for direction in directions), dtype)
-        host, start = [], 0
-        for direction in directions:
-            host.append(flat[start:start + direction.numel()].view(direction.shape))
-            start += direction.numel()
+        # The updates come back over their own directions: a chunk's copy to the device is queued before its
+        # updates' copy back, on one stream, so each direction is read before it is overwritten, and the host keeps
+        # one buffer of the group's size instead of two (2 bytes per Muon parameter in bf16).
+        directions = host = folded.directions
         for chunk in ns_chunks(directions, NS_CHUNK_BYTES):
             on_device = [directions[index][lo:hi].to(self.ns_device, non_blocking=self._pin)
                          for index, lo, hi in chunk]
