@@ -33,10 +33,18 @@ def _torch_info() -> dict:
     }
 
 
-torch_info = _torch_info()
 try:
     # Where setup.py compiled ops, the torch they were compiled against (their loader refuses another).
-    from .git_version_info_installed import torch_info  # noqa: F401, F811
+    from .git_version_info_installed import torch_info  # noqa: F401
 except ImportError:
     pass
+
+
+def __getattr__(name: str):
+    """`torch_info` of the torch this process imports, read on first use: `import deepspeed` (the version, the
+    launcher) does not import torch."""
+    if name == "torch_info":
+        globals()["torch_info"] = info = _torch_info()
+        return info
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 compatible_ops = {}

@@ -578,6 +578,8 @@ def describe_cpu_launch(plan: LaunchPlan, args: argparse.Namespace) -> str:
 
 def _local_gpu_count() -> int:
     """GPUs this process sees; 0 when the accelerator is the CPU (none found, or DS_ACCELERATOR=cpu)."""
+    if os.environ.get("DS_ACCELERATOR") == "cpu":  # asked for: the answer needs no torch import
+        return 0
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()

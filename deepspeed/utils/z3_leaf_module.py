@@ -10,13 +10,16 @@ The flag is upstream's `_z3_leaf` attribute on the module; a parameter of a leaf
 leaf) once stage 3 manages it.
 """
 
-from typing import Iterable, List, Sequence, Tuple, Type, Union
+from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING, Iterable, List, Sequence, Tuple, Type, Union
 
 from deepspeed.utils.logging import logger
 
-ModuleClasses = Sequence[Union[Type[torch.nn.Module], str]]
+if TYPE_CHECKING:  # annotations only: deepspeed.utils imports this module, and the launcher imports deepspeed.utils
+    import torch
+
+ModuleClasses = Sequence[Union[Type["torch.nn.Module"], str]]
 
 # Upstream's `zero_optimization.leaf_module.classes` default: the MoE blocks of transformers models whose experts
 # are chosen per token.

@@ -86,9 +86,12 @@ def _answer_before_forking() -> None:
     py-cpuinfo answers what the CPU's features are in a subprocess of its own (about a second of CPU); ranks forked
     after this inherit the cached answer, so each offload or cpu_adam test no longer pays it on every rank. The first
     torch optimizer a process builds imports torch._dynamo (`Optimizer.add_param_group` is wrapped by
-    `torch._disable_dynamo`), about 2 s of CPU, which every rank of a test that builds an engine would pay.
+    `torch._disable_dynamo`), about 2 s of CPU, which every rank of a test that builds an engine would pay; and
+    `import deepspeed` loads the engine's modules only on first use of `deepspeed.initialize` and the rest.
     """
     import torch._dynamo  # noqa: F401
+
+    import deepspeed.public_api  # noqa: F401
     try:
         from deepspeed.ops.op_builder.builder import cpu_info
     except ImportError:
@@ -187,7 +190,7 @@ class DistributedExec:
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
             # Ranks fork from a server that has already paid for importing torch and deepspeed.
-            ctx.set_forkserver_preload(["torch", "deepspeed"])
+            ctx.set_forkserver_preload(["torch", "deepspeed.public_api"])
         task = (self, method_name, kwargs or {})
         if self._uses_pool():
             outcome = self._pool_for(ctx, num_procs, start_method).run(task, self.exec_timeout)

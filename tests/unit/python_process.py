@@ -19,7 +19,7 @@ import tempfile
 import traceback
 from typing import Sequence
 
-PRELOAD = ["torch", "torch._dynamo", "deepspeed"]
+PRELOAD = ["torch", "torch._dynamo", "deepspeed.public_api"]
 
 
 def _is_cpu_run(env: dict) -> bool:

@@ -116,9 +116,9 @@ def test_add_config_arguments(tmp_path):
     args = parser.parse_args(["--deepspeed", "--deepspeed_config", "ds.json"])
     assert (args.deepspeed, args.deepspeed_config, args.deepscale, args.deepscale_config) == (
         True, "ds.json", False, None)
-    assert deepspeed._resolve_config(args, None) == "ds.json"
+    assert deepspeed.public_api._resolve_config(args, None) == "ds.json"
     legacy = parser.parse_args(["--deepscale_config", "old.json"])
-    assert deepspeed._resolve_config(legacy, None) == "old.json"
+    assert deepspeed.public_api._resolve_config(legacy, None) == "old.json"
 
 
 def test_small_provided_helpers():

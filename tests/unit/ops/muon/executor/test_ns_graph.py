@@ -1,6 +1,8 @@
 """On a GPU, Newton-Schulz in a lent workspace is replayed from a CUDA graph: the same bits as the eager paths, no
 memory of its own beyond a small pool, and never while someone has wrapped the Newton-Schulz entries (counting)."""
 
+import gc
+
 import pytest
 import torch
 
@@ -72,6 +74,7 @@ def _steps_with_lent_buffer(lent_numel: int, steps: int = 8):
     """Muon in a lent workspace of ``lent_numel`` bf16 elements with graphs on; the graphs, the workspace's last
     fallback bytes and the memory held after each step."""
     device = torch.device("cuda", 0)
+    gc.collect()  # an earlier test's garbage freed during the steps would read as memory the steps gave back
     shapes = [(1024, 256)] * 4
     numels = [torch.Size(shape).numel() for shape in shapes]
     master = torch.randn(sum(numels), generator=torch.Generator().manual_seed(0)).to(device)
