@@ -119,3 +119,11 @@ def run_python(script: str, args: Sequence[str], env: dict, timeout: float,
     process = PythonProcess(script, args, env, cwd)
     out, err = process.communicate(timeout)
     return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def repo_env(**overrides: str) -> dict:
+    """This process's environment with the repository first on PYTHONPATH (the entries already there kept after it:
+    a machine may supply dependencies through PYTHONPATH), and `overrides` set."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path, **overrides)

@@ -7,11 +7,10 @@ state, the learning-rate schedule's step, the data generator's position and the 
 evaluation; the last invocation also reuses adamw's history, finished two invocations before."""
 
 import json
-import os
 import socket
 from pathlib import Path
 
-from unit.python_process import PythonProcess
+from unit.python_process import PythonProcess, repo_env
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = REPO_ROOT / "benchmarks" / "convergence.py"
@@ -28,8 +27,7 @@ def free_port() -> str:
 
 
 def environment() -> dict:
-    return dict(os.environ, PYTHONPATH=str(REPO_ROOT), DS_ACCELERATOR="cpu", MASTER_PORT=free_port(),
-                OMP_NUM_THREADS="1")
+    return repo_env(DS_ACCELERATOR="cpu", MASTER_PORT=free_port(), OMP_NUM_THREADS="1")
 
 
 def start(out: Path, *extra: str) -> PythonProcess:

@@ -3,17 +3,16 @@ source, evaluates on the held-out files and writes its results; the loss falls i
 concludes needs its GPU run; this keeps the script working.)"""
 
 import json
-import os
 from pathlib import Path
 
-from unit.python_process import run_python
+from unit.python_process import repo_env, run_python
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = REPO_ROOT / "benchmarks" / "convergence.py"
 
 
 def test_every_mode_trains_and_the_report_is_written(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), DS_ACCELERATOR="cpu", MASTER_PORT="29573")
+    env = repo_env(DS_ACCELERATOR="cpu", MASTER_PORT="29573")
     # 48 steps per mode (evaluated at 0, 40, 48): every mode's held-out loss is down by over 2 at step 40.
     args = ["--size", "tiny", "--tokens", "5e4", "--batch", "16", "--eval-every", "40", "--eval-batches", "2",
             "--device", "cpu", "--out", str(tmp_path)]

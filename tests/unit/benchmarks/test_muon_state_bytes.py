@@ -2,16 +2,15 @@
 ones, NorMuon adds one fp32 value per row of every Muon matrix, and the Adam half does not change."""
 
 import json
-import os
 from pathlib import Path
 
-from unit.python_process import run_python
+from unit.python_process import repo_env, run_python
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_the_counted_bytes_follow_the_options(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    env = repo_env()
     result = run_python(str(REPO_ROOT / "benchmarks" / "muon_state_bytes.py"), ["--sizes", "gpt2-small", "--out",
                                                                                 str(tmp_path)], env, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
