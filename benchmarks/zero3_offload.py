@@ -130,18 +130,20 @@ def parameter_counts(module: torch.nn.Module) -> Dict[str, int]:
 
 
 def expected_model_state_bytes(counts: Dict[str, int], world_size: int, optimizer: str, offload_param: bool,
-                               offload_optimizer: bool) -> Dict[str, Dict[str, float]]:
+                               offload_optimizer: bool, grads_on_host: bool = False) -> Dict[str, Dict[str, float]]:
     """What each rank should hold at ZeRO-3 in bf16 between the backward and the step, by place and kind.
 
-    P elements over N ranks: lp weights 2 P / N (host with offload_param), the reduced gradients 2 P / N (bf16
-    accumulation, on the accelerator), fp32 masters 4 P / N and the optimizer state, 8 bytes per Adam element and
-    4 per Muon matrix element (its fp32 momentum), over N (host with offload_optimizer); and every rank's whole bf16
-    copy of the persistent parameters, 2 P_persistent, on the accelerator.
+    P elements over N ranks: lp weights 2 P / N (host with offload_param); the reduced gradients 2 P / N (bf16
+    accumulation), on the accelerator, or on the host where the backward sent them there (`grads_on_host`: optimizer
+    offload to an accelerator without gradient accumulation); fp32 masters 4 P / N and the optimizer state, 8 bytes
+    per Adam element and 4 per Muon matrix element (its fp32 momentum), over N (host with offload_optimizer); and every
+    rank's whole bf16 copy of the persistent parameters, 2 P_persistent, on the accelerator.
     """
     n = world_size
     lp, grads, masters = 2 * counts["all"] / n, 2 * counts["all"] / n, 4 * counts["all"] / n
     state = (8 * counts["adam"] + (4 if optimizer == "muon" else 8) * counts["muon"]) / n
-    places = {"host": {}, "accelerator": {"grads": grads, "persistent": 2 * counts["persistent"]}}
+    places = {"host": {}, "accelerator": {"persistent": 2 * counts["persistent"]}}
+    places["host" if grads_on_host else "accelerator"]["grads"] = grads
     places["host" if offload_param else "accelerator"]["lp"] = lp
     places["host" if offload_optimizer else "accelerator"].update(masters=masters, optimizer_state=state)
     return places
@@ -166,7 +168,7 @@ def model_state_bytes(engine) -> Dict[str, Dict[str, int]]:
     host_state = optimizer.cpu_offload
     kinds = {
         "lp": (host_lp, list(optimizer.fp16_partitioned_groups_flat)),
-        "grads": (False, [optimizer.reducer.partition_grad(g) for g in range(len(optimizer.layouts))]),
+        "grads": (optimizer.gradients_on_host, optimizer.reduced_gradient_partitions()),
         "persistent": (False, [p.data for p in engine.module.parameters() if getattr(p, "ds_persist", False)]),
         "masters": (host_state, list(optimizer.single_partition_of_fp32_groups)),
         "optimizer_state": (host_state, [value for state in optimizer.optimizer.state.values()
@@ -270,6 +272,7 @@ def measure_rank(args, optimizer: str, tree: str = "this") -> dict:
         engine.backward(loss)
         if step == args.warmup + args.steps - 1 and tree == "this" and stage == 3:
             accounting = model_state_bytes(engine)  # gradients exist from the backward to the step
+            grads_on_host = engine.optimizer.gradients_on_host
         engine.step()
         _synchronize(device)
         if step >= args.warmup:
@@ -296,7 +299,8 @@ def measure_rank(args, optimizer: str, tree: str = "this") -> dict:
     if accounting is not None:
         result["model_state_bytes"] = accounting
         result["expected_model_state_bytes"] = expected_model_state_bytes(counts, world_size, optimizer,
-                                                                          offload_param, offload_optimizer)
+                                                                          offload_param, offload_optimizer,
+                                                                          grads_on_host)
     return result
 
 

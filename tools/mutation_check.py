@@ -87,9 +87,9 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "so a non-finite gradient reaches the momentum"),
         patches=(
             Patch(STAGE,
-                  "        grads = [self.reducer.partition_grad(g) for g in range(len(self.layouts))]\n",
-                  "        grads = [self.reducer.partition_grad(g) for g in range(len(self.layouts))]\n"
-                  "        self._mutant_muon_before_decision(grads)\n"),
+                  "            grads, local_stats = self._partition_grads(), None\n",
+                  "            grads, local_stats = self._partition_grads(), None\n"
+                  "            self._mutant_muon_before_decision(grads)\n"),
             Patch(STAGE,
                   "    def _apply(self, grad_factor: torch.Tensor) -> None:\n",
                   "    def _mutant_muon_before_decision(self, grads) -> None:\n"

@@ -65,12 +65,27 @@ def reduced_statistics(grads: Sequence[torch.Tensor], replicated: bool, group=No
     Returns:
         A 2-element float64 tensor on the gradients' device; the sum of squares is 0 when the flag is set.
     """
-    device = grads[0].device if grads else torch.device("cpu")
-    stats = torch.zeros(2, dtype=torch.float64, device=device)
+    stats = local_statistics(grads[0].device if grads else torch.device("cpu"))
     for grad in grads:
-        for part in _norm_parts(grad):
-            norm = torch.linalg.vector_norm(part, dtype=torch.float32).double()
-            stats[0] += norm * norm
+        add_to_statistics(stats, grad)
+    return reduce_statistics(stats, replicated, group)
+
+
+def local_statistics(device: torch.device) -> torch.Tensor:
+    """An empty [sum of squares, 0] for `add_to_statistics`: float64, on `device`."""
+    return torch.zeros(2, dtype=torch.float64, device=device)
+
+
+def add_to_statistics(stats: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add `grad`'s sum of squares to `stats` (`local_statistics`), on the stats' device: also a stretch of a
+    gradient, as it is made (ZeRO-Offload's gradients that leave the accelerator during the backward)."""
+    for part in _norm_parts(grad):
+        norm = torch.linalg.vector_norm(part, dtype=torch.float32).double()
+        stats[0] += (norm * norm).to(stats.device)
+
+
+def reduce_statistics(stats: torch.Tensor, replicated: bool, group=None) -> torch.Tensor:
+    """`reduced_statistics` from this rank's `local_statistics` (written in place and returned)."""
     # The flag rides in the same tensor as the norm: a non-finite sum of squares means a non-finite
     # gradient element, and summing or max-ing the 0/1 flags both give "any rank saw one".
     stats[1] = (~torch.isfinite(stats[0])).double()
@@ -139,7 +154,8 @@ class _Verdict:
 
 def transactional_step(grads: Sequence[torch.Tensor], loss_scaler, clip: float, check_overflow: bool,
                        replicated: bool, group, apply: Callable[[torch.Tensor], None],
-                       prepare: Optional[Callable[[torch.Tensor], None]] = None) -> StepOutcome:
+                       prepare: Optional[Callable[[torch.Tensor], None]] = None,
+                       local_stats: Optional[torch.Tensor] = None) -> StepOutcome:
     """Run one optimizer step as a transaction.
 
     Args:
@@ -151,6 +167,8 @@ def transactional_step(grads: Sequence[torch.Tensor], loss_scaler, clip: float, 
         group: the data-parallel process group.
         apply: called with the single factor (a 0-d fp32 tensor on the gradients' device, see
             `norm_and_grad_factor`) that unscales and clips; it performs every mutation of the step.
+        local_stats: this rank's `local_statistics` of its gradients, taken as they were made, in place of `grads`
+            (which the caller then no longer holds on the device).
         prepare: called with the same factor after the statistics are reduced and before the host reads the
             verdict; it must not change any state the step protects (it computes into new tensors, which
             `apply` may use and which are dropped when the step is skipped). Work it queues on the device runs
@@ -160,7 +178,8 @@ def transactional_step(grads: Sequence[torch.Tensor], loss_scaler, clip: float, 
         The StepOutcome.
     """
     with step_ranges.phase(step_ranges.STATISTICS):
-        stats = reduced_statistics(grads, replicated, group)
+        stats = (reduced_statistics(grads, replicated, group) if local_stats is None
+                 else reduce_statistics(local_stats, replicated, group))
         scale_used = float(loss_scaler.cur_scale)
         grad_norm, grad_factor = norm_and_grad_factor(stats, scale_used, clip)
         # The skip verdict must be known before anything is mutated, so checking costs the step's one wait for

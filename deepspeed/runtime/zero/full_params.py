@@ -60,7 +60,7 @@ class FullParamAccess:
         if not self._grads_ready:
             raise ValueError("Gradients are only available immediately after backward and before engine step")
         scale = float(self.loss_scaler.cur_scale)
-        grads = self.reducer.partition_grad
+        grads = self._reduced_grad_partition
         return self._gather_full(param, lambda g, start, n, _: grads(g)[start:start + n].float() / scale)
 
     def get_full_optimizer_state(self, param: torch.Tensor, key: str) -> torch.Tensor:
@@ -219,4 +219,5 @@ class FullParamAccess:
             raise ValueError("Gradients are only available immediately after backward and before engine step")
         # The reducer holds loss-scaled gradients; the transactional step unscales them.
         scaled = value.detach().float() * float(self.loss_scaler.cur_scale)
-        self._scatter_full(param, scaled, self.reducer.partition_grad(group))
+        self._scatter_full(param, scaled, self._reduced_grad_partition(group))
+        self._sunk_stats = None  # the statistics taken as the gradients were made no longer describe them

@@ -16,6 +16,12 @@ contribution is added (stage 2: when its bucket is unpacked, or, with one rank, 
 stage 1: when its chunk is unpacked). `final_range_listener`, when set, hears of each such stretch then, once, so
 that a consumer (ZeRO-Offload's copy to the host) can start on it during the backward instead of after it.
 
+Sinking (stage 2 and 3, `final_sink` set): a backward that is a whole accumulation (it ends one, and nothing was
+accumulated before it) hands each stretch, as it becomes final, to `final_sink(group, start, values)` instead of
+adding it into the group's buffer, which is then never allocated: ZeRO-Offload sends the stretch to the host, so
+the accelerator holds no gradient partition at all, only the buckets in flight. Where gradients were accumulated
+before (gradient accumulation, or a second backward before the step) they go into the buffer as above.
+
 The reducer knows nothing of loss scales or optimizers; it produces sums (or means) of what it was given.
 """
 
@@ -106,6 +112,12 @@ class GradReducer:
         # docstring); only in a backward announced by `begin_backward(is_boundary=True)`.
         self.final_range_listener: Optional[Callable[[int, int, int], None]] = None
         self._is_boundary_backward = False
+        # Called as sink(group, start, values) for each final stretch of a sinking backward (see the module
+        # docstring); `values` is valid on the current stream only (a consumer on another stream keeps it alive).
+        self.final_sink: Optional[Callable[[int, int, torch.Tensor], None]] = None
+        self._sinking = False
+        # This accumulation's gradients went to `final_sink`: nothing of them is held here.
+        self.gradients_sunk = False
         if options.partition_grads:
             self._buckets = self._plan_buckets(param_order)
             self._bucket_of = {p: k for k, bucket in enumerate(self._buckets) for p in bucket.params}
@@ -176,6 +188,12 @@ class GradReducer:
     def begin_backward(self, is_boundary: bool) -> None:
         """Say whether the coming backward ends an accumulation (its reductions then make stretches final)."""
         self._is_boundary_backward = is_boundary
+        if self.gradients_sunk:  # they would be lost: the consumer must give them back first
+            raise RuntimeError("GradReducer: a backward after this accumulation's gradients went to the sink; "
+                               "adopt_partition_grads them first")
+        self._sinking = (is_boundary and self.final_sink is not None and self.options.partition_grads
+                         and all(buffer is None for buffer in self._grads))
+        self.gradients_sunk = self._sinking
 
     def _announce(self, group: int, start: int, end: int) -> None:
         if self.final_range_listener is not None and self._is_boundary_backward and end > start:
@@ -193,6 +211,9 @@ class GradReducer:
             # dtype, as the bucket would round it (and the partition is the whole group).
             start, end = self.layouts[group].param_range(index)
             wire = flat_grad if flat_grad.dtype == self.options.comm_dtype else flat_grad.to(self.options.comm_dtype)
+            if self._sinking:
+                self.final_sink(group, start, wire)
+                return
             self._buffer(group)[start:end].add_(wire)
             self._announce(group, start, end)  # a parameter's gradient arrives once per backward
             return
@@ -255,11 +276,14 @@ class GradReducer:
         if self.options.average and recv.dtype.is_floating_point:
             recv.div_(self.dp_world_size)  # the staging row is ours to overwrite
         for run in bucket.own_runs:
-            target = self._buffer(run.group)
-            target[run.partition_offset:run.partition_offset + run.numel].add_(
-                recv[run.row_offset:run.row_offset + run.numel])
-        for run in bucket.own_runs:  # every bucket is unpacked once per backward: its runs are now final
-            self._announce(run.group, run.partition_offset, run.partition_offset + run.numel)
+            values = recv[run.row_offset:run.row_offset + run.numel]
+            if self._sinking:  # every bucket is unpacked once per backward: its runs are final
+                self.final_sink(run.group, run.partition_offset, values)
+            else:
+                self._buffer(run.group)[run.partition_offset:run.partition_offset + run.numel].add_(values)
+        if not self._sinking:
+            for run in bucket.own_runs:
+                self._announce(run.group, run.partition_offset, run.partition_offset + run.numel)
         bucket.send = None
         bucket.ready.clear()
 
@@ -267,6 +291,7 @@ class GradReducer:
         """Complete this backward's reductions (stage 2 always; stages 0/1 only at the boundary)."""
         if self.options.partition_grads:
             if self.dp_world_size == 1:
+                self._sinking = False
                 return
             while self._next_bucket < len(self._buckets):
                 self._flush(self._buckets[self._next_bucket])
@@ -275,6 +300,7 @@ class GradReducer:
                 self._finish_flush(entry)
             self._pending.clear()
             self._next_bucket = 0
+            self._sinking = False
         elif is_boundary:
             for group, layout in enumerate(self.layouts):
                 self._reduce_flat(group, layout)
@@ -337,6 +363,12 @@ class GradReducer:
             return buffer
         return buffer.view(layout.num_partitions, layout.partition_size)[self.dp_rank]
 
+    def adopt_partition_grads(self, grads: Sequence[torch.Tensor]) -> None:
+        """Take `grads` (one per group, this rank's partitions, on the device) as this accumulation's gradients so far,
+        in place of sunk ones: the next backward adds to them."""
+        self._grads = [grad.to(device=self.device, dtype=self.options.accum_dtype, copy=True) for grad in grads]
+        self.gradients_sunk = False
+
     def buffers(self) -> List[torch.Tensor]:
         """The flat buffers the gradients of this accumulation live in (those allocated so far)."""
         return [buffer for buffer in self._grads if buffer is not None]
@@ -345,6 +377,7 @@ class GradReducer:
         """Forget all accumulated gradients and free their memory (after a step, applied or skipped): the next
         gradient allocates a group's buffer again, so none is held while the forward builds its activations."""
         self._grads = [None] * len(self.layouts)
+        self.gradients_sunk = False
 
 
 def _finish_all_but(works: list, keep: int, finish) -> None:

@@ -1,6 +1,8 @@
 """ZeRO-Offload's placement (`zero_optimization.offload_optimizer.device: "cpu"`): the fp32 masters and the optimizer
-state live in host memory and the optimizer steps there; the accelerator keeps the model-dtype weights and the
-reduced gradients.
+state live in host memory and the optimizer steps there; the accelerator keeps the model-dtype weights, and the
+reduced gradients only on their way to the host: in a backward that is a whole accumulation (no gradient
+accumulation) at stages 2 and 3, each stretch of the gradient partition goes to the host as the reduction makes it
+(`receive_grad`), and the accelerator never holds the partition (grad_reducer.py, "Sinking").
 
 This module owns the host side of that: the masters, pinned staging buffers for the gradients on their way to the
 host and for the updated weights on their way back, and the copies between them. It knows nothing of loss scales,
@@ -92,24 +94,32 @@ class HostOffload:
         """Start copying the final stretch start:end of `group`'s reduced gradient partition to the host, during the
         backward (the reducer says when a stretch is final). On a stream of its own, after what the current stream
         has queued (the reduction that made it final), so the backward's work does not wait for the copy."""
-        if not self.is_staged:
-            return
+        if self.is_staged:
+            self.receive_grad(group, start, device_grad[start:end])
+
+    def receive_grad(self, group: int, start: int, values: Tensor) -> None:
+        """Start copying `values`, the final stretch of `group`'s reduced gradient partition that begins at `start`, to
+        the host, as `send_grad_range` does; `values` need not outlive this call on the current stream (the copy
+        keeps its memory from being reused until it is done)."""
         from deepspeed.accelerator import get_accelerator
 
         accelerator = get_accelerator()
+        end = start + values.numel()
         if self._copy_stream is None and accelerator.Stream is not None:
             self._copy_stream = accelerator.Stream()
         if self._copy_stream is None:  # no streams: an ordinary copy, done when it returns
-            self._grads[group][start:end].copy_(device_grad[start:end])
+            self._grads[group][start:end].copy_(values)
         else:
             self._copy_stream.wait_stream(accelerator.current_stream())
             with accelerator.stream(self._copy_stream):
-                self._grads[group][start:end].copy_(device_grad[start:end], non_blocking=self.pin_memory)
+                self._grads[group][start:end].copy_(values, non_blocking=self.pin_memory)
+            values.record_stream(self._copy_stream)
         self._sent_ranges[group].append((start, end))
 
-    def send_grads(self, device_grads: Sequence[Tensor]) -> None:
+    def send_grads(self, device_grads: Optional[Sequence[Tensor]]) -> None:
         """Start copying the reduced gradients into the host staging buffers (no-op on a CPU-only run): whatever
-        `send_grad_range` has not sent yet.
+        `send_grad_range` has not sent yet; None when every stretch the reduction made went by `receive_grad`
+        (the rest of the partition, which no gradient reached, is zero).
 
         Stream-ordered after the reduction that produced them; `host_grads` waits for the copy. Writes nothing
         but the staging buffers, so it may run before the step's verdict.
@@ -119,9 +129,12 @@ class HostOffload:
             return
         from deepspeed.accelerator import get_accelerator
 
-        for group, (staging, grad) in enumerate(zip(self._grads, device_grads)):
-            for start, end in unsent_ranges(self._sent_ranges[group], grad.numel()):
-                staging[start:end].copy_(grad[start:end], non_blocking=self.pin_memory)
+        for group, staging in enumerate(self._grads):
+            for start, end in unsent_ranges(self._sent_ranges[group], staging.numel()):
+                if device_grads is None:
+                    staging[start:end].zero_()
+                else:
+                    staging[start:end].copy_(device_grads[group][start:end], non_blocking=self.pin_memory)
             self._sent_ranges[group] = []
         if self._copy_stream is not None:
             # The current stream goes on only after the backward's copies: `host_grads` waits for them through its

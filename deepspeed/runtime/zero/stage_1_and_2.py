@@ -14,8 +14,9 @@ the global overflow verdict; a step that is taken makes one call of the basic op
 (step_contract.py, chosen at construction); the lp weights are published.
 
 With optimizer offload (zero/offload.py) the masters and the basic optimizer's state live in host memory and the
-basic optimizer steps there; the reduced gradients travel to the host before the verdict and the updated weights
-come back after the step.
+basic optimizer steps there; the reduced gradients travel to the host before the verdict (at stages 2 and 3 without
+gradient accumulation straight from the reduction, never held on the accelerator) and the updated weights come back
+after the step.
 """
 
 from typing import Dict, List, Optional, Tuple
@@ -25,7 +26,7 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
 from deepspeed.runtime import step_ranges
-from deepspeed.runtime.optimizer_step import StepOutcome, transactional_step
+from deepspeed.runtime.optimizer_step import StepOutcome, add_to_statistics, local_statistics, transactional_step
 from deepspeed.runtime.zero.flat_layout import (GroupLayout, even_layout, excess_padding, full_shape,
                                                 newton_schulz_cost, owner_layout, padding_factor, split_repeated_cost)
 from deepspeed.utils.logging import logger
@@ -88,9 +89,13 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
                                     self.bit16_groups, self._partition_base, self._owner_rank, self._split)
         self.reducer = GradReducer(self.layouts, self._reduction_order(), self.dp_rank, self.dp_world_size, dp_group,
                                    self.options.reducer_options(), self.device)
+        # The statistics (sum of squares, non-finite check) of gradients that went to the host as they were made.
+        self._sunk_stats: Optional[torch.Tensor] = None
         if self._offload is not None and self._offload.is_staged:
-            # Gradients go to the host stretch by stretch as the backward makes them final, not all after it.
+            # Gradients go to the host stretch by stretch as the backward makes them final, not all after it; where
+            # nothing was accumulated before the backward, straight from the reduction (grad_reducer.py, "Sinking").
             self.reducer.final_range_listener = self._send_grad_range
+            self.reducer.final_sink = self._receive_grad
         self._hook_handles = self._register_grad_hooks()
         self._configure_basic_optimizer()
         self.overflow = False
@@ -225,20 +230,54 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
 
     def backward_prologue(self, is_boundary: bool) -> None:
         """Before a backward: whether it ends the accumulation. Offloaded to a GPU, the reducer then hands each
-        stretch of the gradient partition to the host copy as soon as it is final, during the backward."""
+        stretch of the gradient partition to the host copy as soon as it is final, during the backward. A backward
+        after one whose gradients went straight to the host (two before one step) adds to them: they come back."""
+        if self.reducer.gradients_sunk:
+            self.reducer.adopt_partition_grads(self._offload.host_grads())
+            self._offload.forget_sent_ranges()
+            self._sunk_stats = None
         self.reducer.begin_backward(is_boundary)
 
     def _send_grad_range(self, group: int, start: int, end: int) -> None:
         self._offload.send_grad_range(group, start, end, self.reducer.partition_grad(group))
 
+    def _receive_grad(self, group: int, start: int, values: torch.Tensor) -> None:
+        """A final stretch of a partition, straight from the reduction: to the host, its statistics kept here."""
+        if self._sunk_stats is None:
+            self._sunk_stats = local_statistics(self.device)
+        add_to_statistics(self._sunk_stats, values)
+        self._offload.receive_grad(group, start, values)
+
+    def reduced_gradient_partitions(self) -> List[torch.Tensor]:
+        """This rank's reduced, loss-scaled gradient partitions, one per group, between a backward that ends an
+        accumulation and the step: on the accelerator, or in host memory where the backward sent them there
+        (ZeRO-Offload without gradient accumulation at stages 2 and 3; `gradients_on_host`)."""
+        return [self._reduced_grad_partition(g) for g in range(len(self.layouts))]
+
+    @property
+    def gradients_on_host(self) -> bool:
+        """The reduced gradients of this accumulation went to host memory as they were made and are not held on the
+        accelerator."""
+        return self.reducer.gradients_sunk
+
+    def _reduced_grad_partition(self, group: int) -> torch.Tensor:
+        """This rank's reduced, loss-scaled gradient partition of `group`, where the step will read it: the
+        reducer's, or its host copy when the backward sent it there."""
+        if self.reducer.gradients_sunk:
+            return self._offload.host_grads()[group]
+        return self.reducer.partition_grad(group)
+
     def _release_reduced_grads(self) -> None:
         self.reducer.release()
+        self._sunk_stats = None
         if self._offload is not None:
             self._offload.forget_sent_ranges()
 
     def backward_epilogue(self, is_boundary: bool) -> None:
         """Finish this backward's reductions; at the boundary the partition gradients become readable."""
         self.reducer.end_of_backward(is_boundary)
+        if self.reducer.gradients_sunk:
+            self._offload.send_grads(None)  # what no gradient reached is zero; the copies are waited for at the step
         self.micro_step_id += 1
         self._grads_ready = is_boundary
 
@@ -246,11 +285,15 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
         """Run the transactional step on this rank's reduced gradients (see runtime/optimizer_step.py)."""
         if closure is not None:
             raise ValueError("DeepSpeedZeroOptimizer.step() does not take a closure")
-        grads = [self.reducer.partition_grad(g) for g in range(len(self.layouts))]
         replicated = self.options.stage == 0 or self.dp_world_size == 1
+        if self.reducer.gradients_sunk:  # on the host already: the statistics were taken on the way there
+            grads, local_stats = [], self._sunk_statistics()
+        else:
+            grads, local_stats = self._partition_grads(), None
         try:
             outcome = transactional_step(grads, self.loss_scaler, self.options.clip_grad, self.options.check_overflow,
-                                         replicated, self.dp_process_group, self._apply, prepare=self._prepare)
+                                         replicated, self.dp_process_group, self._apply, prepare=self._prepare,
+                                         local_stats=local_stats)
         finally:
             self._release_master_grads()
         self.overflow = not outcome.applied
@@ -260,10 +303,20 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
         self.micro_step_id = 0
         return outcome
 
+    def _sunk_statistics(self) -> torch.Tensor:
+        """This rank's statistics of gradients sent straight to the host: those taken on the way, or, where the host
+        copies were written since (`safe_set_full_grad`) or nothing arrived, the host copies' own."""
+        if self._sunk_stats is not None:
+            return self._sunk_stats
+        stats = local_statistics(self.device)
+        for grad in self._offload.host_grads():
+            add_to_statistics(stats, grad)
+        return stats
+
     def _prepare(self, grad_factor: torch.Tensor) -> None:
         """Before the verdict, offloaded: start copying the gradients to the host (only staging buffers are written),
-        so the copy runs while the host waits for the verdict."""
-        if self._offload is not None:
+        so the copy runs while the host waits for the verdict (already done where they went there directly)."""
+        if self._offload is not None and not self.reducer.gradients_sunk:
             self._offload.send_grads(self._partition_grads())
 
     def _apply(self, grad_factor: torch.Tensor) -> None:
@@ -293,7 +346,7 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
         return self._offload.host_grads(), grad_factor.cpu(), self._lp_copy_targets()
 
     def _partition_grads(self) -> List[torch.Tensor]:
-        return [self.reducer.partition_grad(g) for g in range(len(self.layouts))]
+        return self.reduced_gradient_partitions()
 
     def _lp_copy_targets(self) -> List[List[torch.Tensor]]:
         """Per basic-optimizer group, per master: its slice of `HostOffload.lp_targets()`, where a host step writes

@@ -3,9 +3,10 @@
 The benchmark's tiny GPT trained on gloo CPU ranks with `offload_param` and `offload_optimizer`; between the last
 backward and its step each rank's storages, by where the engine keeps them, must match the formula
 (`expected_model_state_bytes`): on the host the lp partition 2 P / N, the fp32 masters 4 P / N and the optimizer
-state (8 bytes per Adam element, 4 per Muon matrix element, over N); on the accelerator the reduced gradients
-2 P / N. At N = 2 a rank holding the whole lp weights, or the lp partitions left on the accelerator, or masters not
-offloaded, is off by 100% in one place. Padding (partitions of equal size, Muon's whole matrices per owner) and
+state (8 bytes per Adam element, 4 per Muon matrix element, over N); the reduced gradients 2 P / N on the
+accelerator, or, on the accelerator's path (staged; no gradient accumulation), on the host. At N = 2 a rank holding
+the whole lp weights, or the lp partitions left on the accelerator, or masters not offloaded, is off by 100% in one
+place. Padding (partitions of equal size, Muon's whole matrices per owner) and
 Adam's step counters are the only difference allowed (1%).
 """
 
@@ -14,6 +15,7 @@ import os
 
 import pytest
 
+from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 from unit.common import DistributedTest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -31,12 +33,19 @@ def load_benchmark():
 class TestZero3OffloadBytesPerRank(DistributedTest):
     world_size = [1, 2]
 
+    @pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
     @pytest.mark.parametrize("optimizer", ["muon", "adamw"])
-    def test_host_and_accelerator_bytes_match_the_formula(self, optimizer):
+    def test_host_and_accelerator_bytes_match_the_formula(self, optimizer, staged):
+        """`staged`: the accelerator's offload path with host memory on both ends, where the reduced gradients go to
+        the host during the backward and the accelerator holds none."""
         bench = load_benchmark()
         # Every parameter partitioned (the tiny model's would all stay whole under the default threshold).
         args = bench.parse_args(["--size", "tiny", "--persistence-threshold", "0", "--warmup", "1", "--steps", "1"])
-        result = bench.measure_rank(args, optimizer)
+        DeepSpeedZeroOptimizer.stage_offload_on_cpu = staged
+        try:
+            result = bench.measure_rank(args, optimizer)
+        finally:
+            DeepSpeedZeroOptimizer.stage_offload_on_cpu = False
         assert result["skipped_steps"] == 0 and result["tokens_per_s"] > 0
         got, expected = result["model_state_bytes"], result["expected_model_state_bytes"]
         what = f"rank of {result['world_size']}, {optimizer}: measured {got}, expected {expected}"
@@ -44,4 +53,5 @@ class TestZero3OffloadBytesPerRank(DistributedTest):
             assert got[place].keys() == expected[place].keys(), what
             for kind, bytes_ in expected[place].items():
                 assert abs(got[place][kind] - bytes_) <= TOLERANCE * max(bytes_, 1) + 64, (place, kind, what)
-        assert set(got["host"]) == {"lp", "masters", "optimizer_state"}, what
+        on_host = {"lp", "masters", "optimizer_state"} | ({"grads"} if staged else set())
+        assert set(got["host"]) == on_host, what

@@ -225,6 +225,95 @@ class TestOffloadStaging(DistributedTest):
         assert engine.was_step_applied() and all(not ranges for ranges in offload._sent_ranges)
 
 
+class TestGradientsStraightToTheHost(DistributedTest):
+    """Without gradient accumulation, at stages 2 and 3, the accelerator's offload path sends each stretch of the
+    reduced gradient partition to the host as the reduction makes it and never holds the partition (the reducer
+    allocates no gradient buffer): the same bits as the direct path, step by step, through a skipped step (fp16);
+    with clipping, where the norm is summed stretch by stretch, the same within rounding; a second backward before
+    the step adds to the gradients that went to the host; and deepspeed.utils reads and writes them there."""
+
+    world_size = [1, 2]
+
+    @staticmethod
+    def _pair(config):
+        direct, _ = initialize(make_model(HIDDEN), config)
+        with staging_on_the_host():
+            staged, _ = initialize(make_model(HIDDEN), config)
+        return direct, staged
+
+    @staticmethod
+    def _backward(engine, batch, dtype, gas_index=0, multiplier=None):
+        x, y = micro_batch(batch, 4, gas_index, dist.get_rank(), dist.get_world_size(), engine.device,
+                           {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
+        loss = engine(x, y)
+        engine.backward(loss * multiplier if multiplier is not None else loss)
+
+    @pytest.mark.parametrize("optimizer, dtype", [("muon", "bf16"), ("muon", "fp16"), ("adamw", "bf16"),
+                                                  ("adamw", "fp16")])
+    @pytest.mark.parametrize("stage", [2, 3, "3+offload_param"])
+    def test_steps_equal_direct_ones_and_no_partition_is_held(self, stage, dtype, optimizer):
+        offload_param = stage == "3+offload_param"
+        stage = 3 if offload_param else stage
+        config = offload_config(stage, dtype, MUON if optimizer == "muon" else None)
+        if offload_param:
+            config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+        direct, staged = self._pair(config)
+        world = dist.get_world_size()
+        for step, batch in enumerate(global_batches(4, 4 * world, HIDDEN)):
+            multiplier = float("inf") if step == 2 and dtype == "fp16" else None
+            for engine in (direct, staged):
+                self._backward(engine, batch, dtype, multiplier=multiplier)
+            assert staged.optimizer.reducer.gradients_sunk and staged.optimizer.reducer.buffers() == []
+            assert not direct.optimizer.reducer.gradients_sunk
+            direct.step()
+            staged.step()
+            assert staged.was_step_applied() == direct.was_step_applied() == (multiplier is None), f"step {step}"
+            assert_identical(full_snapshot(staged), full_snapshot(direct), f"step {step}")
+            assert_identical(lp_partitions(staged), lp_partitions(direct), f"lp partitions, step {step}")
+
+    @pytest.mark.parametrize("stage", [2, 3])
+    def test_clipped_steps_equal_direct_ones_within_rounding(self, stage):
+        direct, staged = self._pair(offload_config(stage, "bf16", MUON, clip=0.05))
+        for batch in global_batches(3, 4 * dist.get_world_size(), HIDDEN):
+            for engine in (direct, staged):
+                self._backward(engine, batch, "bf16")
+                engine.step()
+            assert staged.optimizer.reducer.buffers() == []
+            norm = direct.get_global_grad_norm()
+            assert norm > 0.05, "the test must clip"
+            assert abs(staged.get_global_grad_norm() - norm) <= 1e-6 * norm
+            for a, b in zip(fp32_masters(staged), fp32_masters(direct), strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+    @pytest.mark.parametrize("stage", [2, 3])
+    def test_a_second_backward_adds_to_the_gradients_on_the_host(self, stage):
+        direct, staged = self._pair(offload_config(stage, "bf16", MUON))
+        for batch in global_batches(2, 4 * dist.get_world_size(), HIDDEN):
+            for engine in (direct, staged):
+                self._backward(engine, batch, "bf16")
+                self._backward(engine, batch, "bf16")  # the same boundary: both gradients count
+                engine.step()
+            assert_identical(full_snapshot(staged), full_snapshot(direct), "two backwards, one step")
+
+    def test_deepspeed_utils_read_and_write_them(self):
+        from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
+
+        direct, staged = self._pair(offload_config(2, "bf16", MUON))
+        batch = global_batches(1, 4 * dist.get_world_size(), HIDDEN)[0]
+        for engine in (direct, staged):
+            self._backward(engine, batch, "bf16")
+        assert staged.optimizer.reducer.gradients_sunk
+        params = [list(engine.module.parameters()) for engine in (direct, staged)]
+        for p, q in zip(*params, strict=True):
+            assert torch.equal(safe_get_full_grad(q), safe_get_full_grad(p))
+        for p, q in zip(*params, strict=True):  # a doubled gradient, written and then stepped on
+            safe_set_full_grad(p, safe_get_full_grad(p) * 2)
+            safe_set_full_grad(q, safe_get_full_grad(q) * 2)
+        direct.step()
+        staged.step()
+        assert_identical(full_snapshot(staged), full_snapshot(direct), "after safe_set_full_grad")
+
+
 class TestOffloadOverflowOracle(DistributedTest):
     world_size = 2
 
