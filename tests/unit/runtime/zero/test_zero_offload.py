@@ -225,12 +225,25 @@ class TestOffloadStaging(DistributedTest):
         assert engine.was_step_applied() and all(not ranges for ranges in offload._sent_ranges)
 
 
+class SometimesSkipped(SimpleModel):
+    """SimpleModel whose `linear2` runs only while `use_linear2` is set: on the other steps it gets no gradient."""
+
+    def __init__(self):
+        torch.manual_seed(0)
+        super().__init__(HIDDEN, empty_grad=True, nlayers=2)
+        self.use_linear2 = True
+
+    def forward(self, x, y):
+        return super().forward(self.linear2(x) if self.use_linear2 else x, y)
+
+
 class TestGradientsStraightToTheHost(DistributedTest):
     """Without gradient accumulation, at stages 2 and 3, the accelerator's offload path sends each stretch of the
     reduced gradient partition to the host as the reduction makes it and never holds the partition (the reducer
     allocates no gradient buffer): the same bits as the direct path, step by step, through a skipped step (fp16);
-    with clipping, where the norm is summed stretch by stretch, the same within rounding; a second backward before
-    the step adds to the gradients that went to the host; and deepspeed.utils reads and writes them there."""
+    with clipping, where the norm is summed stretch by stretch, the same within rounding; a parameter without a
+    gradient in a step gets zero there, not its previous gradient; a second backward before the step adds to the
+    gradients that went to the host; and deepspeed.utils reads and writes them there."""
 
     world_size = [1, 2]
 
@@ -294,6 +307,20 @@ class TestGradientsStraightToTheHost(DistributedTest):
                 self._backward(engine, batch, "bf16")  # the same boundary: both gradients count
                 engine.step()
             assert_identical(full_snapshot(staged), full_snapshot(direct), "two backwards, one step")
+
+    @pytest.mark.parametrize("stage", [2, 3])
+    def test_a_parameter_without_a_gradient_this_step_gets_zero_not_the_last_one(self, stage):
+        """Its stretch of the host buffer still holds the previous step's gradient: the step must read zeros."""
+        config = offload_config(stage, "bf16", MUON)
+        direct, _ = initialize(SometimesSkipped(), config)
+        with staging_on_the_host():
+            staged, _ = initialize(SometimesSkipped(), config)
+        for step, batch in enumerate(global_batches(4, 4 * dist.get_world_size(), HIDDEN)):
+            for engine in (direct, staged):
+                engine.module.use_linear2 = step % 2 == 0
+                self._backward(engine, batch, "bf16")
+                engine.step()
+            assert_identical(full_snapshot(staged), full_snapshot(direct), f"step {step}")
 
     def test_deepspeed_utils_read_and_write_them(self):
         from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
