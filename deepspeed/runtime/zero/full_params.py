@@ -220,4 +220,5 @@ class FullParamAccess:
         # The reducer holds loss-scaled gradients; the transactional step unscales them.
         scaled = value.detach().float() * float(self.loss_scaler.cur_scale)
         self._scatter_full(param, scaled, self._reduced_grad_partition(group))
-        self._sunk_stats = None  # the statistics taken as the gradients were made no longer describe them
+        if self.gradients_on_host:
+            self._offload.grads_rewritten()

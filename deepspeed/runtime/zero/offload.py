@@ -22,6 +22,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from deepspeed.runtime.optimizer_step import add_to_statistics, local_statistics
 from deepspeed.runtime.pinned_memory import empty_pinned
 
 
@@ -59,6 +60,8 @@ class HostOffload:
         # stream their copies run on (created with the first).
         self._sent_ranges: List[List[Tuple[int, int]]] = [[] for _ in partition_numels]
         self._copy_stream = None
+        # The statistics (optimizer_step.local_statistics) of what `receive_grad` took, on the device.
+        self._received_stats: Optional[Tensor] = None
 
     def _empty(self, numel: int, dtype: torch.dtype) -> Tensor:
         return empty_pinned(numel, dtype) if self.pin_memory else torch.empty(numel, dtype=dtype)
@@ -99,9 +102,14 @@ class HostOffload:
 
     def receive_grad(self, group: int, start: int, values: Tensor) -> None:
         """Start copying `values`, the final stretch of `group`'s reduced gradient partition that begins at `start`, to
-        the host, as `send_grad_range` does; `values` need not outlive this call on the current stream (the copy
-        keeps its memory from being reused until it is done)."""
+        the host, as `send_grad_range` does, and add its sum of squares to the statistics of what was received
+        (`received_statistics`); `values` need not outlive this call on the current stream (the copy keeps its
+        memory from being reused until it is done)."""
         from deepspeed.accelerator import get_accelerator
+
+        if self._received_stats is None:
+            self._received_stats = local_statistics(self.device)
+        add_to_statistics(self._received_stats, values)
 
         accelerator = get_accelerator()
         end = start + values.numel()
@@ -157,6 +165,20 @@ class HostOffload:
     def forget_sent_ranges(self) -> None:
         """The reducer let its gradients go (a step, or a load): what was sent of them no longer counts."""
         self._sent_ranges = [[] for _ in self._sent_ranges]
+        self._received_stats = None
+
+    def received_statistics(self) -> Tensor:
+        """The local statistics of the gradients `receive_grad` took (on the device), or, where the host copies were
+        written since (`grads_rewritten`) or nothing arrived, of the host copies themselves."""
+        if self._received_stats is None:
+            self._received_stats = local_statistics(self.device)
+            for grad in self.host_grads():
+                add_to_statistics(self._received_stats, grad)
+        return self._received_stats
+
+    def grads_rewritten(self) -> None:
+        """The host copies were written after they arrived: the statistics taken on the way no longer hold."""
+        self._received_stats = None
 
     def lp_targets(self, lp_partitions: Sequence[Tensor]) -> List[Tensor]:
         """Where the host step writes the updated weights in the model dtype: the staging buffers (once their

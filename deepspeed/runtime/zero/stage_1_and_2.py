@@ -26,7 +26,7 @@ import torch
 import deepspeed.comm as dist
 from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
 from deepspeed.runtime import step_ranges
-from deepspeed.runtime.optimizer_step import StepOutcome, add_to_statistics, local_statistics, transactional_step
+from deepspeed.runtime.optimizer_step import StepOutcome, transactional_step
 from deepspeed.runtime.zero.flat_layout import (GroupLayout, even_layout, excess_padding, full_shape,
                                                 newton_schulz_cost, owner_layout, padding_factor, split_repeated_cost)
 from deepspeed.utils.logging import logger
@@ -89,13 +89,11 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
                                     self.bit16_groups, self._partition_base, self._owner_rank, self._split)
         self.reducer = GradReducer(self.layouts, self._reduction_order(), self.dp_rank, self.dp_world_size, dp_group,
                                    self.options.reducer_options(), self.device)
-        # The statistics (sum of squares, non-finite check) of gradients that went to the host as they were made.
-        self._sunk_stats: Optional[torch.Tensor] = None
         if self._offload is not None and self._offload.is_staged:
             # Gradients go to the host stretch by stretch as the backward makes them final, not all after it; where
             # nothing was accumulated before the backward, straight from the reduction (grad_reducer.py, "Sinking").
             self.reducer.final_range_listener = self._send_grad_range
-            self.reducer.final_sink = self._receive_grad
+            self.reducer.final_sink = self._offload.receive_grad
         self._hook_handles = self._register_grad_hooks()
         self._configure_basic_optimizer()
         self.overflow = False
@@ -235,18 +233,10 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
         if self.reducer.gradients_sunk:
             self.reducer.adopt_partition_grads(self._offload.host_grads())
             self._offload.forget_sent_ranges()
-            self._sunk_stats = None
         self.reducer.begin_backward(is_boundary)
 
     def _send_grad_range(self, group: int, start: int, end: int) -> None:
         self._offload.send_grad_range(group, start, end, self.reducer.partition_grad(group))
-
-    def _receive_grad(self, group: int, start: int, values: torch.Tensor) -> None:
-        """A final stretch of a partition, straight from the reduction: to the host, its statistics kept here."""
-        if self._sunk_stats is None:
-            self._sunk_stats = local_statistics(self.device)
-        add_to_statistics(self._sunk_stats, values)
-        self._offload.receive_grad(group, start, values)
 
     def reduced_gradient_partitions(self) -> List[torch.Tensor]:
         """This rank's reduced, loss-scaled gradient partitions, one per group, between a backward that ends an
@@ -269,7 +259,6 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
 
     def _release_reduced_grads(self) -> None:
         self.reducer.release()
-        self._sunk_stats = None
         if self._offload is not None:
             self._offload.forget_sent_ranges()
 
@@ -287,7 +276,7 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
             raise ValueError("DeepSpeedZeroOptimizer.step() does not take a closure")
         replicated = self.options.stage == 0 or self.dp_world_size == 1
         if self.reducer.gradients_sunk:  # on the host already: the statistics were taken on the way there
-            grads, local_stats = [], self._sunk_statistics()
+            grads, local_stats = [], self._offload.received_statistics()
         else:
             grads, local_stats = self._partition_grads(), None
         try:
@@ -302,16 +291,6 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
         self._grads_ready = False
         self.micro_step_id = 0
         return outcome
-
-    def _sunk_statistics(self) -> torch.Tensor:
-        """This rank's statistics of gradients sent straight to the host: those taken on the way, or, where the host
-        copies were written since (`safe_set_full_grad`) or nothing arrived, the host copies' own."""
-        if self._sunk_stats is not None:
-            return self._sunk_stats
-        stats = local_statistics(self.device)
-        for grad in self._offload.host_grads():
-            add_to_statistics(stats, grad)
-        return stats
 
     def _prepare(self, grad_factor: torch.Tensor) -> None:
         """Before the verdict, offloaded: start copying the gradients to the host (only staging buffers are written),
