@@ -98,18 +98,20 @@ class HostOffload:
         backward (the reducer says when a stretch is final). On a stream of its own, after what the current stream
         has queued (the reduction that made it final), so the backward's work does not wait for the copy."""
         if self.is_staged:
-            self.receive_grad(group, start, device_grad[start:end])
+            self._copy_to_host(group, start, device_grad[start:end])
 
     def receive_grad(self, group: int, start: int, values: Tensor) -> None:
         """Start copying `values`, the final stretch of `group`'s reduced gradient partition that begins at `start`, to
         the host, as `send_grad_range` does, and add its sum of squares to the statistics of what was received
         (`received_statistics`); `values` need not outlive this call on the current stream (the copy keeps its
         memory from being reused until it is done)."""
-        from deepspeed.accelerator import get_accelerator
-
         if self._received_stats is None:
             self._received_stats = local_statistics(self.device)
         add_to_statistics(self._received_stats, values)
+        self._copy_to_host(group, start, values)
+
+    def _copy_to_host(self, group: int, start: int, values: Tensor) -> None:
+        from deepspeed.accelerator import get_accelerator
 
         accelerator = get_accelerator()
         end = start + values.numel()
