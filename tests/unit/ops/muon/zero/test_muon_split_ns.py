@@ -194,6 +194,10 @@ class TestSplitCheckpointsResumeAtOtherWorldSizes(DistributedTest):
 
 class TestSplitGroupsAreReleased(DistributedTest):
     world_size = 4
+    # Ranks of its own: in the ranks pooled with the other four-rank tests of this file, which keep their engines'
+    # holders' groups, creating this engine's groups failed in about one run of seven ("Gloo connectFullMesh
+    # failed ... Connection closed by peer"); the cause is not found. In fresh ranks it passed 12 runs of 12.
+    reuse_dist_env = False
 
     def test_destroy_releases_the_holders_groups(self):
         """engine.destroy() destroys the process groups made for split matrices: a process that builds engine after
