@@ -248,10 +248,20 @@ class TestGradientsStraightToTheHost(DistributedTest):
     world_size = [1, 2]
 
     @staticmethod
-    def _pair(config):
-        direct, _ = initialize(make_model(HIDDEN), config)
+    def _holding(model, config):
+        """The engine whose reduced gradient partition stays where the reduction made it until the step: on the
+        CPU the direct path; on an accelerator, where offload is always staged, the staged path with sinking off
+        (the partition is held on the accelerator and its stretches are sent as before)."""
+        engine, _ = initialize(model, config)
+        if engine.optimizer._offload.is_staged:
+            engine.optimizer.reducer.final_sink = None
+        return engine
+
+    @classmethod
+    def _pair(cls, config, model_class=None):
+        direct = cls._holding(model_class() if model_class else make_model(HIDDEN), config)
         with staging_on_the_host():
-            staged, _ = initialize(make_model(HIDDEN), config)
+            staged, _ = initialize(model_class() if model_class else make_model(HIDDEN), config)
         return direct, staged
 
     @staticmethod
@@ -311,10 +321,7 @@ class TestGradientsStraightToTheHost(DistributedTest):
     @pytest.mark.parametrize("stage", [2, 3])
     def test_a_parameter_without_a_gradient_this_step_gets_zero_not_the_last_one(self, stage):
         """Its stretch of the host buffer still holds the previous step's gradient: the step must read zeros."""
-        config = offload_config(stage, "bf16", MUON)
-        direct, _ = initialize(SometimesSkipped(), config)
-        with staging_on_the_host():
-            staged, _ = initialize(SometimesSkipped(), config)
+        direct, staged = self._pair(offload_config(stage, "bf16", MUON), SometimesSkipped)
         for step, batch in enumerate(global_batches(4, 4 * dist.get_world_size(), HIDDEN)):
             for engine in (direct, staged):
                 engine.module.use_linear2 = step % 2 == 0
