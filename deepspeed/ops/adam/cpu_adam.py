@@ -10,11 +10,12 @@ import torch
 from torch import Tensor
 
 from deepspeed.ops.op_builder import CPUAdamBuilder
+from deepspeed.runtime.eager_optimizer import EagerOptimizer
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
-class DeepSpeedCPUAdam(torch.optim.Optimizer):
+class DeepSpeedCPUAdam(EagerOptimizer):
     """Adam (L2 weight decay) or AdamW (decoupled weight decay) for parameters that live on the CPU.
 
     The state uses torch.optim.Adam's keys, so checkpoints and `safe_get_full_optimizer_state` read it alike:

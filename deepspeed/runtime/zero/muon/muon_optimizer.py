@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from deepspeed.runtime import step_ranges
+from deepspeed.runtime.eager_optimizer import EagerOptimizer
 from deepspeed.runtime.zero.muon.executor.device_step import DeviceStepExecutor
 from deepspeed.runtime.zero.muon.executor.host_step import HostStepExecutor
 from deepspeed.runtime.zero.muon.executor.step import MuonStepExecutor, batch_key, logical_shape
@@ -24,7 +25,7 @@ from deepspeed.runtime.zero.muon.group_options import (  # noqa: F401
     muon_param_groups)
 
 
-class MuonWithAuxAdam(torch.optim.Optimizer):
+class MuonWithAuxAdam(EagerOptimizer):
     """Muon (momentum + Newton-Schulz) on groups with ``use_muon=True``, Adam on the others.
 
     Muon groups accept ``lr`` (0.02), ``momentum`` (0.95), ``weight_decay`` (0), ``ns_method``
