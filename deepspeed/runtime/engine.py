@@ -10,7 +10,7 @@ import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from deepspeed.runtime.engine_setup import (build_basic_optimizer, build_lr_scheduler, build_zero_optimizer,
-                                            model_dtype_of)
+                                            model_dtype_of, reject_unimplemented_zero)
 from deepspeed.runtime.engine_state import CheckpointSettings, EngineState, TrainingCounters
 from deepspeed.utils.logging import log_dist, set_log_level
 from deepspeed.utils.z3_leaf_module import apply_zero_leaf_module_config
@@ -40,6 +40,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.config = self._config._param_dict
         if self._config.log_level:
             set_log_level(self._config.log_level)
+        reject_unimplemented_zero(self._config)
         self._set_distributed_attributes(args)
         self.module = model
         self._prepare_module(dont_change_device)

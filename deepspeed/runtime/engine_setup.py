@@ -175,8 +175,6 @@ def build_zero_optimizer(engine, basic_optimizer):
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     config = engine._config
-    if config.zero_optimization_stage == 3:
-        _reject_unimplemented_stage3(config.zero_config)
     model_dtype = model_dtype_of(config)
     zero = config.zero_config
     offload = _offload_section(config)
@@ -255,8 +253,14 @@ _STAGE3_UNIMPLEMENTED = {
 }
 
 
-def _reject_unimplemented_stage3(zero) -> None:
-    """Refuse stage-3 keys set to what this fork does not do (rather than silently ignoring them)."""
+def reject_unimplemented_zero(config: DeepSpeedConfig) -> None:
+    """Refuse ZeRO settings this fork does not implement (an offload device other than the CPU, stage-3 keys set to
+    what it does not do) rather than silently ignoring them, before anything is built: building the basic optimizer
+    may compile an op (CPU Adam: seconds to minutes) only for the config to be refused after it."""
+    _offload_section(config)
+    if config.zero_optimization_stage != 3:
+        return
+    zero = config.zero_config
     for key, (default, advice) in _STAGE3_UNIMPLEMENTED.items():
         value = getattr(zero, key)
         if value != default:
