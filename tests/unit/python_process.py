@@ -22,7 +22,9 @@ import time
 import traceback
 from typing import Sequence
 
-PRELOAD = ["torch", "torch._dynamo", "deepspeed.public_api"]
+# matplotlib.figure: the example, the benchmark report and convergence.py draw their charts (0.35 s to import).
+# The server skips a module that cannot be imported (no matplotlib: the scripts then write no chart).
+PRELOAD = ["torch", "torch._dynamo", "deepspeed.public_api", "matplotlib.figure"]
 # After one rank fails, the others get this long to exit before they are ended (as unit.dist_launcher's ranks).
 STRAGGLER_GRACE_S = 5.0
 
