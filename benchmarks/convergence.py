@@ -37,7 +37,6 @@ evaluations, saves or loads). Progress written under other arguments is refused.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import math
 import os
@@ -116,8 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def stdlib_bytes(val_fraction: float) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(training bytes, held-out bytes, what was read): the stdlib's .py files, sorted, split by file."""
     root = os.path.dirname(os.__file__)
-    paths = sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True))
-    paths = [p for p in paths if "site-packages" not in p and "dist-packages" not in p]
+    paths = sorted(_stdlib_sources(root))
     blobs = [Path(p).read_bytes() for p in paths]
     total = sum(len(b) for b in blobs)
     cut, seen = len(blobs), 0
@@ -130,6 +128,20 @@ def stdlib_bytes(val_fraction: float) -> tuple[torch.Tensor, torch.Tensor, dict]
     as_tensor = lambda data: torch.frombuffer(bytearray(data), dtype=torch.uint8).long()  # noqa: E731
     return as_tensor(train), as_tensor(val), {"root": root, "files": len(paths), "train_bytes": len(train),
                                               "val_bytes": len(val), "python": sys.version.split()[0]}
+
+
+def _stdlib_sources(root: str) -> list[str]:
+    """The paths `glob(<root>/**/*.py, recursive=True)` finds outside site-packages and dist-packages, without
+    walking into those (where torch and the rest of the installed packages are: 0.8 s of a 1 s search)."""
+    def installed(path: str) -> bool:
+        return "site-packages" in path or "dist-packages" in path
+
+    paths = []
+    for folder, subfolders, files in os.walk(root, followlinks=True):
+        subfolders[:] = [name for name in subfolders
+                         if not name.startswith(".") and not installed(os.path.join(folder, name))]
+        paths += [os.path.join(folder, name) for name in files if name.endswith(".py") and not name.startswith(".")]
+    return [path for path in paths if not installed(path)]
 
 
 def windows(data: torch.Tensor, starts: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -162,12 +162,13 @@ class Run:
         dist.broadcast_object_list(verdict, src=0)
         return verdict[0]
 
-    def write(self) -> None:
-        """Rewrite every output file (rank 0), so that a run cut short keeps what it measured."""
+    def write(self, final: bool = False) -> None:
+        """Rewrite the output files (rank 0), so that a run cut short keeps what it measured; the chart only when
+        `final` (drawing it after every block and mode would cost more than a smoke run's steps)."""
         import report
 
         if self.rank == 0:
-            report.write_all(self.results, self.out_dir, self.args.name)
+            report.write_all(self.results, self.out_dir, self.args.name, draw_chart=final)
 
 
 def main(argv=None) -> None:
@@ -212,7 +213,7 @@ def main(argv=None) -> None:
     _free_memory(accelerator)
     if rank == 0:
         results["meta"]["wall_s"] = run.elapsed()
-        run.write()
+        run.write(final=True)
         print(report.summary_text(results), flush=True)
     dist.barrier()
     dist.destroy_process_group()

@@ -1,7 +1,7 @@
 """Turn the benchmark's JSON into statistics, the target checks, a markdown report and a PNG chart.
 
 The benchmark calls `write_all` after every block and every mode's extras (so a run cut short still leaves
-its numbers).
+its numbers); the chart is drawn once, at the end of the run (a run cut short leaves none, to be drawn from its JSON).
 Re-render from a saved JSON, e.g. on a machine without GPUs:
     python benchmarks/report.py benchmarks/results/muon_zero_bench.json [--out-dir DIR]
 
@@ -670,24 +670,29 @@ def summary_text(results: dict) -> str:
     return "\n".join(lines)
 
 
-def write_all(results: dict, out_dir, stem: str) -> None:
-    """Write <stem>.json, <stem>.md, <stem>_profile.txt and, with matplotlib, <stem>.png under `out_dir`.
+def write_all(results: dict, out_dir, stem: str, draw_chart: bool = True) -> None:
+    """Write <stem>.json, <stem>.md, <stem>_profile.txt and, with matplotlib and `draw_chart`, <stem>.png under
+    `out_dir`.
 
-    Each file is written atomically (a temporary file, then `os.replace`).
+    Each file is written atomically (a temporary file, then `os.replace`). Without `draw_chart` (the writes in the
+    middle of a run: drawing takes about half a second, the other files milliseconds) a chart left there by an
+    earlier run is removed, so that no chart disagrees with the JSON beside it.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     finalize(results)
     _atomic_write(out_dir / f"{stem}.json", json.dumps(results, indent=1, default=str))
-    render(results, out_dir, stem)
+    render(results, out_dir, stem, draw_chart)
 
 
-def render(results: dict, out_dir: Path, stem: str) -> None:
+def render(results: dict, out_dir: Path, stem: str, draw_chart: bool = True) -> None:
     _atomic_write(out_dir / f"{stem}.md", markdown(results))
     profiles = profile_text(results)
     if profiles.strip():
         _atomic_write(out_dir / f"{stem}_profile.txt", profiles)
-    if any(results["summary"].values()) and has_matplotlib():
+    if not draw_chart:
+        (out_dir / f"{stem}.png").unlink(missing_ok=True)
+    elif any(results["summary"].values()) and has_matplotlib():
         temporary = out_dir / f"{stem}.png.tmp"
         chart(results, temporary)
         os.replace(temporary, out_dir / f"{stem}.png")

@@ -9,8 +9,9 @@ import warnings
 import pytest
 import torch
 
-# Forked ranks inherit it: the first optimizer a process builds imports torch._dynamo (~3 s per rank).
-import torch._dynamo  # noqa: F401
+# No `import torch._dynamo` here: harness ranks get it from unit.common (imported once before the first fork) and
+# python_process's server preloads it; a pytest process that runs no tests (xdist's controller, --collect-only)
+# need not pay its 1.2 s of CPU.
 
 os.environ.setdefault("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python")
 

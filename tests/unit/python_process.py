@@ -10,16 +10,23 @@ accelerator (a forked CUDA context is unusable) it is a plain `subprocess` call.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import runpy
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from typing import Sequence
 
-PRELOAD = ["torch", "torch._dynamo", "deepspeed.public_api"]
+# matplotlib.figure: the example, the benchmark report and convergence.py draw their charts (0.35 s to import).
+# The server skips a module that cannot be imported (no matplotlib: the scripts then write no chart).
+PRELOAD = ["torch", "torch._dynamo", "deepspeed.public_api", "matplotlib.figure"]
+# After one rank fails, the others get this long to exit before they are ended (as unit.dist_launcher's ranks).
+STRAGGLER_GRACE_S = 5.0
 
 
 def _is_cpu_run(env: dict) -> bool:
@@ -35,6 +42,10 @@ def _is_cpu_run(env: dict) -> bool:
 
 def _main(script: str, args: Sequence[str], env: dict, cwd: str | None, out_path: str, err_path: str) -> None:
     """The child: `python script *args` with `env`, output to the two files."""
+    # What the server imported stays alive for the child's life: out of the collector's sight, a script's
+    # gc.collect() walks only its own objects (0.14 s a call otherwise, with torch and deepspeed loaded), and
+    # no collection copies the shared pages (as the harness's ranks, unit/dist_launcher.py).
+    gc.freeze()
     for fd, path in ((1, out_path), (2, err_path)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(target, fd)
@@ -88,6 +99,18 @@ class PythonProcess:
                                                             self._out, self._err), daemon=False)
         self._process.start()
 
+    def poll(self) -> int | None:
+        """The exit status, or None while the process runs."""
+        if self._popen is not None:
+            return self._popen.poll()
+        return None if self._process.is_alive() else self._process.exitcode
+
+    def kill(self) -> None:
+        if self._popen is not None:
+            self._popen.kill()
+        elif self._process.is_alive():
+            self._process.kill()
+
     def communicate(self, timeout: float) -> tuple[str, str]:
         """Wait up to `timeout` seconds; (stdout, stderr). Raises subprocess.TimeoutExpired (the child is killed)."""
         if self._popen is not None:
@@ -119,6 +142,48 @@ def run_python(script: str, args: Sequence[str], env: dict, timeout: float,
     process = PythonProcess(script, args, env, cwd)
     out, err = process.communicate(timeout)
     return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def run_ranks(script: str, args: Sequence[str], env: dict, world_size: int, timeout: float,
+              cwd: str | None = None) -> list[subprocess.CompletedProcess]:
+    """`torchrun --standalone --nproc_per_node <world_size> script *args`, one CompletedProcess per rank.
+
+    Each rank is a `PythonProcess` with the variables torchrun gives it (RANK, LOCAL_RANK, WORLD_SIZE,
+    LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT: a free port unless `env` names one), so on the CPU accelerator no
+    rank imports torch again, and no launcher process imports it either. As under torchrun, the first rank that
+    fails ends the others (after STRAGGLER_GRACE_S, in which they may still report): a peer blocked in a collective
+    with a dead rank never returns on its own.
+    """
+    port = env.get("MASTER_PORT") or str(_free_port())
+    world = str(world_size)
+    processes = [PythonProcess(script, args, dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=world,
+                                                  LOCAL_WORLD_SIZE=world, MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+                               cwd)
+                 for rank in range(world_size)]
+    deadline = time.monotonic() + timeout
+    failed_at = None
+    while any(process.poll() is None for process in processes):
+        now = time.monotonic()
+        if failed_at is None and any(process.poll() not in (None, 0) for process in processes):
+            failed_at = now
+        if now > deadline or (failed_at is not None and now > failed_at + STRAGGLER_GRACE_S):
+            for process in processes:
+                process.kill()
+            break
+        time.sleep(0.05)
+    results = []
+    for process in processes:
+        out, err = process.communicate(timeout=60)
+        results.append(subprocess.CompletedProcess(process.args, process.returncode, out, err))
+    if time.monotonic() > deadline:
+        raise subprocess.TimeoutExpired(processes[0].args, timeout)
+    return results
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def repo_env(**overrides: str) -> dict:

@@ -11,11 +11,12 @@ import copy
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from unit.python_process import repo_env, run_ranks
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 BENCHMARK = os.path.join(REPO_ROOT, "benchmarks", "muon_zero_bench.py")
@@ -26,20 +27,17 @@ MODES = ["ds-z2-bf16-muon", "ds-z2-bf16-adamw", "ddp-bf16-muon", "ddp-bf16-adamw
          "ds-z1-bf16-adamw", "ds-z2-fp16-muon", "ds-z2-fp16-adamw", "ds-z1-fp16-muon", "ds-z1-fp16-adamw"]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_smoke(tmp_path, *flags) -> dict:
-    """benchmarks/muon_zero_bench.py --smoke on two gloo processes; returns its JSON results."""
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "--master_port", str(free_port()), BENCHMARK, "--smoke", "--out-dir", str(tmp_path), *flags]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert result.returncode == 0, f"{' '.join(cmd)} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    """benchmarks/muon_zero_bench.py --smoke on two gloo processes; returns its JSON results.
+
+    As `torchrun --standalone --nproc_per_node 2`, without a fresh interpreter per rank (python_process.run_ranks).
+    """
+    args = ["--smoke", "--out-dir", str(tmp_path), *flags]
+    ranks = run_ranks(BENCHMARK, args, repo_env(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"), world_size=2,
+                      timeout=300)
+    for rank in ranks:
+        assert rank.returncode == 0, f"{BENCHMARK} {' '.join(args)} failed:\n{rank.stdout[-4000:]}\n" \
+            f"{rank.stderr[-4000:]}"
     return json.loads((tmp_path / "muon_zero_bench.json").read_text())
 
 

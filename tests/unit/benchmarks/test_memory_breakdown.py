@@ -5,33 +5,24 @@ checked here are the ones the layout fixes exactly."""
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
+
+from unit.python_process import repo_env, run_ranks
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SCRIPT = os.path.join(REPO_ROOT, "benchmarks", "memory_breakdown.py")
 CATEGORIES = ["lp_params", "initialize", "optimizer_state", "gradients", "activations", "step_workspace", "peak"]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.parametrize("mode", ["ds-z2-bf16-muon", "ds-z1-fp16-adamw"])
 def test_two_ranks_report_every_category(tmp_path, mode):
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))
     out = tmp_path / "memory.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "--master_port", str(free_port()), SCRIPT, "--size", "tiny", "--mode", mode, "--steps", "2",
-           "--out", str(out)]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert result.returncode == 0, f"{' '.join(cmd)} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    args = ["--size", "tiny", "--mode", mode, "--steps", "2", "--out", str(out)]
+    # torchrun --standalone --nproc_per_node 2, without a fresh interpreter per rank (python_process.run_ranks).
+    ranks = run_ranks(SCRIPT, args, repo_env(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"), world_size=2, timeout=300)
+    for rank in ranks:
+        assert rank.returncode == 0, f"{SCRIPT} {' '.join(args)} failed:\n{rank.stdout[-4000:]}\n{rank.stderr[-4000:]}"
     report = json.loads(out.read_text())
     assert report["mode"] == mode and report["world_size"] == 2 and len(report["ranks"]) == 2
     per_param = report["bytes_per_parameter"]

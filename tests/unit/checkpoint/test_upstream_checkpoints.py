@@ -3,8 +3,9 @@
 The files under upstream_0.19.8/ were written by the release (see its README): 3 steps of TinyMLP on 2 ranks at
 ZeRO-1, 2 and 3, Muon and AdamW, bf16 and fp16, then the checkpoint, then 3 more steps whose losses the release
 recorded.
-Here the checkpoint goes through `python -m deepspeed.checkpoint.from_upstream` (no pickled code of upstream's is
-run: its objects load as data with `weights_only=True`), loads into this fork's engine with the same config, and
+Here the checkpoint goes through deepspeed.checkpoint.from_upstream's command line (no pickled code of upstream's
+is run: its objects load as data with `weights_only=True`; in rank 0 for every cell, and once as `python -m
+deepspeed.checkpoint.from_upstream`, as users type it), loads into this fork's engine with the same config, and
 the next 3 steps' losses are compared with upstream's own continuation: bf16 within one rounding of the loss
 (1/128 relative), fp16 within two (1/512). Measured: equal in every cell but fp16 Muon, whose third loss differs by
 one fp16 rounding (2.072265625 vs 2.07421875: upstream keeps Muon's momentum in fp16 and runs the iteration in
@@ -55,12 +56,16 @@ def batches():
     return data[K:]
 
 
-def convert(directory):
-    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+def converter_arguments(directory) -> list:
     tag = os.path.join(directory, f"global_step{K}")
-    return subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.from_upstream", "--input_folder", tag,
-                           "--output_folder", f"{tag}_universal"], env=env, capture_output=True, text=True,
-                          timeout=300)
+    return ["--input_folder", tag, "--output_folder", f"{tag}_universal"]
+
+
+def convert_in_this_process(directory) -> None:
+    """The command line's own entry, without a fresh interpreter (importing torch again costs 2 s a cell)."""
+    from deepspeed.checkpoint import from_upstream
+
+    from_upstream.main(from_upstream.parse_arguments(converter_arguments(directory)))
 
 
 class TestUpstreamCheckpointContinues(DistributedTest):
@@ -71,8 +76,7 @@ class TestUpstreamCheckpointContinues(DistributedTest):
         directory = os.path.join(str(class_tmpdir), cell)
         if dist.get_rank() == 0:
             shutil.copytree(os.path.join(FIXTURES, cell), directory)
-            result = convert(directory)
-            assert result.returncode == 0, result.stderr
+            convert_in_this_process(directory)
         dist.barrier()
         stage, optimizer, dtype = int(cell[4]), cell.split("-")[1], cell.split("-")[2]
         torch.manual_seed(7)  # other initial weights: everything must come from the checkpoint
@@ -92,6 +96,20 @@ class TestUpstreamCheckpointContinues(DistributedTest):
         assert losses == pytest.approx(upstream["losses"], rel=TOLERANCE[dtype]), \
             f"{cell}: ours {losses}, upstream 0.19.8 {upstream['losses']}"
         assert engine.skipped_steps == upstream["skipped_steps"] == 0
+
+
+def test_the_command_line_converts(tmp_path):
+    """`python -m deepspeed.checkpoint.from_upstream` as users type it: the universal folder and latest_universal."""
+    shutil.copytree(os.path.join(FIXTURES, "zero2-muon-fp16"), tmp_path / "run")
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.from_upstream",
+                             *converter_arguments(tmp_path / "run")], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    universal = tmp_path / "run" / f"global_step{K}_universal"
+    assert f"Wrote {universal}" in result.stdout
+    assert (tmp_path / "run" / "latest_universal").read_text().strip() == universal.name
+    assert any(universal.iterdir())
 
 
 def test_the_mapping_of_upstream_fields():

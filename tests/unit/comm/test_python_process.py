@@ -1,10 +1,12 @@
 """unit/python_process.py runs a script as `python SCRIPT ARGS` would: its argv, environment, working directory,
-script directory on sys.path, `__main__`, output streams and exit status, in a process of its own."""
+script directory on sys.path, `__main__`, output streams and exit status, in a process of its own; and, as torchrun
+would, on ranks of one process group."""
 
 import os
 import sys
+import time
 
-from unit.python_process import run_python
+from unit.python_process import run_python, run_ranks
 
 SCRIPT = '''
 import os, sys
@@ -37,3 +39,31 @@ def test_an_uncaught_exception_fails_with_its_traceback(tmp_path):
     result = run_python(str(tmp_path / "boom.py"), [], dict(os.environ), timeout=120)
     assert result.returncode == 1
     assert "ValueError: no widgets" in result.stderr and "Traceback" in result.stderr
+
+
+RANKS_SCRIPT = '''
+import os, sys
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+print("rank", os.environ["RANK"], "local", os.environ["LOCAL_RANK"], "of", os.environ["WORLD_SIZE"])
+if dist.get_rank() == 1 and sys.argv[1] == "fail":
+    sys.exit(3)
+total = torch.ones(1)
+dist.all_reduce(total)  # with "fail", rank 0 waits here for a rank that is gone
+print("sum", int(total.item()))
+dist.destroy_process_group()
+'''
+
+
+def test_ranks_form_one_group_and_a_failed_rank_ends_the_others(tmp_path):
+    (tmp_path / "ranks.py").write_text(RANKS_SCRIPT)
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    ranks = run_ranks(str(tmp_path / "ranks.py"), ["pass"], env, world_size=2, timeout=120)
+    for rank, result in enumerate(ranks):
+        assert result.returncode == 0, result.stderr
+        assert f"rank {rank} local {rank} of 2" in result.stdout and "sum 2" in result.stdout
+    start = time.monotonic()
+    ranks = run_ranks(str(tmp_path / "ranks.py"), ["fail"], env, world_size=2, timeout=120)
+    assert ranks[1].returncode == 3 and ranks[0].returncode != 0
+    assert time.monotonic() - start < 60, "the rank left waiting was not ended"

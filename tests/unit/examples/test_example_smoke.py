@@ -1,4 +1,5 @@
-"""examples/train_char_lm.py through the `deepspeed` launcher on CPU (2 processes, gloo), as a user runs it.
+"""examples/train_char_lm.py on CPU (2 processes, gloo): through the `deepspeed` launcher, as a user runs it, and as
+torchrun starts it.
 
 A short run with the default config (Muon, fp16 dynamic loss scaling, ZeRO-2): the loss falls, the first
 steps overflow at the default loss scale 2**16 and are skipped, training recovers, the outputs are written
@@ -16,6 +17,8 @@ import subprocess
 import sys
 
 import pytest
+
+from unit.python_process import repo_env, run_ranks
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 EXAMPLE = os.path.join(REPO_ROOT, "examples", "train_char_lm.py")
@@ -49,6 +52,18 @@ def launch(cwd, *script_args: str) -> subprocess.CompletedProcess:
     return result
 
 
+def run_on_two_ranks(cwd, *script_args: str) -> subprocess.CompletedProcess:
+    """The example on two CPU ranks as `torchrun --nproc_per_node 2` starts it, without a fresh interpreter per rank
+    (python_process.run_ranks); rank 0's result. The launcher itself is exercised by the first run of
+    test_fp16_muon_zero2_run_and_resume."""
+    ranks = run_ranks(EXAMPLE, script_args, repo_env(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"), world_size=2,
+                      timeout=240, cwd=str(cwd))
+    for rank in ranks:
+        assert rank.returncode == 0, f"{EXAMPLE} {' '.join(script_args)} failed:\n{rank.stdout[-4000:]}\n" \
+            f"{rank.stderr[-4000:]}"
+    return ranks[0]
+
+
 def read_log(out_dir) -> dict:
     with open(os.path.join(out_dir, "log.json")) as f:
         return json.load(f)
@@ -80,7 +95,8 @@ def check_plot(path) -> None:
 
 # One test rather than several sharing a module fixture: pytest-xdist would rerun the fixture on every worker.
 def test_fp16_muon_zero2_run_and_resume(tmp_path):
-    """An uninterrupted fp16 run, then the same run interrupted after its step-15 checkpoint and resumed.
+    """An uninterrupted fp16 run through the launcher, then the same run interrupted after its step-15 checkpoint
+    and resumed.
 
     The interrupted run's directory is what a run killed between steps 15 and 30 leaves behind: the
     step-15 checkpoint with `latest` naming it (copied from the uninterrupted run, which saves the same
@@ -94,7 +110,8 @@ def test_fp16_muon_zero2_run_and_resume(tmp_path):
     interrupted = tmp_path / "resumed" / "checkpoints"
     shutil.copytree(tmp_path / "full" / "checkpoints" / tag, interrupted / tag)
     (interrupted / "latest").write_text(tag)
-    resumed = launch(tmp_path, *SHORT_RUN, "--steps", str(STEPS), "--out_dir", str(tmp_path / "resumed"), "--resume")
+    resumed = run_on_two_ranks(tmp_path, *SHORT_RUN, "--steps", str(STEPS), "--out_dir", str(tmp_path / "resumed"),
+                               "--resume")
     assert "resumed from" in resumed.stdout and f"at step {CHECKPOINT_STEP}" in resumed.stdout
     check_same_trajectory(read_log(tmp_path / "resumed")["steps"], read_log(tmp_path / "full")["steps"])
 
@@ -140,8 +157,8 @@ def check_same_trajectory(resumed: dict, full: dict) -> None:
 
 def test_adamw_bf16_config_runs(tmp_path):
     config = os.path.join(REPO_ROOT, "examples", "ds_config_adamw_bf16.json")
-    launch(tmp_path, *SHORT_RUN, "--steps", "12", "--save_interval", "0", "--deepspeed_config", config, "--out_dir",
-           str(tmp_path / "out"))
+    run_on_two_ranks(tmp_path, *SHORT_RUN, "--steps", "12", "--save_interval", "0", "--deepspeed_config", config,
+                     "--out_dir", str(tmp_path / "out"))
     log = read_log(tmp_path / "out")
     assert log["summary"]["skipped_steps"] == 0
     assert set(log["steps"]["loss_scale"]) == {1.0}, "bf16 trains without loss scaling"

@@ -3,7 +3,7 @@
 As users start a multi-node job without ssh: every node runs the same command with a shared hostfile, its own
 `--node_rank`, `--no_ssh` and node 0's address. Here both "nodes" are this machine (hosts node-0 and node-1 of the
 hostfile, one CPU slot each, gloo), and the job trains a small model with Muon (fp16, dynamic loss scale) at ZeRO
-stage 2 and then stage 3. The one-node run (`--num_gpus 2`, the same two ranks on one node) must give every rank
+stage 2 and then stage 3. A one-node run (the same two ranks of one process group on one node) must give every rank
 the same loss at every step, and each worker must see upstream's rank variables for its node and the
 `.deepspeed_env` exports.
 """
@@ -16,10 +16,13 @@ import subprocess
 import sys
 import textwrap
 
+from unit.python_process import repo_env, run_ranks
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 STAGES = (2, 3)
 STEPS = 8
 LAUNCH_TIMEOUT_S = 240
+TRAIN_ARGS = ("--steps", str(STEPS), "--stages", *map(str, STAGES))
 
 TRAIN_SCRIPT = textwrap.dedent("""
     import argparse
@@ -33,7 +36,7 @@ TRAIN_SCRIPT = textwrap.dedent("""
     import deepspeed.comm as dist
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--local_rank", type=int, required=True)
+    parser.add_argument("--local_rank", type=int, default=None)  # the launcher passes it, torchrun does not
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--stages", type=int, nargs="+", required=True)
@@ -122,8 +125,7 @@ def free_port() -> int:
 
 
 def start_launcher(tmp_path, flags: list[str], out_dir, script: str = "train.py",
-                   script_args: tuple[str, ...] = ("--steps", str(STEPS), "--stages", *map(str, STAGES))
-                   ) -> subprocess.Popen:
+                   script_args: tuple[str, ...] = TRAIN_ARGS) -> subprocess.Popen:
     """Start `deepspeed <flags> <script> --out <out_dir> <script_args>` in `tmp_path` as a CPU job, in its own
     process group."""
     os.makedirs(out_dir)
@@ -164,8 +166,13 @@ def test_two_node_launch_matches_one_node(tmp_path):
                             tmp_path / f"node{node_rank}")
              for node_rank in (1, 0)]
     node_logs = wait_all(nodes)
-    one_node = start_launcher(tmp_path, ["--num_gpus", "2", "--master_port", str(free_port())], tmp_path / "one")
-    wait_all([one_node])
+    # The reference: the same script on two ranks of one node, started as torchrun would, without the launcher
+    # (python_process.run_ranks; the one-node launch itself is test_launch_e2e's).
+    os.makedirs(tmp_path / "one")
+    env = repo_env(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    for rank in run_ranks(str(tmp_path / "train.py"), ["--out", str(tmp_path / "one"), *TRAIN_ARGS], env, 2,
+                          timeout=LAUNCH_TIMEOUT_S, cwd=str(tmp_path)):
+        assert rank.returncode == 0, rank.stdout[-3000:] + rank.stderr[-3000:]
 
     # Each node's launcher logs upstream's world info and the global ranks that follow from it.
     for log in node_logs:
@@ -180,7 +187,7 @@ def test_two_node_launch_matches_one_node(tmp_path):
                                     "CROSS_RANK": str(rank), "CROSS_SIZE": "2",
                                     "DS_TEST_NODE_EXPORT": "from the launch directory"}
         assert two[rank]["local_rank_arg"] == 0 and two[rank]["world"] == 2
-        assert one[rank]["env"]["CROSS_SIZE"] == "1" and one[rank]["env"]["LOCAL_RANK"] == str(rank)
+        assert one[rank]["world"] == 2 and one[rank]["env"]["RANK"] == str(rank)
         for stage in map(str, STAGES):
             two_losses, one_losses = two[rank]["losses"][stage], one[rank]["losses"][stage]
             assert len(two_losses) == STEPS and two_losses[-1] < two_losses[0], (stage, two_losses)
