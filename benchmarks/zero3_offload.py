@@ -3,6 +3,8 @@
     python benchmarks/zero3_offload.py --size 7b --memory-cap-gib 24 --trees "this 0.19.8" \\
         --optimizers muon,adamw --out benchmarks/results/zero3-offload-7b/zero3_offload.json
     python benchmarks/zero3_offload.py --size tiny              # CPU, a few seconds: the same path end to end
+    python benchmarks/zero3_offload.py --size 7b --memory-cap-gib 0 --zero z2 --sweep-layers 16,20,24,28 \
+        --trees "this 0.19.8" --optimizers muon,adamw --warmup 1 --steps 1   # the largest each trains, uncapped
 
 Each (tree, optimizer) runs in a process of its own, one after the other (its peaks its own): this checkout, or an
 upstream release prepared by benchmarks/upstream_tree.py (`python benchmarks/upstream_tree.py prepare 0.19.8`,
@@ -76,6 +78,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, default=None)
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--layers", type=int, default=None, help="override the size's layer count (size sweeps)")
+    parser.add_argument("--sweep-layers", default=None,
+                        help="comma-separated layer counts: per (tree, optimizer), the largest that trains, tried "
+                             "from the largest down until one trains")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--persistence-threshold", type=int, default=None,
@@ -327,32 +332,65 @@ def _environment(tree: str) -> dict:
     return upstream_tree.tree_environment(tree, os.environ)
 
 
+def run_one(args, argv, tree: str, optimizer: str, layers: Optional[int] = None) -> dict:
+    """One (tree, optimizer) in a process of its own (`layers` overrides the size's layer count): its result, or
+    the error that ended it."""
+    extra = [] if layers is None else ["--layers", str(layers)]
+    with tempfile.TemporaryDirectory() as scratch:
+        path = os.path.join(scratch, "result.json")
+        command = [sys.executable, str(Path(__file__).resolve()), *argv, *extra, "--child",
+                   f"{tree},{optimizer},{path}"]
+        shown = "" if layers is None else f" {layers} layers"
+        print(f"[zero3_offload] {tree} {optimizer} {args.zero} {args.size}{shown}", flush=True)
+        start = time.perf_counter()
+        try:
+            status = subprocess.run(command, env=_environment(tree), cwd=REPO_ROOT, timeout=args.timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            status = "timeout"
+        ended = {"tree": tree, "optimizer": optimizer, "error": f"process ended without a result ({status})"}
+        result = json.loads(Path(path).read_text()) if os.path.isfile(path) else ended
+    result["exit_status"] = status
+    result["wall_s"] = round(time.perf_counter() - start, 1)
+    if layers is not None:
+        result["layers"] = layers
+    shown = ("tree", "optimizer", "tokens_per_s", "peak_accelerator_allocated_bytes", "peak_host_rss_bytes", "error")
+    print(json.dumps({key: result.get(key) for key in shown}), flush=True)
+    return result
+
+
+def sweep(args, argv, tree: str, optimizer: str, runs: list) -> dict:
+    """The largest of --sweep-layers that trains for (tree, optimizer): tried from the largest down, stopping at the
+    first that trains (every attempt is appended to `runs`)."""
+    counts = sorted({int(text) for text in args.sweep_layers.split(",") if text.strip()}, reverse=True)
+    found = {"tree": tree, "optimizer": optimizer, "zero": args.zero, "size": args.size, "largest_layers": None,
+             "parameters": None, "failed_layers": []}
+    for layers in counts:
+        result = run_one(args, argv, tree, optimizer, layers)
+        runs.append(result)
+        if "error" in result:
+            found["failed_layers"].append(layers)
+            continue
+        found.update(largest_layers=layers, parameters=result["model"]["parameters"],
+                     peak_accelerator_allocated_bytes=result.get("peak_accelerator_allocated_bytes"),
+                     peak_host_rss_bytes=result.get("peak_host_rss_bytes"))
+        break
+    return found
+
+
 def run_all(args, argv) -> dict:
     trees = list(dict.fromkeys(args.trees.replace(",", " ").split()))
     optimizers = [name.strip() for name in args.optimizers.split(",") if name.strip()]
-    runs = []
+    runs, sweeps = [], []
     for tree in trees:
         for optimizer in optimizers:
-            with tempfile.TemporaryDirectory() as scratch:
-                path = os.path.join(scratch, "result.json")
-                command = [sys.executable, str(Path(__file__).resolve()), *argv, "--child",
-                           f"{tree},{optimizer},{path}"]
-                print(f"[zero3_offload] {tree} {optimizer} {args.zero} {args.size}", flush=True)
-                start = time.perf_counter()
-                try:
-                    status = subprocess.run(command, env=_environment(tree), cwd=REPO_ROOT,
-                                            timeout=args.timeout_s).returncode
-                except subprocess.TimeoutExpired:
-                    status = "timeout"
-                ended = {"tree": tree, "optimizer": optimizer, "error": f"process ended without a result ({status})"}
-                result = json.loads(Path(path).read_text()) if os.path.isfile(path) else ended
-            result["exit_status"] = status
-            result["wall_s"] = round(time.perf_counter() - start, 1)
-            print(json.dumps({k: result.get(k) for k in ("tree", "optimizer", "tokens_per_s",
-                                                         "peak_accelerator_allocated_bytes", "peak_host_rss_bytes",
-                                                         "error")}), flush=True)
-            runs.append(result)
-    return {"meta": provenance(), "runs": runs}
+            if args.sweep_layers:
+                sweeps.append(sweep(args, argv, tree, optimizer, runs))
+            else:
+                runs.append(run_one(args, argv, tree, optimizer))
+    results = {"meta": provenance(), "runs": runs}
+    if args.sweep_layers:
+        results["sweep"] = sweeps
+    return results
 
 
 def main(argv=None) -> int:
@@ -368,6 +406,8 @@ def main(argv=None) -> int:
         print(f"[zero3_offload] wrote {args.out}", flush=True)
     else:
         print(text)
+    if "sweep" in results:  # failures above the largest size that trains are what a sweep looks for
+        return 0 if all(found["largest_layers"] is not None for found in results["sweep"]) else 1
     return 0 if all("error" not in run for run in results["runs"]) else 1
 
 

@@ -11,6 +11,7 @@ Adam's step counters are the only difference allowed (1%).
 """
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -58,3 +59,23 @@ class TestZero3OffloadBytesPerRank(DistributedTest):
         staged = staged or get_accelerator().device_name() != "cpu"
         on_host = {"lp", "masters", "optimizer_state"} | ({"grads"} if staged else set())
         assert set(got["host"]) == on_host, what
+
+
+def test_a_layer_sweep_reports_the_largest_size_that_trains(tmp_path, monkeypatch):
+    """Tried from the largest down, the sweep stops at the first size that trains; sizes whose process ended
+    without a result are recorded as failed and the next one down is tried."""
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    bench = load_benchmark()
+    common = ["--size", "tiny", "--memory-cap-gib", "0", "--zero", "z2", "--warmup", "1", "--steps", "1"]
+    out = tmp_path / "sweep.json"
+    assert bench.main([*common, "--sweep-layers", "1,2", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert [run["layers"] for run in results["runs"]] == [2], "the largest trains: nothing below it is tried"
+    (found, ) = results["sweep"]
+    assert found["largest_layers"] == 2 and found["failed_layers"] == [] and found["parameters"] > 0
+
+    # No process can start within the timeout: every size fails, each is recorded, and the exit status says so.
+    assert bench.main([*common, "--sweep-layers", "1,2", "--timeout-s", "0.001", "--out", str(out)]) == 1
+    results = json.loads(out.read_text())
+    assert [run["layers"] for run in results["runs"]] == [2, 1]
+    assert results["sweep"][0]["largest_layers"] is None and results["sweep"][0]["failed_layers"] == [2, 1]
