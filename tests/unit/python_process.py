@@ -154,7 +154,7 @@ def run_ranks(script: str, args: Sequence[str], env: dict, world_size: int, time
     fails ends the others (after STRAGGLER_GRACE_S, in which they may still report): a peer blocked in a collective
     with a dead rank never returns on its own.
     """
-    port = env.get("MASTER_PORT") or str(_free_port())
+    port = env.get("MASTER_PORT") or str(free_port())
     world = str(world_size)
     processes = [PythonProcess(script, args, dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=world,
                                                   LOCAL_WORLD_SIZE=world, MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
@@ -180,7 +180,8 @@ def run_ranks(script: str, args: Sequence[str], env: dict, world_size: int, time
     return results
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port nothing on this machine listens on now, so parallel test runs do not collide on 29500."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -7,10 +7,9 @@ state, the learning-rate schedule's step, the data generator's position and the 
 evaluation; the last invocation also reuses adamw's history, finished two invocations before."""
 
 import json
-import socket
 from pathlib import Path
 
-from unit.python_process import PythonProcess, repo_env
+from unit.python_process import PythonProcess, free_port, repo_env
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = REPO_ROOT / "benchmarks" / "convergence.py"
@@ -20,14 +19,8 @@ RUN = ["--size", "tiny", "--device", "cpu", "--tokens", "1536", "--batch", "2", 
 STEPS_PER_CALL = 9
 
 
-def free_port() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return str(probe.getsockname()[1])
-
-
 def environment() -> dict:
-    return repo_env(DS_ACCELERATOR="cpu", MASTER_PORT=free_port(), OMP_NUM_THREADS="1")
+    return repo_env(DS_ACCELERATOR="cpu", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
 
 
 def start(out: Path, *extra: str) -> PythonProcess:

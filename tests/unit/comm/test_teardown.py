@@ -6,10 +6,11 @@ last reference to a finished collective aborts the process (an intermittent "ter
 exception" at the end of a run that had succeeded)."""
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
+
+from unit.python_process import free_port
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -42,12 +43,6 @@ SCRIPT = textwrap.dedent("""
         print("the world group outlived destroy_process_group")
         sys.exit(3)
 """)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_destroy_process_group_frees_the_world_group_after_training(tmp_path):

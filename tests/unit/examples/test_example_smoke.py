@@ -12,13 +12,12 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from unit.python_process import repo_env, run_ranks
+from unit.python_process import free_port, repo_env, run_ranks
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 EXAMPLE = os.path.join(REPO_ROOT, "examples", "train_char_lm.py")
@@ -33,12 +32,6 @@ def _load_example():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch(cwd, *script_args: str) -> subprocess.CompletedProcess:

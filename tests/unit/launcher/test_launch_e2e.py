@@ -2,10 +2,11 @@
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
+
+from unit.python_process import free_port
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -38,13 +39,6 @@ ENV_SCRIPT = textwrap.dedent("""
 
     print(f"ARGV={sys.argv[1:]} RANK={os.environ['RANK']} LOCAL_SIZE={os.environ['LOCAL_SIZE']}", flush=True)
 """)
-
-
-def free_port() -> int:
-    """A port nothing listens on now, so parallel test runs do not collide on 29500."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch(tmp_path, script: str, flags: list[str], script_args: list[str]) -> subprocess.CompletedProcess:

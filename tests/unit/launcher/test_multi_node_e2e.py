@@ -11,12 +11,11 @@ the same loss at every step, and each worker must see upstream's rank variables 
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 
-from unit.python_process import repo_env, run_ranks
+from unit.python_process import free_port, repo_env, run_ranks
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 STAGES = (2, 3)
@@ -115,13 +114,6 @@ RANKS_SCRIPT = textwrap.dedent("""
         json.dump(report, f)
     dist.destroy_process_group()
 """)
-
-
-def free_port() -> int:
-    """A port nothing listens on now, so parallel test runs do not collide on 29500."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_launcher(tmp_path, flags: list[str], out_dir, script: str = "train.py",

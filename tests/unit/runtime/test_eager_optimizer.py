@@ -5,7 +5,7 @@ import subprocess
 import sys
 import textwrap
 
-from unit.python_process import repo_env
+from unit.python_process import free_port, repo_env
 
 
 def test_muon_and_cpu_adam_runs_never_import_torch_dynamo(tmp_path):
@@ -36,7 +36,7 @@ def test_muon_and_cpu_adam_runs_never_import_torch_dynamo(tmp_path):
         print("torch._dynamo" in sys.modules, float(param[0]) < 1.0)
     """)
     env = repo_env(DS_ACCELERATOR="cpu", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(29400 + (tmp_path.stat().st_ino % 500)))
+                   MASTER_PORT=str(free_port()))
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180,
                             check=False)
     assert result.returncode == 0, result.stderr[-4000:]
