@@ -222,3 +222,7 @@ class FullParamAccess:
         self._scatter_full(param, scaled, self._reduced_grad_partition(group))
         if self.gradients_on_host:
             self._offload.grads_rewritten()
+        elif self._offload is not None:
+            # The partition is held here, but the backward may have sent stretches of it to the host already (staged
+            # offload after an accumulation): the step must send it again, with the value written now.
+            self._offload.forget_sent_ranges()

@@ -329,14 +329,23 @@ class TestGradientsStraightToTheHost(DistributedTest):
                 engine.step()
             assert_identical(full_snapshot(staged), full_snapshot(direct), f"step {step}")
 
-    def test_deepspeed_utils_read_and_write_them(self):
+    @pytest.mark.parametrize("gas", [1, 2])
+    def test_deepspeed_utils_read_and_write_them(self, gas):
+        """gas 1: the gradients went to the host during the backward; gas 2: the partition is held where the
+        reduction made it, and the last backward has already sent its stretches to the host, so a write must go
+        there again."""
         from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
 
-        direct, staged = self._pair(offload_config(2, "bf16", MUON))
-        batch = global_batches(1, 4 * dist.get_world_size(), HIDDEN)[0]
+        direct, staged = self._pair(offload_config(2, "bf16", MUON, gas=gas))
+        batch = global_batches(1, 4 * gas * dist.get_world_size(), HIDDEN)[0]
         for engine in (direct, staged):
-            self._backward(engine, batch, "bf16")
-        assert staged.optimizer.reducer.gradients_sunk
+            for gas_index in range(gas):
+                self._backward(engine, batch, "bf16", gas_index=gas_index)
+                if gas_index < gas - 1:
+                    engine.step()  # inside the accumulation: no step yet
+        assert staged.optimizer.reducer.gradients_sunk == (gas == 1)
+        if gas > 1:
+            assert any(staged.optimizer._offload._sent_ranges), "the last backward sent no stretch to the host"
         params = [list(engine.module.parameters()) for engine in (direct, staged)]
         for p, q in zip(*params, strict=True):
             assert torch.equal(safe_get_full_grad(q), safe_get_full_grad(p))
