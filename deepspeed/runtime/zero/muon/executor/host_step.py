@@ -85,6 +85,8 @@ class HostStepExecutor(MuonStepExecutor):
         # every first touch (and, page-locked, a registration), a pass over memory the step need not make.
         self._buffers: dict[tuple[str, int], Tensor] = {}
         # Per group: the event after the copies of its updates back to the host, while they are in flight.
+        # The streams the directions go to the device and the updates come back on (_streams).
+        self._copy_streams: tuple[Any, Any] | None = None
         self._pending: dict[int, Any] = {}
         # The Adam groups of this step not stepped yet: (group, grad_factor, copies).
         self._adam_queue: list[tuple[dict[str, Any], Tensor | None, dict[int, Tensor]]] = []
@@ -120,26 +122,81 @@ class HostStepExecutor(MuonStepExecutor):
                 updates = orthogonalise(folded.directions, method, steps, dtype, coefficients)
             self._step_adam_groups()
             return updates
-        # The updates come back over their own directions: a chunk's copy to the device is queued before its
-        # updates' copy back, on one stream, so each direction is read before it is overwritten, and the host keeps
-        # one buffer of the group's size instead of two (2 bytes per Muon parameter in bf16).
+        # The updates come back over their own directions (the host keeps one buffer of the group's size, not two: 2
+        # bytes per Muon parameter in bf16): a chunk's copy back is queued after its Newton-Schulz, which waits for its
+        # copy to the device, so each direction is read before it is overwritten. The copies run on streams of their
+        # own, so the next chunk travels to the device and the last one's updates travel back while this one is
+        # orthogonalised, instead of the three taking turns on one stream.
         directions = host = folded.directions
-        for chunk in ns_chunks(directions, NS_CHUNK_BYTES):
-            on_device = [directions[index][lo:hi].to(self.ns_device, non_blocking=self._pin)
-                         for index, lo, hi in chunk]
+        chunks = ns_chunks(directions, NS_CHUNK_BYTES)
+        upload = self._upload(directions, chunks[0]) if chunks else None
+        for number, chunk in enumerate(chunks):
+            on_device, uploaded = upload
+            if number + 1 < len(chunks):
+                upload = self._upload(directions, chunks[number + 1])
+            self._wait(self._compute_stream(), uploaded, on_device)
             with step_ranges.phase(step_ranges.MUON_NEWTON_SCHULZ):
                 chunk_updates = orthogonalise(on_device, method, steps, dtype, coefficients)
-            for (index, lo, hi), update in zip(chunk, chunk_updates):
-                # Asynchronous into page-locked memory; one wait for all of them.
-                host[index][lo:hi].copy_(update, non_blocking=self._pin)
+            self._download(chunk, chunk_updates, host)
         if self._pin:
-            from deepspeed.accelerator import get_accelerator
-
-            event = get_accelerator().Event()
-            event.record()
+            event = self._accelerator().Event()
+            event.record(self._streams()[1])
             self._pending[id(group)] = event
         self._step_adam_groups()
         return host
+
+    @staticmethod
+    def _accelerator():
+        from deepspeed.accelerator import get_accelerator
+
+        return get_accelerator()
+
+    def _compute_stream(self) -> Any:
+        return self._accelerator().current_stream() if self._pin else None
+
+    def _streams(self) -> tuple[Any, Any]:
+        """The streams that carry directions to the device and updates back (made on first use; none on the CPU)."""
+        if self._pin and self._copy_streams is None:
+            accelerator = self._accelerator()
+            self._copy_streams = (accelerator.Stream(), accelerator.Stream())
+        return self._copy_streams or (None, None)
+
+    def _wait(self, stream: Any, event: Any, tensors: list[Tensor]) -> None:
+        """Make `stream` wait for `event`, and tell the allocator that `tensors` (made on another stream) are used on
+        it, so their memory is not handed out again before that use is done."""
+        if stream is None:
+            return
+        stream.wait_event(event)
+        for tensor in tensors:
+            tensor.record_stream(stream)
+
+    def _upload(self, directions: list[Tensor], chunk: list[tuple[int, int, int]]) -> tuple[list[Tensor], Any]:
+        """Queue the copy of a chunk's directions to the Newton-Schulz device; return them there, with the event that
+        marks the copy done (None without streams)."""
+        stream = self._streams()[0]
+        if stream is None:
+            return [directions[index][lo:hi].to(self.ns_device) for index, lo, hi in chunk], None
+        accelerator = self._accelerator()
+        with accelerator.stream(stream):
+            on_device = [directions[index][lo:hi].to(self.ns_device, non_blocking=True) for index, lo, hi in chunk]
+            event = accelerator.Event()
+            event.record(stream)
+        return on_device, event
+
+    def _download(self, chunk: list[tuple[int, int, int]], updates: list[Tensor], host: list[Tensor]) -> None:
+        """Queue the copy of a chunk's updates over its directions in host memory, after the work that made them."""
+        stream = self._streams()[1]
+        if stream is None:
+            for (index, lo, hi), update in zip(chunk, updates):
+                host[index][lo:hi].copy_(update)
+            return
+        accelerator = self._accelerator()
+        computed = accelerator.Event()
+        computed.record(self._compute_stream())
+        self._wait(stream, computed, updates)
+        with accelerator.stream(stream):
+            for (index, lo, hi), update in zip(chunk, updates):
+                host[index][lo:hi].copy_(update, non_blocking=True)  # into page-locked memory: apply() waits
 
     def apply(self, group: dict[str, Any], folded: FoldedGroup | None, updates: list[Tensor],
               copies: dict[int, Tensor]) -> None:
