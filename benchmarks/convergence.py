@@ -126,7 +126,9 @@ def stdlib_bytes(val_fraction: float) -> tuple[torch.Tensor, torch.Tensor, dict]
             break
     train, val = b"".join(blobs[:cut]), b"".join(blobs[cut:])
     as_tensor = lambda data: torch.frombuffer(bytearray(data), dtype=torch.uint8).long()  # noqa: E731
-    return as_tensor(train), as_tensor(val), {"root": root, "files": len(paths), "train_bytes": len(train),
+    # The corpus named without this machine's paths: the stdlib of the Python below, under its installation.
+    shown_root = os.path.join("{sys.base_prefix}", os.path.relpath(root, sys.base_prefix))
+    return as_tensor(train), as_tensor(val), {"root": shown_root, "files": len(paths), "train_bytes": len(train),
                                               "val_bytes": len(val), "python": sys.version.split()[0]}
 
 
