@@ -13,7 +13,7 @@ Every rank reaches the same decision because it is taken on the reduced statisti
 leaves parameters, masters and optimizer state bit-identical everywhere.
 """
 
-from typing import Callable, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -82,6 +82,19 @@ def add_to_statistics(stats: torch.Tensor, grad: torch.Tensor) -> None:
     for part in _norm_parts(grad):
         norm = torch.linalg.vector_norm(part, dtype=torch.float32).double()
         stats[0] += (norm * norm).to(stats.device)
+
+
+def stretch_norms(grad: torch.Tensor) -> List[torch.Tensor]:
+    """The fp32 norms of `grad`'s parts, as `add_to_statistics` takes them, left on the gradient's device: one
+    kernel per part, for a caller that sees many small stretches (ZeRO-Offload during the backward) and folds them
+    into statistics once (`add_norms_to_statistics`)."""
+    return [torch.linalg.vector_norm(part, dtype=torch.float32) for part in _norm_parts(grad)]
+
+
+def add_norms_to_statistics(stats: torch.Tensor, norms: Sequence[torch.Tensor]) -> None:
+    """Add the squares of `norms` (`stretch_norms`, of the same device) to `stats`, in float64."""
+    if norms:
+        stats[0] += torch.stack(list(norms)).double().square().sum().to(stats.device)
 
 
 def reduce_statistics(stats: torch.Tensor, replicated: bool, group=None) -> torch.Tensor:

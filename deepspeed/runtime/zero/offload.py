@@ -22,7 +22,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from deepspeed.runtime.optimizer_step import add_to_statistics, local_statistics
+from deepspeed.runtime.optimizer_step import (add_norms_to_statistics, add_to_statistics, local_statistics,
+                                             stretch_norms)
 from deepspeed.runtime.pinned_memory import empty_pinned
 
 
@@ -60,8 +61,11 @@ class HostOffload:
         # stream their copies run on (created with the first).
         self._sent_ranges: List[List[Tuple[int, int]]] = [[] for _ in partition_numels]
         self._copy_stream = None
-        # The statistics (optimizer_step.local_statistics) of what `receive_grad` took, on the device.
-        self._received_stats: Optional[Tensor] = None
+        # The fp32 norms of what `receive_grad` took, on the device, folded into statistics when asked for
+        # (`received_statistics`): one kernel per stretch in the backward instead of a statistics update each.
+        # None: nothing taken since they were last forgotten, or the host copies were written since.
+        self._received_norms: Optional[List[Tensor]] = None
+        self._received_stats: Optional[Tensor] = None  # the statistics folded from them, once asked for
 
     def _empty(self, numel: int, dtype: torch.dtype) -> Tensor:
         return empty_pinned(numel, dtype) if self.pin_memory else torch.empty(numel, dtype=dtype)
@@ -105,9 +109,9 @@ class HostOffload:
         the host, as `send_grad_range` does, and add its sum of squares to the statistics of what was received
         (`received_statistics`); `values` need not outlive this call on the current stream (the copy keeps its
         memory from being reused until it is done)."""
-        if self._received_stats is None:
-            self._received_stats = local_statistics(self.device)
-        add_to_statistics(self._received_stats, values)
+        if self._received_norms is None:
+            self._received_norms = []
+        self._received_norms.extend(stretch_norms(values))
         self._copy_to_host(group, start, values)
 
     def _copy_to_host(self, group: int, start: int, values: Tensor) -> None:
@@ -167,6 +171,7 @@ class HostOffload:
     def forget_sent_ranges(self) -> None:
         """The reducer let its gradients go (a step, or a load): what was sent of them no longer counts."""
         self._sent_ranges = [[] for _ in self._sent_ranges]
+        self._received_norms = None
         self._received_stats = None
 
     def received_statistics(self) -> Tensor:
@@ -174,12 +179,16 @@ class HostOffload:
         written since (`grads_rewritten`) or nothing arrived, of the host copies themselves."""
         if self._received_stats is None:
             self._received_stats = local_statistics(self.device)
-            for grad in self.host_grads():
-                add_to_statistics(self._received_stats, grad)
+            if self._received_norms is not None:
+                add_norms_to_statistics(self._received_stats, self._received_norms)
+            else:
+                for grad in self.host_grads():
+                    add_to_statistics(self._received_stats, grad)
         return self._received_stats
 
     def grads_rewritten(self) -> None:
         """The host copies were written after they arrived: the statistics taken on the way no longer hold."""
+        self._received_norms = None
         self._received_stats = None
 
     def lp_targets(self, lp_partitions: Sequence[Tensor]) -> List[Tensor]:
