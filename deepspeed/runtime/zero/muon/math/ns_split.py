@@ -38,6 +38,7 @@ from deepspeed.runtime.zero.muon.math.newton_schulz import (_gram_iterations, _s
 from deepspeed.runtime.zero.muon.math.ns_by_shape import method_for_shape
 from deepspeed.runtime.zero.muon.math.ns_coefficients import DEFAULT_NS_COEFFICIENTS, coefficient_schedule
 from deepspeed.runtime.zero.muon.math.ns_common import NS_NORM_EPS, SumPieces, resolve_ns_dtype
+from deepspeed.runtime.zero.muon.math.ns_ops import OPS
 from deepspeed.runtime.zero.muon.math.ns_split_square import SquareRows, square_split_gram, square_split_standard
 from deepspeed.runtime.zero.muon.math.symmetric_gram import (FP16_SCALE, MIN_GRAM_ROWS, _in_compute_dtype,
                                                              _restarts_at, _symmetric_gram_iterations,
@@ -92,7 +93,9 @@ def split_zeropower(block: Tensor, rows: int, cols: int, sum_pieces: SumPieces, 
     norm = squares.sqrt() + NS_NORM_EPS
     if iteration == "gram_sym":
         scaled = torch.empty_like(X, dtype=inner_dtype(compute_dtype))
-        torch.mul(X, math.sqrt(FP16_SCALE) / norm, out=scaled)
+        # A (1, 1, 1) factor, as the single-matrix form scales by: a 0-dim fp32 factor would not promote a 16-bit X,
+        # and X would be scaled in its own dtype, one rounding more before fp16.
+        OPS.scale_matrices(X, (math.sqrt(FP16_SCALE) / norm).view(1, 1, 1), scaled)
         if square_rows is not None:
             result = square_split_gram(scaled, schedule, sum_pieces, square_rows, _restarts_at, symmetric=True)
         else:

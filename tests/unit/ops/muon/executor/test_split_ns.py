@@ -169,3 +169,21 @@ def test_column_widths():
     assert column_widths([1, 2, 3, 2], 96) == [12, 24, 36, 24]
     widths = column_widths([1, 2, 21], 96)
     assert sum(widths) == 96 and widths == [4, 8, 84]
+
+
+@pytest.mark.parametrize("divided", [False, True])
+def test_one_holder_in_bf16_scales_as_the_whole(divided):
+    """One holder (nothing to sum) in bf16: "gram_sym" scales X to fp16 as the single-matrix form does (in fp32, one
+    rounding), so the split equals it bit for bit, and with the m x m products on its rows within bf16 rounding of
+    the product order (a decaying spectrum, where scaling X in bf16 first was 7% off)."""
+    rows, cols = 96, 160
+    generator = torch.Generator().manual_seed(0)
+    spectrum = torch.diag(torch.logspace(0, -4, rows))
+    whole = (torch.randn(rows, rows, generator=generator) @ spectrum @ torch.randn(rows, cols, generator=generator))
+    whole = whole.bfloat16()
+    want = NS_FUNCTIONS["gram_sym"](whole, dtype=torch.bfloat16).float()
+    square_rows = SquareRows(0, rows, torch.clone) if divided else None
+    got = split_zeropower(whole, rows, cols, lambda tensor: None, dtype=torch.bfloat16, method="gram_sym",
+                          square_rows=square_rows).float()
+    error = relative_error(got, want)
+    assert error <= (0.03 if divided else 0.0), error
