@@ -41,10 +41,11 @@ from deepspeed.runtime.zero.muon.math.symmetric_gram import FP16_SCALE, symmetri
 # share f of the rows computes (1 - f) m^3 fewer multiply-adds a standard step and receives (1 - f) m^2 more elements
 # (its share of the all-gather): m multiply-adds saved per element received, whatever the number of holders (the Gram
 # iterations save 1.4 m per element). Splitting pays where m exceeds a GPU's matmul rate over the rate at which it
-# receives elements from the other holders, which sit on consecutive ranks, mostly of one host: an H100's dense bf16
-# rate (about 5e14 multiply-adds/s) over NVLink's per-GPU bandwidth in bf16 elements (about 2e11/s) is about 2,000,
-# so from 2048 (the 1.11B GPT's d_model) the standard step breaks even and the Gram iterations gain. Below it every
-# holder computes the m x m products whole, and the plan (`flat_layout.split_repeated_cost`) counts them on each.
+# receives elements from the other holders, which sit on consecutive ranks, mostly of one host: by rated figures, an
+# H100's dense bf16 rate (989 TFLOP/s, 4.9e14 multiply-adds/s) over NVLink's per-GPU bandwidth one way in bf16
+# elements (450 GB/s, 2.25e11/s) is about 2,200, so at 2048 (the 1.11B GPT's d_model) the standard step about breaks
+# even and the Gram iterations gain; larger m gain in proportion. Below it every holder computes the m x m products
+# whole, and the plan (`flat_layout.split_repeated_cost`) counts them on each.
 SQUARE_SPLIT_FROM = 2048
 
 
