@@ -25,11 +25,13 @@ Schemes (per rank, per optimizer step, Muon group only; elements move as bf16, 2
 * owner + split NS (dense models): `owner_layout` also given `split_rows` and `split_repeated_cost`: where whole
   matrices leave the busiest rank above `flat_layout.SPLIT_FROM` (1.1x) an even share, a dense matrix may be cut
   between consecutive ranks at row boundaries, its holders sharing its Newton-Schulz (`executor/split_ns.py`): each
-  computes its rows' part of the Gram and of the product with X and repeats the m x m product (m^3 a step, m the
-  smaller side); per step the m x m Gram is all-reduced among them, and a wide matrix (rows < cols) is exchanged into
-  column blocks and back (two all-to-alls). Bytes: ZeRO's reduce-scatter + all-gather over the padded partition plus
-  those. The alternative for a wide matrix cut by rows, summing its n x n Gram instead ("wide by n x n Gram"), on the
-  same layout; and a plan with the m x m product split too (each holder its rows of it, one all-gather a step).
+  computes its rows' part of the Gram and of the product with X, and, where the smaller side m is at least
+  `ns_split_square.SQUARE_SPLIT_FROM` (2048), its rows of the m x m product, which the holders all-gather; below it
+  each repeats the m x m product (m^3 a step). Per step the m x m Gram is all-reduced among them, and a wide matrix
+  (rows < cols) is exchanged into column blocks and back (two all-to-alls). Bytes: ZeRO's reduce-scatter + all-gather
+  over the padded partition plus those. Compared with: the same with the m x m product repeated on every holder at
+  every m ("m x m repeated (before)", what the engine built before); and, for a wide matrix cut by rows, summing its
+  n x n Gram instead ("wide by n x n Gram"), on the engine's layout.
 * owner, whole tensors (before): the same with every tensor whole on one owner (no cut); MoE only.
 * even + gather-to-owner (plan, not in the engine): the Muon group laid out evenly as for AdamW (no owner padding);
   each matrix's owner (the whole-tensor assignment) receives the slices of its reduced gradient that other ranks'
@@ -79,6 +81,7 @@ import deepspeed  # noqa: E402
 from deepspeed.runtime.zero.flat_layout import ALIGNMENT, even_layout, rank_costs  # noqa: E402
 from deepspeed.runtime.zero.flat_layout import newton_schulz_cost, owner_layout, split_repeated_cost  # noqa: E402
 from deepspeed.runtime.zero.muon.executor.split_ns import column_widths  # noqa: E402
+from deepspeed.runtime.zero.muon.math.ns_split_square import splits_square_products  # noqa: E402
 from deepspeed.runtime.zero.owner_blocks import ownership_blocks, split_rows  # noqa: E402
 
 RANKS = (8, 64, 256, 1024)
@@ -91,7 +94,7 @@ GIB = 2**30
 
 OWNER = "owner (this fork)"
 SPLIT = "owner + split NS"
-SPLIT_FULL = "owner + split NS, m x m split too (plan)"
+SPLIT_REPEATED = "owner + split NS, m x m repeated (before)"
 SPLIT_LARGE_GRAM = "owner + split NS, wide by n x n Gram"
 OWNER_WHOLE = "owner, whole tensors (before)"
 GATHER = "even + gather-to-owner (plan)"
@@ -99,7 +102,7 @@ ROUND_ROBIN = "round-robin"
 PER_EXPERT = "owner per expert (plan)"
 UPSTREAM = "upstream ZeRO-1/2"
 DION = "Dion Muon (FSDP2)"
-COLORS = {OWNER: "C0", SPLIT: "C7", SPLIT_FULL: "C8", SPLIT_LARGE_GRAM: "C9", OWNER_WHOLE: "C5", GATHER: "C6",
+COLORS = {OWNER: "C0", SPLIT: "C7", SPLIT_REPEATED: "C8", SPLIT_LARGE_GRAM: "C9", OWNER_WHOLE: "C5", GATHER: "C6",
           ROUND_ROBIN: "C1", PER_EXPERT: "C4", UPSTREAM: "C2", DION: "C3"}
 
 
@@ -201,17 +204,18 @@ def split_scheme(model, shapes, costs, ranks, scheme) -> Row:
     share the matrix's Newton-Schulz (`executor/split_ns.py`).
 
     Per split matrix (m the smaller side, n the larger, k holders, holder j with a share f_j of the rows), per step of
-    NS_STEPS: each holder computes its part of the Gram and of the product with X (f_j 2 m^2 n) and repeats the m x m
-    product A^2 (m^3); the m x m Gram is all-reduced (ring: 2 (k - 1) / k m^2 elements sent per holder). A wide matrix
+    NS_STEPS: each holder computes its part of the Gram and of the product with X (f_j 2 m^2 n); the m x m Gram is
+    all-reduced (ring: 2 (k - 1) / k m^2 elements sent per holder). Where m >= SQUARE_SPLIT_FROM each holder computes
+    its rows of the m x m product b A + c A^2 (f_j m^3) and the rows are all-gathered ((k - 1) / k m^2 elements sent
+    per holder); below it each holder repeats A^2 (m^3), as `split_repeated_cost` counts it. A wide matrix
     (rows < cols) cut by rows is exchanged into column blocks and back (each holder sends the part of its rows outside
-    its own columns, twice). SPLIT_LARGE_GRAM: the wide matrices' alternative, their n x n Gram X_i^T X_i summed
-    instead (f_j 2 m n^2 + n^3 per holder per step, n^2 all-reduced), on the same layout. SPLIT_FULL (a plan, not
-    in the engine): the m x m product split too, each holder computing its rows of b A + c A^2, and an all-gather of
-    them per step ((k - 1) / k m^2 elements sent per holder); the layout is planned with nothing repeated."""
+    its own columns, twice). SPLIT_REPEATED: A^2 repeated on every holder at every m, the layout planned so (the
+    engine before the m x m products were divided). SPLIT_LARGE_GRAM: the wide matrices' alternative, their n x n Gram
+    X_i^T X_i summed instead (f_j 2 m n^2 + n^3 per holder per step, n^2 all-reduced), on the engine's layout."""
     numels = [numel(s) for s in shapes]
     rows = [split_rows(s) for s in shapes]
-    full, large_gram = scheme == SPLIT_FULL, scheme == SPLIT_LARGE_GRAM
-    repeated = [0 if full else split_repeated_cost(s) for s in shapes]
+    before, large_gram = scheme == SPLIT_REPEATED, scheme == SPLIT_LARGE_GRAM
+    repeated = [min(s) ** 3 if before else split_repeated_cost(s) for s in shapes]
     layout = owner_layout(numels, costs, ranks, [ownership_blocks(s) for s in shapes], rows, repeated)
     loads = rank_costs(layout, costs, repeated)
     size = layout.partition_size
@@ -227,9 +231,10 @@ def split_scheme(model, shapes, costs, ranks, scheme) -> Row:
         split, most = split + 1, max(most, k)
         wide = shape[0] < shape[1]
         gram = n * n if wide and large_gram else m * m
+        gathered = not before and not (wide and large_gram) and splits_square_products(m)
         widths = column_widths(pieces, shape[1]) if wide and not large_gram else None
         for j, (rank, piece) in enumerate(zip(holders, pieces)):
-            extra[rank] += NS_STEPS * (2 + full) * (k - 1) / k * gram
+            extra[rank] += NS_STEPS * (2 + gathered) * (k - 1) / k * gram
             if widths is not None:
                 extra[rank] += 2 * piece * (shape[1] - widths[j])
             if wide and large_gram:
@@ -324,7 +329,8 @@ def plan(model: str, shapes, ranks: int) -> list[Row]:
     rows = [owner_scheme(model, shapes, costs, ranks, OWNER, blocks=blocks)]
     fused = any(len(s) == 3 for s in shapes)
     if not fused:
-        rows += [split_scheme(model, shapes, costs, ranks, scheme) for scheme in (SPLIT, SPLIT_LARGE_GRAM, SPLIT_FULL)]
+        rows += [split_scheme(model, shapes, costs, ranks, scheme) for scheme in (SPLIT, SPLIT_REPEATED,
+                                                                                  SPLIT_LARGE_GRAM)]
     if fused:
         rows.append(owner_scheme(model, shapes, costs, ranks, OWNER_WHOLE))
     rows.append(gather_scheme(model, shapes, costs, ranks))
@@ -347,8 +353,9 @@ COLUMNS = [("ranks", "ranks", "{}"), ("scheme", "scheme", "{}"), ("ns_max_over_m
 
 def densest_tensor(shapes) -> tuple | None:
     """(shape, its Newton-Schulz cost per element over the model's) of the tensor with the most cost per element
-    among those the engine may cut between owners (several blocks), or None when there is none."""
-    cuttable = [s for s in shapes if ownership_blocks(s) > 1]
+    among those the engine may cut between owners at block boundaries, or in a model with none (a dense model) the
+    matrices it may split by rows; None when there is none."""
+    cuttable = [s for s in shapes if ownership_blocks(s) > 1] or [s for s in shapes if split_rows(s) > 1]
     if not cuttable:
         return None
     mean = sum(newton_schulz_cost(s) for s in shapes) / sum(numel(s) for s in shapes)
@@ -362,7 +369,7 @@ def markdown(rows: list[Row], meta: dict, sizes: dict) -> str:
     for model, (count, elements, densest) in sizes.items():
         lines += ["", f"## {model}: {count} Muon tensors, {elements:,} elements", ""]
         if densest is not None:
-            lines += [f"Costliest tensor that may be cut between owners, per element: {densest[1]:.2f}x the model's "
+            lines += [f"Costliest tensor that may be cut between ranks, per element: {densest[1]:.2f}x the model's "
                       f"average Newton-Schulz cost per element ({densest[0]}); where it fills whole partitions its "
                       f"ranks do at least that over an even share.", ""]
         lines += ["| " + " | ".join(title for _, title, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]

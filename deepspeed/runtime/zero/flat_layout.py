@@ -23,6 +23,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from deepspeed.runtime.zero.muon.math.ns_split_square import splits_square_products
 from deepspeed.runtime.zero.muon.math.update import matrix_blocks
 
 # Partition starts stay aligned to this many elements (4-byte alignment for 16-bit dtypes, which NCCL
@@ -277,10 +278,12 @@ SPLIT_FROM = 1.1
 
 def split_repeated_cost(shape: Sequence[int]) -> int:
     """What every holder of a rows x cols matrix whose Newton-Schulz is split between them repeats, in
-    `newton_schulz_cost`'s units (one standard step): the m x m product A^2 (m = the smaller side), m^3. The Gram
-    and the product with X (2 m^2 n) are divided between the holders by their rows (`math/ns_split.py`)."""
+    `newton_schulz_cost`'s units (one standard step). The Gram and the product with X (2 m^2 n, m = the smaller
+    side) are divided between the holders by their rows (`math/ns_split.py`); so is the m x m product A^2 (m^3) where
+    m is at least `SQUARE_SPLIT_FROM` (`math/ns_split_square.py`, the rule the executor applies): then nothing is
+    repeated; below it every holder computes A^2 whole, m^3."""
     m = min(shape[-2:])
-    return m * m * m
+    return 0 if splits_square_products(m) else m * m * m
 
 
 def _whole_owner_layout(numels: Sequence[int], costs: Sequence[int], num_partitions: int) -> GroupLayout:

@@ -13,6 +13,11 @@ has c >= 2.6 r; ``benchmarks/owner_plan.py`` compares both). So the holders exch
 blocks first (one all-to-all, each rank sending and receiving about r c / k elements), run the split iteration on
 the r x r Gram, and exchange the result back (another all-to-all).
 
+Where the smaller side m is at least ``square_split_from`` (``ns_split_square.SQUARE_SPLIT_FROM`` unless given), the
+holders also divide the m x m products: each computes its rows of them, in proportion to its columns of the wide
+orientation, contiguous, in group-rank order (``ns_split_square.row_bounds``), and one all-gather of the row blocks
+over ``group`` gives each the whole matrix (``row_gather``). Below it every holder computes them whole.
+
 Every rank of ``group`` must call :func:`split_rows_zeropower` for the same matrix with the same arguments other than
 its own rows, in the same order as its other collectives on ``group``.
 """
@@ -28,6 +33,8 @@ from torch import Tensor
 import deepspeed.comm as dist
 from deepspeed.runtime.zero.muon.math.ns_coefficients import DEFAULT_NS_COEFFICIENTS
 from deepspeed.runtime.zero.muon.math.ns_split import split_zeropower
+from deepspeed.runtime.zero.muon.math.ns_split_square import (SQUARE_SPLIT_FROM, GatherRows, SquareRows, row_bounds,
+                                                              splits_square_products)
 
 # Set by ZeRO on the optimizer's view of a piece of a split matrix (`zero/split_matrices.SplitMatrix`): the step runs
 # that piece's Newton-Schulz with the other holders (`split_rows_zeropower`) and scales it as the whole matrix.
@@ -43,9 +50,29 @@ def column_widths(rows_per_holder: Sequence[int], cols: int) -> list[int]:
     return [end - start for start, end in zip(bounds, bounds[1:])]
 
 
+def row_gather(bounds: Sequence[int], group) -> GatherRows:
+    """All-gathers the ranks' row blocks of an m x m matrix (rank j's rows ``bounds[j]:bounds[j + 1]``, in group-rank
+    order) over ``group``. The blocks may differ in height: each rank sends its own padded to the tallest, one
+    ``all_gather_into_tensor``, and the blocks are taken back out in rank order."""
+    heights = [end - start for start, end in zip(bounds, bounds[1:])]
+    tallest = max(heights)
+
+    def gather(block: Tensor) -> Tensor:
+        count, height, m = block.shape
+        sent = block.new_zeros((count * tallest, m)) if height < tallest else block.reshape(count * tallest, m)
+        if height < tallest:
+            sent.view(count, tallest, m)[:, :height] = block
+        received = block.new_empty((len(heights), count, tallest, m))
+        dist.all_gather_into_tensor(received.view(-1, m), sent, group=group)
+        return torch.cat([received[j, :, :h] for j, h in enumerate(heights)], dim=1)
+
+    return gather
+
+
 def split_rows_zeropower(rows_block: Tensor, shape: Sequence[int], rows_per_holder: Sequence[int], group,
                          steps: int = 5, dtype: torch.dtype | None = None,
-                         coefficients: str = DEFAULT_NS_COEFFICIENTS, method: str = "gram") -> Tensor:
+                         coefficients: str = DEFAULT_NS_COEFFICIENTS, method: str = "gram",
+                         square_split_from: int = SQUARE_SPLIT_FROM) -> Tensor:
     """This rank's rows of the Newton-Schulz of an r x c matrix whose rows the ranks of ``group`` hold in rank order.
 
     Args:
@@ -55,6 +82,8 @@ def split_rows_zeropower(rows_block: Tensor, shape: Sequence[int], rows_per_hold
         group: the process group of the holders (every rank of it holds rows).
         steps, dtype, coefficients, method: as the single-matrix Newton-Schulz functions take them
             (``math/newton_schulz.py``); the whole shape decides the iteration, as there.
+        square_split_from: the smallest m (the matrix's smaller side) whose m x m products the ranks divide between
+            them (``ns_split_square.splits_square_products``); every rank of ``group`` must pass the same.
 
     Returns:
         This rank's rows of the result, in the compute dtype.
@@ -73,9 +102,16 @@ def split_rows_zeropower(rows_block: Tensor, shape: Sequence[int], rows_per_hold
     def sum_pieces(tensor: Tensor) -> None:
         dist.all_reduce(tensor, group=group)
 
+    def square_rows(columns_per_holder: Sequence[int], m: int) -> SquareRows | None:
+        if holders < 2 or not splits_square_products(m, square_split_from):
+            return None
+        bounds = row_bounds(columns_per_holder, m)
+        return SquareRows(bounds[index], bounds[index + 1], row_gather(bounds, group))
+
     if rows >= cols:
         # The rows are column blocks of the wide orientation (c x r).
-        return split_zeropower(rows_block.mT, cols, rows, sum_pieces, steps, dtype, coefficients, method).mT
+        return split_zeropower(rows_block.mT, cols, rows, sum_pieces, steps, dtype, coefficients, method,
+                               square_rows(rows_per_holder, cols)).mT
     widths = column_widths(rows_per_holder, cols)
     starts = [0] + list(accumulate(widths))
     mine = widths[index]
@@ -86,7 +122,7 @@ def split_rows_zeropower(rows_block: Tensor, shape: Sequence[int], rows_per_hold
     dist.all_to_all_single(column_block, send, [r * mine for r in rows_per_holder],
                            [rows_block.size(0) * w for w in widths], group=group)
     result = split_zeropower(column_block.view(rows, mine), rows, cols, sum_pieces, steps, dtype, coefficients,
-                             method)
+                             method, square_rows(widths, rows))
     # And back: rank j's rows of this rank's columns.
     back = result.new_empty(rows_block.size(0) * cols)
     dist.all_to_all_single(back, result.contiguous().view(-1), [rows_block.size(0) * w for w in widths],

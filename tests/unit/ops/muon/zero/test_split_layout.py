@@ -10,6 +10,7 @@ import torch
 from deepspeed.runtime.zero import owner_blocks
 from deepspeed.runtime.zero.flat_layout import (SPLIT_FROM, GroupLayout, newton_schulz_cost, owner_layout,
                                                 rank_costs, split_repeated_cost)
+from deepspeed.runtime.zero.muon.math.ns_split_square import SQUARE_SPLIT_FROM, splits_square_products
 from deepspeed.runtime.zero.owner_blocks import ownership_blocks, split_rows
 
 # Two blocks of a small transformer (qkv, attention out, MLP in, MLP out) and a fused expert tensor, which is never
@@ -71,6 +72,15 @@ def test_a_holder_costs_its_rows_share_plus_what_it_repeats():
         assert load == pytest.approx((costs[0] - repeated) * held / (64 * 16) + repeated * (held > 0))
     # Without the repeated costs the same layout's cost is the rows' share alone.
     assert sum(rank_costs(layout, costs)) == pytest.approx(costs[0])
+
+
+def test_holders_divide_the_square_products_from_square_split_from():
+    """From a smaller side of SQUARE_SPLIT_FROM the holders divide the m x m products (the executor's rule), so the
+    plan counts nothing repeated and each holder costs its rows' share alone; below it, m^3 on each."""
+    m = SQUARE_SPLIT_FROM
+    assert split_repeated_cost((4 * m, m)) == 0 and split_repeated_cost((m, 3 * m)) == 0
+    assert split_repeated_cost((4 * m, m - 1)) == (m - 1)**3 and split_repeated_cost((m - 1, 3 * m)) == (m - 1)**3
+    assert splits_square_products(m) and not splits_square_products(m - 1)
 
 
 def test_balanced_plans_and_other_tensors_are_not_split():
