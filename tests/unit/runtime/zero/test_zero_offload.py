@@ -330,13 +330,18 @@ class TestGradientsStraightToTheHost(DistributedTest):
             assert_identical(full_snapshot(staged), full_snapshot(direct), f"step {step}")
 
     @pytest.mark.parametrize("gas", [1, 2])
-    def test_deepspeed_utils_read_and_write_them(self, gas):
+    @pytest.mark.parametrize("stage", [2, 3, "3+offload_param"])
+    def test_deepspeed_utils_read_and_write_them(self, stage, gas):
         """gas 1: the gradients went to the host during the backward; gas 2: the partition is held where the
         reduction made it, and the last backward has already sent its stretches to the host, so a write must go
         there again."""
         from deepspeed.utils import safe_get_full_grad, safe_set_full_grad
 
-        direct, staged = self._pair(offload_config(2, "bf16", MUON, gas=gas))
+        offload_param = stage == "3+offload_param"
+        config = offload_config(3 if offload_param else stage, "bf16", MUON, gas=gas)
+        if offload_param:
+            config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+        direct, staged = self._pair(config)
         batch = global_batches(1, 4 * gas * dist.get_world_size(), HIDDEN)[0]
         for engine in (direct, staged):
             for gas_index in range(gas):
