@@ -5,8 +5,8 @@ matrices balances them; the owner layout cuts both at row boundaries between con
 one's Newton-Schulz (`executor/split_ns.py`; the wide one exchanged into column blocks). Training must equal
 single-process Muon (stages 1-3) step by step, and single-process NorMuon with NorMuon on (each holder normalises its
 rows, the Frobenius norm summed over the holders); under ZeRO-Offload the matrices stay whole. A checkpoint saved at
-4 ranks with the matrices split loads at 2 and 8 ranks (their own split plans) with every fp32 master, momentum and
-NorMuon second moment equal bit for bit, and training continues.
+4 ranks with the matrices split, and its universal form, load at 2 and 8 ranks (their own split plans) with every fp32
+master, momentum and NorMuon second moment equal bit for bit, and training continues.
 """
 
 import os
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import deepspeed
 import deepspeed.comm as dist
+from deepspeed.checkpoint.ds_to_universal import convert
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from deepspeed.runtime.zero import owner_blocks
 from deepspeed.runtime.zero.muon.math.normuon import NEURON_SECOND_MOMENT
@@ -145,11 +146,13 @@ SAVED_STEPS = 2
 RESUME_MICRO_TIMES_WORLD = 128
 
 
-def resume_engine(stage, normuon=False):
+def resume_engine(stage, normuon=False, universal=False):
     torch.manual_seed(0)
     model = SplitNet()
     config = config_for(stage, RESUME_MICRO_TIMES_WORLD // dist.get_world_size())
     config["optimizer"]["params"]["normuon"] = normuon
+    if universal:
+        config["checkpoint"] = {"load_universal": True}
     with small_matrices_split():
         return deepspeed.initialize(model=model, config=config)[0]
 
@@ -177,24 +180,30 @@ def save_split_at_four(class_tmpdir, normuon):
         state = gathered_state(engine, normuon)
         if dist.get_rank() == 0:
             torch.save(state, os.path.join(directory, "saved_state.pt"))
+            tag = f"global_step{engine.global_steps}"
+            convert(os.path.join(directory, tag), os.path.join(directory, f"{tag}_universal"))
         dist.barrier()
         engine.destroy()
 
 
 def check_resumes_saved_at_four(class_tmpdir, normuon):
+    """The checkpoint, and its universal form, load to the saved state bit for bit; training continues."""
     for stage in RESUME_STAGES:
         directory = os.path.join(str(class_tmpdir), f"stage{stage}")
-        engine = resume_engine(stage, normuon)
-        if dist.get_world_size() == 8:
-            assert muon_layout(engine)[0].shared is not None
-        engine.load_checkpoint(directory)
         saved_masters, saved_states = torch.load(os.path.join(directory, "saved_state.pt"))
-        masters, states = gathered_state(engine, normuon)
-        for index, (got, want) in enumerate(zip(masters + states, saved_masters + saved_states, strict=True)):
-            assert torch.equal(got, want), f"stage {stage} at {dist.get_world_size()} ranks: tensor {index}"
-        train_steps(engine, batches(1, RESUME_MICRO_TIMES_WORLD, seed=99), "fp32")
-        assert engine.was_step_applied()
-        engine.destroy()
+        for universal in (False, True):
+            engine = resume_engine(stage, normuon, universal)
+            if dist.get_world_size() == 8:
+                assert muon_layout(engine)[0].shared is not None
+            load_path, _ = engine.load_checkpoint(directory)
+            assert ("_universal" in load_path) == universal, load_path
+            masters, states = gathered_state(engine, normuon)
+            where = f"stage {stage} at {dist.get_world_size()} ranks{' (universal)' if universal else ''}"
+            for index, (got, want) in enumerate(zip(masters + states, saved_masters + saved_states, strict=True)):
+                assert torch.equal(got, want), f"{where}: tensor {index}"
+            train_steps(engine, batches(1, RESUME_MICRO_TIMES_WORLD, seed=99), "fp32")
+            assert engine.was_step_applied()
+            engine.destroy()
 
 
 class SavedSplitAtFour(DistributedFixture):
