@@ -118,9 +118,9 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
 
     def _split_plan(self, params: List[torch.nn.Parameter], group: dict) -> Tuple[List[int], List[int]]:
         """`owner_layout`'s `split_rows` and `repeated_costs` for a Muon group: dense matrices may have their
-        Newton-Schulz shared by the ranks holding their rows, except under ZeRO-Offload (its host step keeps every
-        matrix whole) and with NorMuon (its normalisation is kept on whole matrices)."""
-        if self.options.offload_optimizer is not None or group.get("normuon", False):
+        Newton-Schulz shared by the ranks holding their rows (with NorMuon too: each holder normalises its rows, the
+        norm summed over the holders), except under ZeRO-Offload (its host step keeps every matrix whole)."""
+        if self.options.offload_optimizer is not None:
             return [1] * len(params), [0] * len(params)
         return ([split_rows(full_shape(p), head_count(p)) for p in params],
                 [split_repeated_cost(full_shape(p)) for p in params])

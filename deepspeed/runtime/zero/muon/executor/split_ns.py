@@ -19,7 +19,9 @@ orientation, contiguous, in group-rank order (``ns_split_square.row_bounds``), a
 over ``group`` gives each the whole matrix (``row_gather``). Below it every holder computes them whole.
 
 Every rank of ``group`` must call :func:`split_rows_zeropower` for the same matrix with the same arguments other than
-its own rows, in the same order as its other collectives on ``group``.
+its own rows, in the same order as its other collectives on ``group``; the same holds for NorMuon's one sum of the
+normalised rows' squares per matrix (``math/normuon.split_neuron_normalised`` over :func:`sum_over_holders`), which
+the step makes after every Newton-Schulz of the group.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from torch import Tensor
 
 import deepspeed.comm as dist
 from deepspeed.runtime.zero.muon.math.ns_coefficients import DEFAULT_NS_COEFFICIENTS
+from deepspeed.runtime.zero.muon.math.ns_common import SumPieces
 from deepspeed.runtime.zero.muon.math.ns_split import split_zeropower
 from deepspeed.runtime.zero.muon.math.ns_split_square import (SQUARE_SPLIT_FROM, GatherRows, SquareRows, row_bounds,
                                                               splits_square_products)
@@ -39,6 +42,15 @@ from deepspeed.runtime.zero.muon.math.ns_split_square import (SQUARE_SPLIT_FROM,
 # Set by ZeRO on the optimizer's view of a piece of a split matrix (`zero/split_matrices.SplitMatrix`): the step runs
 # that piece's Newton-Schulz with the other holders (`split_rows_zeropower`) and scales it as the whole matrix.
 SPLIT_ATTRIBUTE = "muon_split_matrix"
+
+
+def sum_over_holders(group) -> SumPieces:
+    """Sums a tensor in place over the ranks of ``group`` (``ns_common.SumPieces``): one all-reduce."""
+
+    def sum_pieces(tensor: Tensor) -> None:
+        dist.all_reduce(tensor, group=group)
+
+    return sum_pieces
 
 
 def column_widths(rows_per_holder: Sequence[int], cols: int) -> list[int]:
@@ -99,8 +111,7 @@ def split_rows_zeropower(rows_block: Tensor, shape: Sequence[int], rows_per_hold
                          f"per rank summing to {rows} and this rank's rows ({rows_per_holder} given, rows of shape "
                          f"{tuple(rows_block.shape)} on group rank {index})")
 
-    def sum_pieces(tensor: Tensor) -> None:
-        dist.all_reduce(tensor, group=group)
+    sum_pieces = sum_over_holders(group)
 
     def square_rows(columns_per_holder: Sequence[int], m: int) -> SquareRows | None:
         if holders < 2 or not splits_square_products(m, square_split_from):

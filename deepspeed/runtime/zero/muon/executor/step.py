@@ -19,8 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from deepspeed.runtime.zero.muon.executor.split_ns import SPLIT_ATTRIBUTE, split_rows_zeropower
-from deepspeed.runtime.zero.muon.math.normuon import NEURON_SECOND_MOMENT, muon_state_shape, neuron_normalised
+from deepspeed.runtime.zero.muon.executor.split_ns import SPLIT_ATTRIBUTE, split_rows_zeropower, sum_over_holders
+from deepspeed.runtime.zero.muon.math.normuon import (NEURON_SECOND_MOMENT, muon_state_shape, neuron_normalised,
+                                                      split_neuron_normalised)
 from deepspeed.runtime.zero.muon.math.update import flat_view, matrix_blocks, orthogonalise, stacked_view, update_scale
 from deepspeed.runtime.zero.muon.per_head import head_count
 
@@ -175,14 +176,24 @@ class MuonStepExecutor:
 
     def _neuron_normalised(self, group: dict[str, Any], folded: FoldedGroup, updates: list[Tensor]) -> list[Tensor]:
         """NorMuon: each batch's orthogonalised update normalised per row (``normuon.neuron_normalised``), the
-        params' second moments (one fp32 value per row, packed into one run) updated in place."""
+        params' second moments (one fp32 value per row, packed into one run) updated in place.
+
+        A piece of a split matrix holds its own rows and their second moments; its norm is summed with the other
+        holders' (``normuon.split_neuron_normalised``, one all-reduce per matrix) in batch order, the params' flat
+        order, as its Newton-Schulz was (``orthogonalise_with_splits``)."""
         moments = iter(self._packed_state([p for params, _ in folded.batches for p in params], NEURON_SECOND_MOMENT,
                                           lambda p: muon_state_shape(NEURON_SECOND_MOMENT, p.shape)))
         normalised = []
         for (params, _), update in zip(folded.batches, updates):
             # A batch's rows, head by head: (count * heads, rows / heads) over the params' packed moments.
             batch_moments = flat_view([next(moments) for _ in params]).view(update.shape[:2])
-            normalised.append(neuron_normalised(update, batch_moments, group["normuon_beta2"], group["normuon_eps"]))
+            beta2, eps = group["normuon_beta2"], group["normuon_eps"]
+            split = getattr(params[0], SPLIT_ATTRIBUTE, None)
+            if split is None:
+                normalised.append(neuron_normalised(update, batch_moments, beta2, eps))
+            else:
+                normalised.append(split_neuron_normalised(update, batch_moments, tuple(split.shape),
+                                                          sum_over_holders(split.group), beta2, eps))
         return normalised
 
     def _packed_momenta(self, params: list[Tensor], dtype: torch.dtype = torch.float32) -> list[Tensor]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
-from deepspeed.runtime.zero.muon.math.normuon import NEURON_SECOND_MOMENT, neuron_normalised
+from deepspeed.runtime.zero.muon.math.normuon import NEURON_SECOND_MOMENT, neuron_normalised, split_neuron_normalised
 from deepspeed.runtime.zero.muon.original_muon import flat_view
 from unit.ops.muon.math.reference import muon_update_fp64, newton_schulz_fp64, normuon_fp64, shape_factor
 
@@ -47,11 +47,38 @@ def test_a_zero_block_stays_zero():
     torch.testing.assert_close(torch.linalg.matrix_norm(result[1]), torch.tensor(2.0))
 
 
+@pytest.mark.parametrize("shape, rows_per_holder", [((40, 16), (13, 20, 7)), ((16, 40), (5, 11))])
+def test_split_rows_normalise_as_the_whole_matrix(shape, rows_per_holder):
+    """Holders of row blocks of one matrix, the squares summed over them, give the whole matrix's rows and second
+    moments (the sum is the only coupling, so it is taken in two passes here: each holder's squares, then their
+    total handed to every holder)."""
+    generator = torch.Generator().manual_seed(1)
+    update = newton_schulz_fp64(torch.randn(shape, generator=generator, dtype=torch.float64)).float().unsqueeze(0)
+    moment = torch.rand(1, shape[0], generator=generator)
+    expected_moment = moment.clone()
+    expected = neuron_normalised(update, expected_moment, beta2=0.9, eps=1e-8)
+    bounds = [0, *torch.tensor(rows_per_holder).cumsum(0).tolist()]
+    pieces = [(update[:, a:b], moment[:, a:b]) for a, b in zip(bounds, bounds[1:])]
+    squares = []
+    for rows, v in pieces:
+        split_neuron_normalised(rows, v.clone(), shape, lambda t: squares.append(t.clone()), beta2=0.9, eps=1e-8)
+    total = torch.stack(squares).sum(0)
+    result = torch.cat([split_neuron_normalised(rows, v, shape, lambda t: t.copy_(total), beta2=0.9, eps=1e-8)
+                        for rows, v in pieces], dim=1)
+    torch.testing.assert_close(result, expected, rtol=1e-6, atol=1e-7)
+    assert torch.equal(moment, expected_moment)
+    # Each piece scaled by its own norm alone would not be the whole matrix's rows.
+    alone = split_neuron_normalised(pieces[0][0], pieces[0][1].clone(), shape, lambda t: None, beta2=0.9, eps=1e-8)
+    assert not torch.allclose(alone, expected[:, :rows_per_holder[0]], rtol=1e-3)
+
+
 def test_bad_operands_are_refused():
     with pytest.raises(ValueError, match="fp32 \\(blocks, rows\\) second moment"):
         neuron_normalised(torch.zeros(2, 4, 6), torch.zeros(2, 6))
     with pytest.raises(ValueError, match="fp32 \\(blocks, rows\\) second moment"):
         neuron_normalised(torch.zeros(2, 4, 6), torch.zeros(2, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="split NorMuon needs"):
+        split_neuron_normalised(torch.zeros(1, 4, 6), torch.zeros(1, 4), (8, 5), lambda t: None)
 
 
 # Tall, wide, square, per-head (4 heads of 4 rows) and a 4-D kernel (orthogonalised as (out, -1)).

@@ -3,9 +3,10 @@
 A tall (256 x 64) and a wide (64 x 256) matrix cost far more than the other two Muon matrices, so no plan of whole
 matrices balances them; the owner layout cuts both at row boundaries between consecutive ranks, which share each
 one's Newton-Schulz (`executor/split_ns.py`; the wide one exchanged into column blocks). Training must equal
-single-process Muon (stages 1-3) step by step; under ZeRO-Offload and with NorMuon the matrices stay whole. A
-checkpoint saved at 4 ranks with the matrices split loads at 2 and 8 ranks (their own split plans) with every fp32
-master and momentum equal bit for bit, and training continues.
+single-process Muon (stages 1-3) step by step, and single-process NorMuon with NorMuon on (each holder normalises its
+rows, the Frobenius norm summed over the holders); under ZeRO-Offload the matrices stay whole. A checkpoint saved at
+4 ranks with the matrices split, and its universal form, load at 2 and 8 ranks (their own split plans) with every fp32
+master, momentum and NorMuon second moment equal bit for bit, and training continues.
 """
 
 import os
@@ -16,8 +17,10 @@ import torch.nn.functional as F
 
 import deepspeed
 import deepspeed.comm as dist
+from deepspeed.checkpoint.ds_to_universal import convert
 from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 from deepspeed.runtime.zero import owner_blocks
+from deepspeed.runtime.zero.muon.math.normuon import NEURON_SECOND_MOMENT
 from deepspeed.runtime.zero.flat_layout import newton_schulz_cost, owner_layout, split_repeated_cost
 from deepspeed.runtime.zero.owner_blocks import ownership_blocks, split_rows
 from unit.common import DistributedFixture, DistributedTest
@@ -89,7 +92,7 @@ class _SplitParity:
             layout, shapes = muon_layout(engine)
             numels = [torch.Size(s).numel() for s in shapes]
             costs = [newton_schulz_cost(s) for s in shapes]
-            split = not offload and not muon_params.get("normuon", False)
+            split = not offload
             rows = [split_rows(s) if split else 1 for s in shapes]
             expected = owner_layout(numels, costs, self.world_size, [ownership_blocks(s) for s in shapes], rows,
                                     [split_repeated_cost(s) for s in shapes])
@@ -118,9 +121,12 @@ class TestSplitNewtonSchulzFourRanks(_SplitParity, DistributedTest):
     def test_scale_rule_is_the_whole_matrix(self, adjust_lr_fn):
         self.check_training_equals_single_process(2, adjust_lr_fn=adjust_lr_fn)
 
-    def test_offload_and_normuon_keep_matrices_whole(self):
+    def test_offload_keeps_matrices_whole(self):
         self.check_training_equals_single_process(2, offload=True)
-        self.check_training_equals_single_process(2, normuon=True)
+
+    @pytest.mark.parametrize("stage", [1, 2, 3])
+    def test_normuon_training_equals_single_process(self, stage):
+        self.check_training_equals_single_process(stage, normuon=True)
 
 
 class TestSplitNewtonSchulzEightRanks(_SplitParity, DistributedTest):
@@ -131,45 +137,80 @@ class TestSplitNewtonSchulzEightRanks(_SplitParity, DistributedTest):
     def test_training_equals_single_process(self, stage):
         self.check_training_equals_single_process(stage)
 
+    def test_normuon_training_equals_single_process(self):
+        self.check_training_equals_single_process(2, normuon=True)
+
 
 RESUME_STAGES = (2, 3)
 SAVED_STEPS = 2
 RESUME_MICRO_TIMES_WORLD = 128
 
 
-def resume_engine(stage):
+def resume_engine(stage, normuon=False, universal=False):
     torch.manual_seed(0)
     model = SplitNet()
+    config = config_for(stage, RESUME_MICRO_TIMES_WORLD // dist.get_world_size())
+    config["optimizer"]["params"]["normuon"] = normuon
+    if universal:
+        config["checkpoint"] = {"load_universal": True}
     with small_matrices_split():
-        return deepspeed.initialize(model=model,
-                                    config=config_for(stage, RESUME_MICRO_TIMES_WORLD // dist.get_world_size()))[0]
+        return deepspeed.initialize(model=model, config=config)[0]
 
 
-def gathered_state(engine):
-    """Every parameter's fp32 master and, for the Muon matrices, momentum, whole (collectives: every rank)."""
+def gathered_state(engine, normuon=False):
+    """Every parameter's fp32 master and, for the Muon matrices, momentum (and NorMuon's second moment, one value
+    per row), whole (collectives: every rank)."""
     params = list(engine.module.parameters())
+    matrices = [p for p in params if p.dim() == 2]
+    keys = ["momentum_buffer"] + ([NEURON_SECOND_MOMENT] if normuon else [])
     masters = [safe_get_full_fp32_param(p).cpu().clone() for p in params]
-    momenta = [safe_get_full_optimizer_state(p, "momentum_buffer").cpu().clone() for p in params if p.dim() == 2]
-    return masters, momenta
+    states = [safe_get_full_optimizer_state(p, key).cpu().clone() for key in keys for p in matrices]
+    return masters, states
+
+
+def save_split_at_four(class_tmpdir, normuon):
+    for stage in RESUME_STAGES:
+        engine = resume_engine(stage, normuon)
+        layout, _ = muon_layout(engine)
+        assert layout.shared is not None and any(layout.is_cut(i) for i in range(len(layout.numels)))
+        for batch in batches(SAVED_STEPS, RESUME_MICRO_TIMES_WORLD):
+            train_steps(engine, [batch], "fp32")
+        directory = os.path.join(str(class_tmpdir), f"stage{stage}")
+        engine.save_checkpoint(directory)
+        state = gathered_state(engine, normuon)
+        if dist.get_rank() == 0:
+            torch.save(state, os.path.join(directory, "saved_state.pt"))
+            tag = f"global_step{engine.global_steps}"
+            convert(os.path.join(directory, tag), os.path.join(directory, f"{tag}_universal"))
+        dist.barrier()
+        engine.destroy()
+
+
+def check_resumes_saved_at_four(class_tmpdir, normuon):
+    """The checkpoint, and its universal form, load to the saved state bit for bit; training continues."""
+    for stage in RESUME_STAGES:
+        directory = os.path.join(str(class_tmpdir), f"stage{stage}")
+        saved_masters, saved_states = torch.load(os.path.join(directory, "saved_state.pt"))
+        for universal in (False, True):
+            engine = resume_engine(stage, normuon, universal)
+            if dist.get_world_size() == 8:
+                assert muon_layout(engine)[0].shared is not None
+            load_path, _ = engine.load_checkpoint(directory)
+            assert ("_universal" in load_path) == universal, load_path
+            masters, states = gathered_state(engine, normuon)
+            where = f"stage {stage} at {dist.get_world_size()} ranks{' (universal)' if universal else ''}"
+            for index, (got, want) in enumerate(zip(masters + states, saved_masters + saved_states, strict=True)):
+                assert torch.equal(got, want), f"{where}: tensor {index}"
+            train_steps(engine, batches(1, RESUME_MICRO_TIMES_WORLD, seed=99), "fp32")
+            assert engine.was_step_applied()
+            engine.destroy()
 
 
 class SavedSplitAtFour(DistributedFixture):
     world_size = 4
 
     def run(self, class_tmpdir):
-        for stage in RESUME_STAGES:
-            engine = resume_engine(stage)
-            layout, _ = muon_layout(engine)
-            assert layout.shared is not None and any(layout.is_cut(i) for i in range(len(layout.numels)))
-            for batch in batches(SAVED_STEPS, RESUME_MICRO_TIMES_WORLD):
-                train_steps(engine, [batch], "fp32")
-            directory = os.path.join(str(class_tmpdir), f"stage{stage}")
-            engine.save_checkpoint(directory)
-            state = gathered_state(engine)
-            if dist.get_rank() == 0:
-                torch.save(state, os.path.join(directory, "saved_state.pt"))
-            dist.barrier()
-            engine.destroy()
+        save_split_at_four(class_tmpdir, normuon=False)
 
 
 class TestSplitCheckpointsResumeAtOtherWorldSizes(DistributedTest):
@@ -177,19 +218,24 @@ class TestSplitCheckpointsResumeAtOtherWorldSizes(DistributedTest):
 
     @pytest.mark.world_size([2, 8])
     def test_saved_at_four(self, SavedSplitAtFour, class_tmpdir):
-        for stage in RESUME_STAGES:
-            directory = os.path.join(str(class_tmpdir), f"stage{stage}")
-            engine = resume_engine(stage)
-            if dist.get_world_size() == 8:
-                assert muon_layout(engine)[0].shared is not None
-            engine.load_checkpoint(directory)
-            saved_masters, saved_momenta = torch.load(os.path.join(directory, "saved_state.pt"))
-            masters, momenta = gathered_state(engine)
-            for index, (got, want) in enumerate(zip(masters + momenta, saved_masters + saved_momenta, strict=True)):
-                assert torch.equal(got, want), f"stage {stage} at {dist.get_world_size()} ranks: tensor {index}"
-            train_steps(engine, batches(1, RESUME_MICRO_TIMES_WORLD, seed=99), "fp32")
-            assert engine.was_step_applied()
-            engine.destroy()
+        check_resumes_saved_at_four(class_tmpdir, normuon=False)
+
+
+class SavedNorMuonSplitAtFour(DistributedFixture):
+    world_size = 4
+
+    def run(self, class_tmpdir):
+        save_split_at_four(class_tmpdir, normuon=True)
+
+
+class TestNorMuonSplitCheckpointsResumeAtOtherWorldSizes(DistributedTest):
+    """As above with NorMuon: each holder's second moment (its rows' values) comes back whole at 2 and 8 ranks."""
+
+    exec_timeout = 300
+
+    @pytest.mark.world_size([2, 8])
+    def test_saved_at_four(self, SavedNorMuonSplitAtFour, class_tmpdir):
+        check_resumes_saved_at_four(class_tmpdir, normuon=True)
 
 
 class TestSplitGroupsAreReleased(DistributedTest):
