@@ -49,3 +49,19 @@ def test_uses_always_names_a_timed_method(shape, method):
     assert uses in ns_timing.TIMED_METHODS
     # A square's Gram function runs the standard iteration: the check has no "gram" timing to compare there.
     assert not (shape[0] == shape[1] and uses == "gram")
+
+
+def test_the_floor_table_splits_muon_minus_adamw_at_the_optimizer_step():
+    # The 1.11B GPT on one H100 (benchmarks/results/muon-variants-1.1b): 43.71 ms whole step, of which 35.30 ms in
+    # the optimizer steps timed alone, so 8.41 ms outside them.
+    import report
+
+    floor = ns_timing.newton_schulz_floor_flops([(2048, 2048)], world=1, ns_steps=5)
+    summary = {"ds-z2-bf16-muon": {"step_ms": {"median": 175.56}, "opt_ms": {"median": 58.94}},
+               "ds-z2-bf16-adamw": {"step_ms": {"median": 131.85}, "opt_ms": {"median": 23.64}}}
+    results = {"ns_floor": floor, "meta": {"matmul_tflops": 740.4}, "args": {"matmul_size": 8192},
+               "summary": summary}
+    rows = [line for line in report._floor_lines(results) if line.startswith("| ds-z2-bf16 |")]
+    assert rows == ["| ds-z2-bf16 | 175.56 | 131.85 | 43.71 | 35.30 | 8.41 | "
+                    + " | ".join(f"{43.71 / report.newton_schulz_floors_ms(results)[m]:.3f} x"
+                                 for m in ("standard", "gram")) + " |"]
