@@ -42,6 +42,7 @@ import math
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 STARTED = time.monotonic()  # --time-budget-s counts from here: importing torch is part of an invocation's time
@@ -386,10 +387,23 @@ def zoom_on_training(axis, curves: list[list[dict]]) -> None:
         axis.set_ylim(low - 0.05 * (high - low), high + 0.05 * (high - low))
 
 
+def run_label(meta: dict, mode: str, run: dict) -> str:
+    """A run as the comparison names it: tree, mode, its learning rate (Muon's matrix rate for Muon) and seed."""
+    params = run.get("config", {}).get("optimizer", {}).get("params", {})
+    rate = params.get("muon_lr", params.get("lr"))
+    seed = meta.get("seed")
+    if seed is None:  # results written before meta named the seed: the command line did
+        words = meta["provenance"]["command"].split()
+        seed = words[words.index("--seed") + 1] if "--seed" in words[:-1] else 1234
+    return f"{meta['tree']} {mode}" + ("" if rate is None else f" lr {rate:g}") + f", seed {seed}"
+
+
 def compare(paths: list[str], out_dir: str) -> str:
-    """comparison.md (and comparison.png) for runs of several trees on the same data, seed and batches: per tree and
-    mode the final validation loss and the tokens to the first run's AdamW final validation loss. Seconds are left
-    out: runs of different invocations are not timed side by side."""
+    """comparison.md (and comparison.png) for runs on the same data and batches (several trees, learning rates or
+    seeds, one file each or several modes a file): per run the final validation loss, the tokens and training
+    seconds to the first file's AdamW final validation loss (and their ratio to AdamW's own), and the validation
+    loss at AdamW's training seconds. Seconds are given only for runs on the baseline's machine (the same
+    `provenance.machine`); runs of different invocations are timed one after the other, not side by side."""
     runs = [json.loads(Path(path).read_text()) for path in paths]
     first = runs[0]
     for path, results in zip(paths, runs):
@@ -397,27 +411,44 @@ def compare(paths: list[str], out_dir: str) -> str:
             if results["meta"][key] != first["meta"][key]:
                 raise SystemExit(f"{path}: {key} differs from {paths[0]}'s; only runs on the same data compare")
     baseline = first["modes"].get("adamw", {})
-    target = baseline["evaluations"][-1]["val_loss"] if "evaluations" in baseline else None
-    lines = [f"# Convergence on the standard library's source, trees compared ({first['meta']['size']}, "
+    if "evaluations" not in baseline:
+        raise SystemExit(f"{paths[0]}: no finished adamw mode; the first file gives the AdamW baseline")
+    target = baseline["evaluations"][-1]["val_loss"]
+    base_tokens, base_seconds = baseline["evaluations"][-1]["tokens"], baseline["evaluations"][-1]["seconds"]
+    base_machine = first["meta"]["provenance"]["machine"]
+    base_label = run_label(first["meta"], "adamw", baseline)
+    lines = [f"# Convergence on the standard library's source, runs compared ({first['meta']['size']}, "
              f"{first['meta']['tokens']:.3g} tokens per mode)", "",
              *(f"- {meta['tree']} (deepspeed {meta['deepspeed']}): {meta['provenance']['command']} "
-               f"({meta['provenance']['commit']}, {meta['provenance']['date']})"
+               f"({meta['provenance']['commit']}, {meta['provenance']['machine']}, {meta['provenance']['date']})"
                for meta in (results["meta"] for results in runs)), "",
-             f"| tree | mode | final validation loss | tokens to {first['meta']['tree']}'s AdamW final validation "
-             "loss |",
-             "|---|---|---|---|"]
+             f"Baseline: {base_label}, final validation loss {target:.4f} at {base_tokens:.4g} tokens and "
+             f"{base_seconds:.1f} training seconds.", "",
+             "| run | final validation loss | tokens to the baseline's final validation loss (x its tokens) | "
+             "training seconds to it (x its seconds) | validation loss at the baseline's training seconds |",
+             "|---|---|---|---|---|"]
     curves = []
     for results in runs:
-        tree = results["meta"]["tree"]
+        meta = results["meta"]
         for mode, run in results["modes"].items():
+            label = run_label(meta, mode, run)
             if "evaluations" not in run:
                 why = f"not finished: {run['pending']}" if "pending" in run else f"not run: {run.get('error', '?')}"
-                lines.append(f"| {tree} | {mode} | {why} | |")
+                lines.append(f"| {label} | {why} | | | |")
                 continue
-            reach = crossing(run["evaluations"], target, "tokens") if target is not None else None
-            lines.append(f"| {tree} | {mode} | {run['evaluations'][-1]['val_loss']:.4f} | "
-                         f"{'never' if reach is None else f'{reach:.4g}'} |")
-            curves.append((f"{mode} ({tree})", run["evaluations"]))
+            evaluations = run["evaluations"]
+            reach = crossing(evaluations, target, "tokens")
+            tokens_text = "never" if reach is None else f"{reach:.4g} ({reach / base_tokens:.2f})"
+            if meta["provenance"]["machine"] != base_machine:
+                seconds_text = at_time_text = "another machine"
+            else:
+                seconds = crossing(evaluations, target, "seconds")
+                seconds_text = "never" if seconds is None else f"{seconds:.1f} ({seconds / base_seconds:.2f})"
+                at_time = loss_at(evaluations, base_seconds, "seconds")
+                at_time_text = "-" if at_time is None else f"{at_time:.4f}"
+            lines.append(f"| {label} | {evaluations[-1]['val_loss']:.4f} | {tokens_text} | {seconds_text} | "
+                         f"{at_time_text} |")
+            curves.append((label, evaluations, meta["tree"] == first["meta"]["tree"]))
     markdown = "\n".join(lines) + "\n"
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     Path(out_dir, "comparison.md").write_text(markdown)
@@ -429,12 +460,12 @@ def compare(paths: list[str], out_dir: str) -> str:
         print("matplotlib is not installed: comparison.png is not drawn", flush=True)
         return markdown
     figure, axis = plt.subplots(figsize=(7, 4.5))
-    for label, evaluations in curves:
+    for label, evaluations, first_tree in curves:
         points = [p for p in evaluations if not math.isnan(p["val_loss"])]
         axis.plot([p["tokens"] for p in points], [p["val_loss"] for p in points], label=label,
-                  linestyle="--" if not label.endswith(f"({first['meta']['tree']})") else "-")
+                  linestyle="-" if first_tree else "--")
     axis.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
-    zoom_on_training(axis, [evaluations for _, evaluations in curves])
+    zoom_on_training(axis, [evaluations for _, evaluations, _ in curves])
     axis.set_xlabel("tokens")
     axis.set_ylabel("validation loss (nats per byte)")
     axis.grid(alpha=0.3)
@@ -470,8 +501,8 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     import deepspeed
     meta = {"size": args.size, "model": cfg.__dict__, "parameters": count_parameters(GPT(cfg)),
-            "tokens": args.tokens, "batch": args.batch, "dtype": dtype, "device": device, "tree": args.tree,
-            "deepspeed": deepspeed.__version__, "data": data, "provenance": provenance()}
+            "seed": args.seed, "tokens": args.tokens, "batch": args.batch, "dtype": dtype, "device": device,
+            "tree": args.tree, "deepspeed": deepspeed.__version__, "data": data, "provenance": provenance()}
     results = {"meta": meta, "modes": {}}
     overrides(args.params)  # refused before anything trains
     for mode in args.modes.split(","):
@@ -482,6 +513,7 @@ def main(argv=None) -> int:
         except Exception as error:  # noqa: BLE001 -- a mode a tree cannot run is recorded, the next still runs
             results["modes"][mode] = {"error": f"{type(error).__name__}: {error}"}
             print(f"[{mode}] not run: {results['modes'][mode]['error']}", flush=True)
+            traceback.print_exc()  # the log keeps where it failed; the JSON keeps the error line only
         meta["complete"] = not any("pending" in run for run in results["modes"].values())
         Path(args.out, "convergence.json").write_text(json.dumps(results, indent=1))
     print(report(results, args.out))

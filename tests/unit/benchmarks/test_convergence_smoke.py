@@ -36,4 +36,5 @@ def test_every_mode_trains_and_the_report_is_written(tmp_path):
                           env, timeout=120)
     assert compared.returncode == 0, compared.stderr[-2000:]
     table = (tmp_path / "compared" / "comparison.md").read_text()
-    assert table.count("| this | normuon |") == 2 and "| this | adamw | " in table
+    assert table.count("| this normuon lr 0.02, seed 1234 |") == 2, table
+    assert "| this adamw lr 0.001, seed 1234 | " in table and " (1.00) | " in table, table
