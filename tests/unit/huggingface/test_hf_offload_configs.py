@@ -1,9 +1,13 @@
-"""The ZeRO-3 offload configs users copy run unchanged: the transformers guide's and accelerate's.
+"""The ZeRO-3 offload configs users copy run unchanged: the transformers guide's, axolotl's and accelerate's.
 
 - The transformers DeepSpeed guide's ZeRO-3 example (hf_harness.guide_zero3_offload_config: optimizer and parameters
   offloaded to pinned host memory, "auto" values, WarmupLR), through the real Trainer on 2 CPU ranks: training equals
   the single-process torch reference, `save_model` exports the trained weights and zero_to_fp32 reads the checkpoint
   back to the fp32 masters, and a run resumed from the Trainer's checkpoint continues bit for bit.
+- axolotl's `zero3_bf16_cpuoffload_all.json` (hf_harness.axolotl_zero3_offload_all_config: `sub_group_size` 0, the
+  stage-3 keys without their prefix, nothing prefetched, DeepSpeed's CPU optimizer not forced, the Trainer's own
+  schedule) with Muon added, through the Trainer: training equals the reference and `save_model` exports the trained
+  weights.
 - accelerate's ZeRO-3 offload answers (`offload_optimizer_device` and `offload_param_device` "cpu",
   `zero3_init_flag`, `zero3_save_16bit_model`) as a DeepSpeedPlugin without a config file, with the user's torch
   AdamW (accelerate swaps in DeepSpeedCPUAdam): training equals the reference, `get_state_dict` exports the weights,
@@ -19,9 +23,10 @@ import deepspeed
 import deepspeed.comm as dist
 from unit.common import DistributedFixture, DistributedTest
 
-from hf_harness import (MUON_LR, TokenDataset, accelerate, accelerate_train, assert_changes_match, full_fp32_params,
-                        guide_zero3_offload_config, llama_config, reference_training, saved_model, step_batches,
-                        transformers, use_deepspeed_state, warmup_lrs)
+from hf_harness import (MUON_LR, TokenDataset, accelerate, accelerate_train, assert_changes_match,
+                        axolotl_zero3_offload_all_config, full_fp32_params, guide_zero3_offload_config, llama_config,
+                        reference_training, saved_model, step_batches, trainer_schedule_lrs, transformers,
+                        use_deepspeed_state, warmup_lrs)
 from test_hf_trainer import (BETAS, CLIP, GAS, LR, MICRO, STEPS, TOLERANCE, WARMUP, WEIGHT_DECAY, initial_weights,
                              logged_losses, train_with_trainer, training_args)
 
@@ -74,6 +79,39 @@ class TestGuideZero3OffloadTrainer(DistributedTest):
         consolidated = get_fp32_state_dict_from_zero_checkpoint(os.path.join(output, f"checkpoint-{STEPS}"))
         for name, value in masters.items():
             assert torch.equal(consolidated[name], value), name
+
+
+class TestAxolotlZero3OffloadAllTrainer(DistributedTest):
+    world_size = 2
+    reuse_dist_env = False  # transformers and accelerate keep process-wide state (hf_harness)
+
+    def test_trains_and_exports_like_the_reference(self, class_tmpdir, tmpdir):
+        model_dir = saved_model(str(class_tmpdir), llama_config())
+        batches = step_batches(TokenDataset(), STEPS, MICRO * GAS * dist.get_world_size())
+        # No scheduler section: the Trainer's own linear schedule, which scales each group's lr (Muon's included).
+        expected, expected_losses = reference_training(model_dir, batches, trainer_schedule_lrs(LR, STEPS, WARMUP),
+                                                       "Muon", WEIGHT_DECAY, BETAS, CLIP, base_lr=LR, muon_lr=MUON_LR)
+        start = initial_weights(model_dir)
+
+        use_deepspeed_state()
+        trainer = train_with_trainer(model_dir, str(tmpdir), axolotl_zero3_offload_all_config("Muon"))
+        engine = trainer.model_wrapped
+        assert_offloaded(engine)
+        assert engine.global_steps == STEPS and engine.skipped_steps == 0
+        assert logged_losses(trainer) == pytest.approx(expected_losses, rel=1e-5)
+        assert_changes_match(start, full_fp32_params(engine), expected, TOLERANCE["Muon"])
+
+        # "gather_16bit_weights_on_model_save" (without its stage3_ prefix) is honoured: save_model writes the
+        # trained weights whole.
+        exported = os.path.join(str(tmpdir), "exported")
+        trainer.save_model(exported)
+        named = dict(engine.module.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(named.values())):
+            trained = {name: p.detach().cpu().clone() for name, p in named.items()}
+        transformers.integrations.deepspeed.unset_hf_deepspeed_config()
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).state_dict()
+        for name, value in trained.items():
+            assert torch.equal(reloaded[name], value), name
 
 
 def guide_run_dir(class_tmpdir) -> str:
