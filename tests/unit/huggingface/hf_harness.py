@@ -186,8 +186,8 @@ def axolotl_zero3_offload_all_config(optimizer: str = "Muon") -> dict:
     """axolotl's `deepspeed_configs/zero3_bf16_cpuoffload_all.json` as users copy it: both offloads to pinned host
     memory, `sub_group_size` 0, the stage-3 keys without their `stage3_` prefix (`max_live_parameters` 0, nothing
     prefetched), DeepSpeed's CPU optimizer not forced, no scheduler section (the Trainer builds its own). Its bf16
-    "enabled": true becomes "auto" (the Trainer runs fp32 on CPU and refuses a config that disagrees with its
-    `bf16`); an optimizer section is added, Muon as in `guide_zero3_offload_config`."""
+    "enabled": true becomes "auto" (the Trainer refuses bf16 on CPU, and a config that disagrees with its `bf16`);
+    an optimizer section is added, Muon as in `guide_zero3_offload_config`."""
     params = {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}
     if optimizer == "Muon":
         params.update({"muon_lr": MUON_LR, "ns_method": "standard", "ns_dtype": "fp32"})
