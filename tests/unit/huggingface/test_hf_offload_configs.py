@@ -8,6 +8,8 @@
   stage-3 keys without their prefix, nothing prefetched, DeepSpeed's CPU optimizer not forced, the Trainer's own
   schedule) with Muon added, through the Trainer: training equals the reference and `save_model` exports the trained
   weights.
+- `Trainer.evaluate()` without training first (DeepSpeed initialised without an optimizer, ZeRO-3 inference): the
+  eval loss equals the model's outside DeepSpeed.
 - accelerate's ZeRO-3 offload answers (`offload_optimizer_device` and `offload_param_device` "cpu",
   `zero3_init_flag`, `zero3_save_16bit_model`) as a DeepSpeedPlugin without a config file, with the user's torch
   AdamW (accelerate swaps in DeepSpeedCPUAdam): training equals the reference, `get_state_dict` exports the weights,
@@ -112,6 +114,33 @@ class TestAxolotlZero3OffloadAllTrainer(DistributedTest):
         reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).state_dict()
         for name, value in trained.items():
             assert torch.equal(reloaded[name], value), name
+
+
+class TestEvaluateWithoutTraining(DistributedTest):
+    """`Trainer.evaluate()` with no training before it (an eval-only run): transformers initialises DeepSpeed for
+    inference, with the config's optimizer and scheduler sections removed, at ZeRO-3 only."""
+    world_size = 2
+    reuse_dist_env = False  # transformers and accelerate keep process-wide state (hf_harness)
+
+    def test_eval_loss_equals_the_model_outside_deepspeed(self, class_tmpdir, tmpdir):
+        model_dir = saved_model(str(class_tmpdir), llama_config())
+        eval_data = TokenDataset(samples=8, seed=5)
+        plain = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        # The Trainer's eval_loss: the mean over the eval batches (each rank takes every other batch of MICRO).
+        with torch.no_grad():
+            batch_losses = [plain(input_ids=tokens, labels=tokens).loss for tokens in eval_data.tokens.split(MICRO)]
+        expected = torch.stack(batch_losses).mean().item()
+
+        use_deepspeed_state()
+        args = training_args(str(tmpdir), axolotl_zero3_offload_all_config("Muon"), per_device_eval_batch_size=MICRO)
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        assert hasattr(next(model.parameters()), "ds_id"), "the Trainer at ZeRO-3 builds the model under zero.Init"
+        trainer = transformers.Trainer(model=model, args=args, eval_dataset=eval_data)
+        metrics = trainer.evaluate()
+        engine = trainer.model_wrapped
+        assert isinstance(engine, deepspeed.DeepSpeedEngine) and engine.zero_optimization_stage() == 3
+        assert engine.optimizer is None
+        assert metrics["eval_loss"] == pytest.approx(expected, rel=1e-6)
 
 
 def guide_run_dir(class_tmpdir) -> str:
