@@ -120,7 +120,9 @@ class GatheredParameters:
         """Broadcast the modifier rank's values of the whole parameters; an optimizer's go into its masters too."""
         for param in self.whole:
             owner = getattr(param, "_zero_optimizer", None)
-            dist.broadcast(param.data, src=self.modifier_rank, group=owner.dp_process_group if owner else None)
+            # Without an owner (frozen, or no optimizer): the group zero.Init built it over, if any.
+            group = owner.dp_process_group if owner is not None else getattr(param, "_ds_init_group", None)
+            dist.broadcast(param.data, src=self.modifier_rank, group=group)
             if owner is not None:
                 owner.set_full_hp_param(param, param.data.clone())
 

@@ -141,6 +141,14 @@ class TestEvaluateWithoutTraining(DistributedTest):
         assert isinstance(engine, deepspeed.DeepSpeedEngine) and engine.zero_optimization_stage() == 3
         assert engine.optimizer is None
         assert metrics["eval_loss"] == pytest.approx(expected, rel=1e-6)
+        # Its parameters are whole; a change rank 0 makes under GatheredParameters reaches every rank.
+        norm = engine.module.model.norm.weight
+        with deepspeed.zero.GatheredParameters([norm], modifier_rank=0):
+            if dist.get_rank() == 0:
+                norm.data.fill_(0.5)
+        everyone = [torch.zeros_like(norm) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, norm.detach())
+        assert all(torch.equal(value, torch.full_like(norm, 0.5)) for value in everyone)
 
 
 def guide_run_dir(class_tmpdir) -> str:
