@@ -25,10 +25,10 @@ import deepspeed
 import deepspeed.comm as dist
 from unit.common import DistributedFixture, DistributedTest
 
-from hf_harness import (MUON_LR, TokenDataset, accelerate, accelerate_train, assert_changes_match,
-                        axolotl_zero3_offload_all_config, full_fp32_params, guide_zero3_offload_config, llama_config,
-                        reference_training, saved_model, step_batches, trainer_schedule_lrs, transformers,
-                        use_deepspeed_state, warmup_lrs)
+from hf_harness import (ADAM_EPS, MUON_LR, TokenDataset, accelerate, accelerate_train, assert_changes_match,
+                        axolotl_zero3_offload_all_config, full_fp32_params, guide_zero3_offload_config,
+                        is_muon_param, llama_config, reference_training, saved_model, step_batches,
+                        trainer_schedule_lrs, transformers, use_deepspeed_state, warmup_lrs)
 from test_hf_trainer import (BETAS, CLIP, GAS, LR, MICRO, STEPS, TOLERANCE, WARMUP, WEIGHT_DECAY, initial_weights,
                              logged_losses, train_with_trainer, training_args)
 
@@ -272,3 +272,59 @@ class TestAccelerateZero3Offload(DistributedTest):
         got = full_fp32_params(engine)
         for name, value in whole["params"].items():
             assert torch.equal(got[name], value), name
+
+
+def client_muon(model):
+    """MuonWithAuxAdam as a script builds it: the harness's Muon matrices at MUON_LR, the rest with Adam at LR."""
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+    named = [(name, p) for name, p in model.named_parameters()]
+    # Built under zero.Init, a parameter's own shape is its placeholder's; ds_shape is the parameter's.
+    is_muon = {name: is_muon_param(name, torch.empty(getattr(p, "ds_shape", p.shape), device="meta"))
+               for name, p in named}
+    return MuonWithAuxAdam([
+        {"params": [p for name, p in named if is_muon[name]], "use_muon": True, "lr": MUON_LR,
+         "weight_decay": WEIGHT_DECAY},
+        {"params": [p for name, p in named if not is_muon[name]], "use_muon": False, "lr": LR, "betas": BETAS,
+         "eps": ADAM_EPS, "weight_decay": WEIGHT_DECAY},
+    ])
+
+
+class TestAccelerateOffloadClientMuon(DistributedTest):
+    """A MuonWithAuxAdam the script passes to `prepare` under optimizer offload: accelerate replaces any client
+    optimizer with DeepSpeedCPUAdam built from its param groups unless the config sets zero_force_ds_cpu_optimizer
+    false. DeepSpeedCPUAdam refuses Muon's groups, naming that key; with it, Muon trains as the reference."""
+    world_size = 2
+    reuse_dist_env = False  # transformers and accelerate keep process-wide state (hf_harness)
+
+    def _prepare(self, model_dir, config):
+        use_deepspeed_state()
+        accelerator = accelerate.Accelerator(deepspeed_plugin=accelerate.utils.DeepSpeedPlugin(
+            hf_ds_config=config, zero3_init_flag=True, gradient_accumulation_steps=GAS))
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        loader = torch.utils.data.DataLoader(TokenDataset(), batch_size=MICRO, shuffle=False)
+        return accelerator, accelerator.prepare(model, client_muon(model), loader)
+
+    @staticmethod
+    def _config(force_cpu_optimizer: bool) -> dict:
+        return {"zero_force_ds_cpu_optimizer": force_cpu_optimizer, "train_micro_batch_size_per_gpu": "auto",
+                "train_batch_size": "auto", "gradient_accumulation_steps": GAS, "gradient_clipping": ACCELERATE_CLIP,
+                "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                      "offload_param": {"device": "cpu", "pin_memory": True}}}
+
+    def test_replaced_by_cpu_adam_is_refused(self, class_tmpdir):
+        model_dir = saved_model(str(class_tmpdir), llama_config())
+        with pytest.raises(ValueError, match='use_muon=True.*"zero_force_ds_cpu_optimizer": false'):
+            self._prepare(model_dir, self._config(force_cpu_optimizer=True))
+
+    def test_kept_with_zero_force_ds_cpu_optimizer_false(self, class_tmpdir):
+        model_dir = saved_model(str(class_tmpdir), llama_config())
+        batches = step_batches(TokenDataset(), STEPS, MICRO * GAS * dist.get_world_size())
+        expected, expected_losses = reference_training(model_dir, batches, [LR] * STEPS, "Muon", WEIGHT_DECAY, BETAS,
+                                                       ACCELERATE_CLIP, base_lr=LR, muon_lr=MUON_LR)
+        start = initial_weights(model_dir)  # before the plugin: zero3_init_flag builds later models under Init
+        accelerator, (engine, optimizer, loader) = self._prepare(model_dir, self._config(force_cpu_optimizer=False))
+        assert_offloaded(engine)
+        assert type(engine.basic_optimizer).__name__ == "MuonWithAuxAdam"
+        losses = accelerate_train(accelerator, engine, optimizer, loader, STEPS, GAS)
+        assert losses == pytest.approx(expected_losses, rel=1e-5)
+        assert_changes_match(start, full_fp32_params(engine), expected, TOLERANCE["Muon"])
