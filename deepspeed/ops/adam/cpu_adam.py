@@ -14,8 +14,8 @@ from deepspeed.runtime.eager_optimizer import EagerOptimizer
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
-# accelerate (and the Trainer through it) replaces a client optimizer with DeepSpeedCPUAdam built from its
-# param_groups under optimizer offload: Muon's matrices would then train with Adam, silently.
+# accelerate replaces a client optimizer with DeepSpeedCPUAdam built from its param_groups under optimizer
+# offload: Muon's matrices would then train with Adam, silently.
 MUON_GROUPS_MESSAGE = (
     "DeepSpeedCPUAdam was given {count} param group(s) with use_muon=True (MuonWithAuxAdam's): their matrices "
     "would be trained with Adam, not Muon. accelerate replaces a client optimizer with DeepSpeedCPUAdam under "
