@@ -141,6 +141,16 @@ class TestEvaluateWithoutTraining(DistributedTest):
         assert isinstance(engine, deepspeed.DeepSpeedEngine) and engine.zero_optimization_stage() == 3
         assert engine.optimizer is None
         assert metrics["eval_loss"] == pytest.approx(expected, rel=1e-6)
+        # The Trainer's fallback without gather_16bit_weights_on_model_save: a DeepSpeed checkpoint, which
+        # zero_to_fp32 reads back to the model's weights.
+        directory = [os.path.join(str(tmpdir), "checkpoint")]
+        dist.broadcast_object_list(directory, src=0)
+        engine.save_checkpoint(directory[0])
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        consolidated = get_fp32_state_dict_from_zero_checkpoint(directory[0])
+        assert consolidated.keys() == plain.state_dict().keys()
+        for name, value in plain.state_dict().items():
+            assert torch.equal(consolidated[name], value), name
         # Its parameters are whole; a change rank 0 makes under GatheredParameters reaches every rank.
         norm = engine.module.model.norm.weight
         with deepspeed.zero.GatheredParameters([norm], modifier_rank=0):
