@@ -7,7 +7,8 @@ Usage:
 writes <output_dir>/pytorch_model.bin, which `model.load_state_dict(torch.load(path))` accepts.
 
 Every trainable parameter comes from the fp32 master partitions of the `*_optim_states.pt` files;
-frozen parameters and buffers come from the model-states file (floating point ones upcast to fp32).
+frozen parameters and buffers come from the model-states file (floating point ones upcast to fp32), as does
+every parameter of a checkpoint saved by an engine without an optimizer (stage 3 forward only: nothing partitioned).
 This file depends only on torch so that it runs from the copy placed next to each checkpoint, and it
 reads with torch.load(weights_only=True).
 """
@@ -76,7 +77,12 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Optional[
     if not os.path.isfile(model_path) and os.path.isfile(os.path.join(tag_dir, STAGE3_MODEL_FILE)):
         model_path = os.path.join(tag_dir, STAGE3_MODEL_FILE)
     model_state = _load(model_path)
-    partitions = [_load(path)["optimizer_state_dict"] for path in _optim_files(tag_dir, model_state)]
+    if not model_state.get("optimizer_files") and not model_state.get("param_shapes"):
+        # An engine without an optimizer (stage 3 forward only, e.g. the Trainer's evaluate): nothing was
+        # partitioned, its model file holds every parameter whole.
+        partitions = []
+    else:
+        partitions = [_load(path)["optimizer_state_dict"] for path in _optim_files(tag_dir, model_state)]
     trainable: "OrderedDict[str, torch.Tensor]" = OrderedDict()
     for group_index, shapes in enumerate(model_state["param_shapes"]):
         layout = partitions[0]["layouts"][group_index]

@@ -46,6 +46,10 @@ class DeepSpeedEngine(torch.nn.Module):
         self._prepare_module(dont_change_device)
         self.basic_optimizer = build_basic_optimizer(self, optimizer, model_parameters)
         self.optimizer = build_zero_optimizer(self, self.basic_optimizer) if self.basic_optimizer else None
+        if self.optimizer is None and self._config.zero_optimization_stage == 3:
+            # Nothing to partition for: the parameters are whole on every rank (forward only, see zero3.md).
+            from deepspeed.runtime.zero.init_partition import materialise_init_params
+            materialise_init_params(self.module, self.device, model_dtype_of(self._config))
         self.lr_scheduler = build_lr_scheduler(self, lr_scheduler)
         self.training_dataloader = self.deepspeed_io(training_data, collate_fn) if training_data is not None else None
         self.global_steps = 0

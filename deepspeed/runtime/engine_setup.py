@@ -50,8 +50,8 @@ def build_basic_optimizer(engine, client_optimizer, model_parameters) -> Optiona
     Raises:
         ValueError: the model has no trainable parameters.
         DeepSpeedConfigError: the config's optimizer refuses its `optimizer.params`.
-        DeepSpeedConfigAssertionError: ZeRO without an optimizer, or upstream's untested-optimizer rule under ZeRO
-            (both an AssertionError, as upstream raises them).
+        DeepSpeedConfigAssertionError: ZeRO stage 1 or 2 without an optimizer, or upstream's untested-optimizer rule
+            under ZeRO (both an AssertionError, as upstream raises them).
         ZeRORuntimeException: optimizer offload with a client optimizer that has no CPU step of its own, unless
             zero_force_ds_cpu_optimizer is false (as upstream).
         OpBuildError: optimizer offload, and the CPU optimizer op cannot be built here.
@@ -72,7 +72,8 @@ def build_basic_optimizer(engine, client_optimizer, model_parameters) -> Optiona
         params = model_parameters if model_parameters is not None else trainable
         optimizer = optimizer_from_config(config, named, params, engine.module)
     if optimizer is None:
-        if config.zero_optimization_stage >= 1:
+        # Stage 3 runs without one (upstream's ZeRO-3 inference: the Trainer's evaluate or predict before train).
+        if 1 <= config.zero_optimization_stage <= 2:
             raise DeepSpeedConfigAssertionError(f"zero stage {config.zero_optimization_stage} requires an optimizer")
         return None
     if client_optimizer is not None:

@@ -14,6 +14,15 @@ from deepspeed.runtime.eager_optimizer import EagerOptimizer
 
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
+# accelerate replaces a client optimizer with DeepSpeedCPUAdam built from its param_groups under optimizer
+# offload: Muon's matrices would then train with Adam, silently.
+MUON_GROUPS_MESSAGE = (
+    "DeepSpeedCPUAdam was given {count} param group(s) with use_muon=True (MuonWithAuxAdam's): their matrices "
+    "would be trained with Adam, not Muon. accelerate replaces a client optimizer with DeepSpeedCPUAdam under "
+    "zero_optimization.offload_optimizer unless the DeepSpeed config sets \"zero_force_ds_cpu_optimizer\": false; "
+    "set it (MuonWithAuxAdam steps on the host itself), or configure Muon in the config's optimizer section "
+    "(\"optimizer\": {{\"type\": \"Muon\", ...}}) instead of passing it")
+
 
 class DeepSpeedCPUAdam(EagerOptimizer):
     """Adam (L2 weight decay) or AdamW (decoupled weight decay) for parameters that live on the CPU.
@@ -38,7 +47,7 @@ class DeepSpeedCPUAdam(EagerOptimizer):
         fp32_optimizer_states: keep the moments in fp32 whatever the parameters' dtype.
 
     Raises:
-        ValueError: a hyperparameter out of range.
+        ValueError: a hyperparameter out of range, or a param group of MuonWithAuxAdam's (`use_muon` True).
         OpBuildError: the op cannot be built or loaded on this machine (raised here, not at the first step).
     """
 
@@ -56,6 +65,9 @@ class DeepSpeedCPUAdam(EagerOptimizer):
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
                     "bias_correction": bias_correction, "amsgrad": amsgrad}
         super().__init__(model_params, defaults)
+        muon_groups = sum(1 for group in self.param_groups if group.get("use_muon"))
+        if muon_groups:
+            raise ValueError(MUON_GROUPS_MESSAGE.format(count=muon_groups))
         self.adamw_mode = adamw_mode
         self.fp32_optimizer_states = fp32_optimizer_states
         CPUAdamBuilder().load()

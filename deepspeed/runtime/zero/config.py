@@ -144,7 +144,7 @@ class DeepSpeedZeroConfig(DeepSpeedConfigModel):
     offload_optimizer: DeepSpeedZeroOffloadOptimizerConfig | None = Field(
         None, description="Offload optimizer states and the optimizer step (stages 1-3)."
     )
-    sub_group_size: int = Field(1_000_000_000, gt=0, description="Elements per optimizer sub-group (stage 3).")
+    sub_group_size: int = Field(1_000_000_000, ge=0, description="Elements per optimizer sub-group (stage 3).")
     prefetch_bucket_size: int = Field(
         50_000_000, ge=0, alias="stage3_prefetch_bucket_size", description="Elements prefetched ahead (stage 3)."
     )

@@ -59,6 +59,23 @@ def gather_init_shards(param: torch.Tensor) -> torch.Tensor:
     return rows[:param.ds_numel]
 
 
+def materialise_init_params(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Make every zero.Init parameter of `module` whole on every rank, on `device` (floating ones in `dtype`).
+
+    One collective per parameter, in the module's parameter order (the same on every rank), so no rank holds more
+    than one gathered parameter beyond the whole ones. The parameter keeps upstream's attributes, marked available
+    and persistent: a stage-3 optimizer built over it later treats it as a whole parameter.
+    """
+    for param in module.parameters():
+        if not is_init_partitioned(param):
+            continue
+        value = gather_init_shards(param).view(param.ds_shape)
+        param.data = value.to(device=device, dtype=dtype if value.is_floating_point() else value.dtype)
+        param.ds_tensor = None
+        param.ds_status = ZeroParamStatus.AVAILABLE
+        param.ds_persist = True
+
+
 def write_init_shards(param: torch.Tensor, modifier_rank: Optional[int]) -> None:
     """Leave a gathered zero.Init parameter as a placeholder again; with `modifier_rank`, keep that rank's value."""
     if modifier_rank is not None:

@@ -64,7 +64,9 @@ class GatheredParameters:
     Args:
         params: a parameter or an iterable of parameters.
         modifier_rank: the rank whose changes are published on exit (broadcast, then written into every rank's
-            partitions and fp32 masters); None: changes inside the block are discarded. Unpartitioned parameters
+            partitions and fp32 masters); None: changes inside the block are discarded. Stage-3 parameters that
+            are whole already (persistent small ones, frozen ones, every one of an engine without an optimizer)
+            are published the same way; with None, changes to them stay, as upstream. Unpartitioned parameters
             (stages 0-2) are whole on every rank already; a script that changes them on one rank only must
             broadcast them itself.
         fwd_module: upstream registers `params` as external parameters of this module (not implemented; unused).
@@ -76,6 +78,8 @@ class GatheredParameters:
         self.enabled = enabled
         params = [params] if isinstance(params, torch.Tensor) else list(params or [])
         self.params = [p for p in params if getattr(p, "ds_persist", True) is False]
+        # Stage 3's whole parameters: nothing to gather, but a change must reach every rank and the masters.
+        self.whole = [p for p in params if hasattr(p, "ds_id") and getattr(p, "ds_persist", False) is True]
         self.modifier_rank = modifier_rank
         self._units: list = []
 
@@ -94,6 +98,8 @@ class GatheredParameters:
         return all(is_init_partitioned(p) and getattr(p, "_zero_optimizer", None) is None for p in self.params)
 
     def __exit__(self, *exc_info: Any) -> None:
+        if self.enabled and self.modifier_rank is not None:
+            self._publish_whole()
         if not (self.enabled and self.params):
             return None
         if self._before_initialize():
@@ -109,5 +115,15 @@ class GatheredParameters:
             optimizer.residency.release(unit)
         self._units = []
         return None
+
+    def _publish_whole(self) -> None:
+        """Broadcast the modifier rank's values of the whole parameters; an optimizer's go into its masters too."""
+        for param in self.whole:
+            owner = getattr(param, "_zero_optimizer", None)
+            # Without an owner (frozen, or no optimizer): the group zero.Init built it over, if any.
+            group = owner.dp_process_group if owner is not None else getattr(param, "_ds_init_group", None)
+            dist.broadcast(param.data, src=self.modifier_rank, group=group)
+            if owner is not None:
+                owner.set_full_hp_param(param, param.data.clone())
 
 

@@ -13,8 +13,8 @@ from typing import Dict, List, Optional
 import torch
 
 import deepspeed.comm as dist
-from deepspeed.runtime.zero.init_partition import gather_init_shards, is_init_partitioned
-from deepspeed.runtime.zero.param_residency import ParamResidency, ResidencyOptions, ZeroParamStatus
+from deepspeed.runtime.zero.init_partition import gather_init_shards, is_init_partitioned, materialise_init_params
+from deepspeed.runtime.zero.param_residency import ParamResidency, ResidencyOptions
 from deepspeed.runtime.zero.partition_placement import PartitionPlacement
 from deepspeed.runtime.zero.options import ZeroOptions
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -88,12 +88,7 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (upst
         for param in module.parameters():
             if is_init_partitioned(param):
                 self._check_init_group(param)
-                value = gather_init_shards(param).view(param.ds_shape)
-                param.data = value.to(device=self.device, dtype=self.options.model_dtype
-                                      if value.is_floating_point() else value.dtype)
-                param.ds_tensor = None
-                param.ds_status = ZeroParamStatus.AVAILABLE
-                param.ds_persist = True
+        materialise_init_params(module, self.device, self.options.model_dtype)
 
     def _lp_partition(self, group: int) -> torch.Tensor:
         return self.fp16_partitioned_groups_flat[group]

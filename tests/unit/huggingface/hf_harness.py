@@ -182,6 +182,42 @@ def guide_zero3_offload_config(optimizer: str = "AdamW") -> dict:
     }
 
 
+def axolotl_zero3_offload_all_config(optimizer: str = "Muon") -> dict:
+    """axolotl's `deepspeed_configs/zero3_bf16_cpuoffload_all.json` as users copy it: both offloads to pinned host
+    memory, `sub_group_size` 0, the stage-3 keys without their `stage3_` prefix (`max_live_parameters` 0, nothing
+    prefetched), DeepSpeed's CPU optimizer not forced, no scheduler section (the Trainer builds its own). Its bf16
+    "enabled": true becomes "auto" (the Trainer refuses bf16 on CPU, and a config that disagrees with its `bf16`);
+    an optimizer section is added, Muon as in `guide_zero3_offload_config`."""
+    params = {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}
+    if optimizer == "Muon":
+        params.update({"muon_lr": MUON_LR, "ns_method": "standard", "ns_dtype": "fp32"})
+    return {
+        "zero_force_ds_cpu_optimizer": False,
+        "zero_allow_untested_optimizer": True,
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "offload_param": {"device": "cpu", "pin_memory": True},
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "sub_group_size": 0,
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+            "max_live_parameters": 0,
+            "max_reuse_distance": 0,
+            "gather_16bit_weights_on_model_save": True,
+        },
+        "bf16": {"enabled": "auto"},
+        "optimizer": {"type": optimizer, "params": params},
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "wall_clock_breakdown": False,
+    }
+
+
 def warmup_lrs(lr: float, steps: int, warmup_steps: int) -> List[float]:
     """The lr of each step under WarmupLR as the Trainer fills it (min 0, max lr, log warmup, then constant)."""
     from deepspeed.runtime.lr_schedules import WarmupLR

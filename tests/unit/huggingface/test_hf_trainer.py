@@ -164,7 +164,7 @@ class TestTrainerExport(DistributedTest):
         # Load as a user's next (plain) process does: without the Trainer's ZeRO-3 config in force, which would
         # build the models below under zero.Init.
         transformers.integrations.deepspeed.unset_hf_deepspeed_config()
-        # The export (the model dtype: fp32 here, the Trainer takes bf16/fp16 on GPUs only), reloaded as users do,
+        # The export (the model dtype: fp32 here, the Trainer takes bf16 on GPUs only), reloaded as users do,
         # equals the engine's weights; the tied head is the embedding.
         reloaded = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(str(tmpdir), "exported"),
                                                                      dtype=torch.float32)

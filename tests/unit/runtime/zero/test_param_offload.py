@@ -149,3 +149,48 @@ class TestParamOffloadActivationCheckpointing(DistributedTest):
         assert checkpointed_losses == losses
         for got, want in zip(checkpointed_masters, masters, strict=True):
             assert torch.equal(got, want)
+
+
+class TestParamOffloadGatheredPersistentParameters(DistributedTest):
+    """`GatheredParameters(params, modifier_rank=0)` on parameters stage 3 keeps whole (persistent: below
+    `stage3_param_persistence_threshold`, which the Hugging Face "auto" value sets to 10 x hidden, so every bias and
+    norm) publishes rank 0's change as it does for partitioned ones: every rank's value and the fp32 masters. The
+    oracle is the same change written with `safe_set_full_fp32_param`, then the same steps."""
+    world_size = 2
+
+    @pytest.mark.parametrize("offload_optimizer", [False, True])
+    def test_modifier_rank_change_reaches_every_rank_and_the_masters(self, offload_optimizer):
+        import deepspeed.comm as dist
+        from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+        config = _config("muon", "bf16", offload_param=True, offload_optimizer=offload_optimizer)
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 64  # the biases, not the matrices
+        batches = global_batches(3, 8 * dist.get_world_size(), HIDDEN)
+        runs = {}
+        for how in ("gathered", "set_full"):
+            engine = _build("muon", config)
+            train_steps(engine, batches[:1], "bf16")
+            targets = [engine.module.fc_mid.bias, engine.module.fc_mid.weight]
+            assert targets[0].ds_persist and not targets[1].ds_persist
+            new_values = [torch.linspace(-1, 1, p.ds_numel).view(p.ds_shape) for p in targets]
+            if how == "gathered":
+                with deepspeed.zero.GatheredParameters(targets, modifier_rank=0):
+                    if dist.get_rank() == 0:
+                        for param, value in zip(targets, new_values):
+                            param.data.copy_(value.to(param.dtype))
+            else:
+                for param, value in zip(targets, new_values):
+                    safe_set_full_fp32_param(param, value.to(torch.bfloat16).float())
+            for param, value in zip(targets, new_values):
+                assert torch.equal(safe_get_full_fp32_param(param), value.to(torch.bfloat16).float())
+            # Every rank holds rank 0's value of the persistent bias.
+            bias = targets[0].detach().float().cpu()
+            everyone = [torch.zeros_like(bias) for _ in range(dist.get_world_size())]
+            dist.all_gather(everyone, bias.to(engine.device))
+            assert all(torch.equal(other.cpu(), everyone[0].cpu()) for other in everyone)
+            train_steps(engine, batches[1:], "bf16")
+            runs[how] = (fp32_masters(engine), [t.clone() for t in engine.optimizer.fp16_partitioned_groups_flat],
+                         [p.detach().clone() for p in engine.module.parameters() if p.ds_persist])
+        for got, want in zip(runs["gathered"], runs["set_full"], strict=True):
+            assert len(got) == len(want)
+            for a, b in zip(got, want):
+                assert torch.equal(a, b)
