@@ -123,7 +123,7 @@ def save_checkpoint(engine: CheckpointableEngine, save_dir, tag=None, client_sta
     view = engine.checkpoint_state()
     tag = agreed_tag(str(tag if tag is not None else f"global_step{view.counters.global_steps}"),
                      view.settings.tag_validation)
-    if view.counters.micro_steps % view.gradient_accumulation_steps != 0:
+    if view.gradients_pending:
         logger.warning(f"saving checkpoint '{tag}' in the middle of gradient accumulation: the gradients "
                        "accumulated since the last optimizer step are not saved")
     what = f"checkpoint save of tag '{tag}' to {save_dir}"

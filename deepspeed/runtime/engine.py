@@ -57,6 +57,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self.skipped_steps = 0
         self.micro_steps = 0
         self._backwards_since_step = 0
+        self._gradients_pending = False  # a backward since the last optimizer step (checkpoint_state)
         self._step_applied = False
         self._is_boundary_override: Optional[bool] = None
         self.loaded_checkpoint_dp_world_size = None
@@ -141,6 +142,7 @@ class DeepSpeedEngine(torch.nn.Module):
         scaled.backward(retain_graph=retain_graph)
         self.optimizer.backward_epilogue(self.is_gradient_accumulation_boundary())
         self._backwards_since_step += 1
+        self._gradients_pending = True
         return loss.detach() * gas_factor
 
     def step(self, lr_kwargs: Optional[dict] = None) -> None:
@@ -164,6 +166,7 @@ class DeepSpeedEngine(torch.nn.Module):
         outcome = self.optimizer.step()
         self._step_applied = outcome.applied
         self.zero_grad()
+        self._gradients_pending = False
         if outcome.applied:
             if self.lr_scheduler is not None:
                 self._step_lr_scheduler(lr_kwargs)
@@ -308,7 +311,8 @@ class DeepSpeedEngine(torch.nn.Module):
                 load_universal=config.load_universal_checkpoint,
                 load_from_fp32_weights=config.zero_config.load_from_fp32_weights,
                 gather_16bit_weights_on_model_save=config.zero_config.gather_16bit_weights_on_model_save),
-            train_batch_size=self.train_batch_size(), gradient_accumulation_steps=self.gradient_accumulation_steps())
+            train_batch_size=self.train_batch_size(), gradient_accumulation_steps=self.gradient_accumulation_steps(),
+            gradients_pending=self._gradients_pending)
 
     def restore_checkpoint_state(self, counters: Optional[TrainingCounters], dp_world_size: int,
                                  mp_world_size: int) -> None:

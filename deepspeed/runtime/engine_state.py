@@ -58,6 +58,9 @@ class EngineState:
         ds_config: the config as the user gave it (a dict).
         settings: the config's checkpoint settings.
         train_batch_size, gradient_accumulation_steps: for counters a checkpoint lacks.
+        gradients_pending: a backward ran since the last optimizer step, so gradients are accumulated that a
+            checkpoint does not hold. Not `micro_steps % gradient_accumulation_steps`: accelerate (and so the
+            Trainer) calls `step()` only at its boundaries, so there the counter advances once per optimizer step.
     """
 
     module: torch.nn.Module
@@ -72,6 +75,7 @@ class EngineState:
     settings: CheckpointSettings
     train_batch_size: int
     gradient_accumulation_steps: int
+    gradients_pending: bool
 
     @property
     def bf16(self) -> bool:

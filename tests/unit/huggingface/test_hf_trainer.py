@@ -185,3 +185,49 @@ class TestTrainerExport(DistributedTest):
         for name, value in masters.items():
             assert torch.equal(loaded[name], value), name
         assert torch.equal(loaded["lm_head.weight"], masters["transformer.wte.weight"])
+
+
+class TestTrainerCheckpointWarning(DistributedTest):
+    world_size = 2
+    reuse_dist_env = False  # transformers and accelerate keep process-wide state (hf_harness)
+
+    def test_mid_accumulation_warning_only_with_pending_gradients(self, class_tmpdir, tmpdir):
+        """accelerate calls engine.step() only at its accumulation boundaries, so the engine's micro-step counter
+        advances once per optimizer step there: the Trainer's checkpoint after step 1 of 2-micro-batch steps holds
+        everything and must not be reported as taken mid-accumulation. A backward after it leaves gradients that a
+        checkpoint does not hold: that save is reported."""
+        import logging
+
+        from deepspeed.utils import logger
+        from hf_harness import guide_zero3_offload_config
+
+        class Collect(logging.Handler):
+
+            def __init__(self):
+                super().__init__(logging.WARNING)
+                self.messages = []
+
+            def emit(self, record):
+                self.messages.append(record.getMessage())
+
+        collect = Collect()
+        logger.addHandler(collect)
+        try:
+            model_dir = saved_model(str(class_tmpdir), llama_config())
+            use_deepspeed_state()
+            output = os.path.join(str(tmpdir), "run")
+            trainer = train_with_trainer(model_dir, output, guide_zero3_offload_config("Muon"), max_steps=1,
+                                         save_strategy="steps", save_steps=1)
+            engine = trainer.model_wrapped
+            assert engine.global_steps == 1 and engine.gradient_accumulation_steps() == GAS
+            assert glob.glob(os.path.join(output, "checkpoint-1", "global_step1"))
+            mid_accumulation = [m for m in collect.messages if "middle of gradient accumulation" in m]
+            assert mid_accumulation == []
+
+            tokens = TokenDataset().tokens[:MICRO]
+            engine.backward(engine(input_ids=tokens, labels=tokens).loss)
+            engine.save_checkpoint(os.path.join(str(tmpdir), "pending"))
+            mid_accumulation = [m for m in collect.messages if "middle of gradient accumulation" in m]
+            assert len(mid_accumulation) == 1, collect.messages
+        finally:
+            logger.removeHandler(collect)
