@@ -111,6 +111,19 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (upst
 
     _restore_from_bit16_weights = refresh_fp32_params
 
+    def _rebuild_masters_after_load(self) -> None:
+        """A module load never writes a partitioned parameter (its saved value is a placeholder, or ignored here), so
+        its loaded weight is the loaded master in the model dtype, as a load from the fp32 weights publishes it."""
+        groups = zip(self.bit16_groups, self.layouts, self.fp16_partitioned_groups_flat,
+                     self.single_partition_of_fp32_groups)
+        for params, layout, partition, master in groups:
+            base = layout.partition_range(self.dp_rank)[0]
+            for fragment in layout.fragments(self.dp_rank):
+                if not getattr(params[fragment.param_index], "ds_persist", False):
+                    start = fragment.flat_start - base
+                    partition[start:start + fragment.numel].copy_(master[start:start + fragment.numel])
+        self.refresh_fp32_params()
+
     def _lp_partitions_on_host(self) -> bool:
         return self.placement.is_offloaded
 

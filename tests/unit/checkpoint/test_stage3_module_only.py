@@ -19,8 +19,9 @@ HIDDEN = 16
 PERSISTENCE_THRESHOLD = 100  # the biases (16 elements) stay whole, the weights (256) are partitioned
 
 
-def _engine(offload_param):
+def _engine(offload_param, load_from_fp32_weights=True):
     config = muon_config(3, micro=2)
+    config["zero_optimization"]["load_from_fp32_weights"] = load_from_fp32_weights
     config["zero_optimization"]["stage3_param_persistence_threshold"] = PERSISTENCE_THRESHOLD
     if offload_param:
         config["zero_optimization"]["offload_param"] = {"device": "cpu"}
@@ -58,3 +59,24 @@ class TestStage3ModuleOnlyLoad(DistributedTest):
             assert not torch.equal(saved[name], built[name]), name
         # Training goes on from there with fresh optimizer state.
         assert all(torch.isfinite(torch.tensor(loss)) for loss in train_steps(fresh, batches[2:], "fp32"))
+
+
+class TestStage3LoadFromLpWeights(DistributedTest):
+    """`zero_optimization.load_from_fp32_weights: false` rebuilds the masters from the loaded weights; a partitioned
+    parameter's loaded weight is its saved master in the model dtype (fp32 here: the same bits)."""
+    world_size = 2
+
+    @pytest.mark.parametrize("offload_param", [False, True])
+    def test_partitioned_masters_come_from_the_checkpoint(self, tmpdir, offload_param):
+        save_dir = str(tmpdir)
+        batches = global_batches(2, 2 * dist.get_world_size(), HIDDEN)
+        trained = _engine(offload_param)
+        train_steps(trained, batches, "fp32")
+        saved = _masters(trained)
+        trained.save_checkpoint(save_dir)
+
+        fresh = _engine(offload_param, load_from_fp32_weights=False)
+        fresh.load_checkpoint(save_dir)
+        loaded = _masters(fresh)
+        for name in loaded:
+            assert torch.equal(loaded[name], saved[name]), name
