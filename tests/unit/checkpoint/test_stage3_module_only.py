@@ -19,11 +19,11 @@ HIDDEN = 16
 PERSISTENCE_THRESHOLD = 100  # the biases (16 elements) stay whole, the weights (256) are partitioned
 
 
-def _engine(offload_param, load_from_fp32_weights=True):
-    config = muon_config(3, micro=2)
+def _engine(offload_param, load_from_fp32_weights=True, stage=3):
+    config = muon_config(stage, micro=2)
     config["zero_optimization"]["load_from_fp32_weights"] = load_from_fp32_weights
     config["zero_optimization"]["stage3_param_persistence_threshold"] = PERSISTENCE_THRESHOLD
-    if offload_param:
+    if offload_param and stage == 3:
         config["zero_optimization"]["offload_param"] = {"device": "cpu"}
     torch.manual_seed(0)
     model = SimpleModel(HIDDEN, nlayers=2)
@@ -63,11 +63,13 @@ class TestStage3ModuleOnlyLoad(DistributedTest):
 
 class TestStage3LoadFromLpWeights(DistributedTest):
     """`zero_optimization.load_from_fp32_weights: false` rebuilds the masters from the loaded weights; a partitioned
-    parameter's loaded weight is its saved master in the model dtype (fp32 here: the same bits)."""
+    parameter's loaded weight is its saved master in the model dtype (fp32 here: the same bits); at stages 0-2 the
+    parameters the stage-3 save kept as placeholders have no other weights than the masters either."""
     world_size = 2
 
+    @pytest.mark.parametrize("load_stage", [3, 2])
     @pytest.mark.parametrize("offload_param", [False, True])
-    def test_partitioned_masters_come_from_the_checkpoint(self, tmpdir, offload_param):
+    def test_partitioned_masters_come_from_the_checkpoint(self, tmpdir, offload_param, load_stage):
         save_dir = str(tmpdir)
         batches = global_batches(2, 2 * dist.get_world_size(), HIDDEN)
         trained = _engine(offload_param)
@@ -75,7 +77,7 @@ class TestStage3LoadFromLpWeights(DistributedTest):
         saved = _masters(trained)
         trained.save_checkpoint(save_dir)
 
-        fresh = _engine(offload_param, load_from_fp32_weights=False)
+        fresh = _engine(offload_param, load_from_fp32_weights=False, stage=load_stage)
         fresh.load_checkpoint(save_dir)
         loaded = _masters(fresh)
         for name in loaded:
