@@ -29,7 +29,7 @@ from deepspeed.checkpoint.files import (CHECKPOINT_FORMAT, LATEST_FILE, LATEST_U
                                         copy_zero_to_fp32, discard, find_model_file, load_file, missing_files,
                                         model_file_name, optim_file_name, temporary_name, write_file)
 from deepspeed.checkpoint.module_state import (check_module, check_placeholders_restored, loadable_module_state,
-                                               masters_restore, shared_params)
+                                               masters_restore, partitioned_names, saved_placeholders, shared_params)
 from deepspeed.checkpoint.rng_state import rng_state, set_rng_state
 from deepspeed.checkpoint.universal import ZERO_DIR, is_universal, read_rank_files, read_universal
 from deepspeed.checkpoint.upstream_form import is_upstream_model_state
@@ -337,8 +337,11 @@ def _apply_load(engine: CheckpointableEngine, view: EngineState, plan: _LoadPlan
 
     run_agreed(load_scheduler_and_module, f"checkpoint load of {plan.model_path}")
     if plan.optim_state is not None:
+        # Parameters a stage-3 save kept as placeholders were not loaded into the module here (stages 0-2): their
+        # only weights are the masters, whatever load_from_fp32_weights says.
+        unloaded = saved_placeholders(view.module, state["module"]) - partitioned_names(view.module)
         view.optimizer.load_state_dict(plan.optim_state["optimizer_state_dict"], path=plan.optim_path,
-                                       load_from_fp32_weights=view.settings.load_from_fp32_weights)
+                                       load_from_fp32_weights=view.settings.load_from_fp32_weights or bool(unloaded))
     elif view.optimizer is not None:
         view.optimizer.refresh_fp32_params()
     counters = None

@@ -93,6 +93,37 @@ class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeroOptimizer):  # noqa: N801 (upst
     def _lp_partition(self, group: int) -> torch.Tensor:
         return self.fp16_partitioned_groups_flat[group]
 
+    def refresh_fp32_params(self) -> None:
+        """Rebuild the fp32 masters from the current lp weights (after loading only the module).
+
+        A persistent parameter is whole in `param.data`, which is what a module load writes; its fragments in the lp
+        partition are brought up to date first, or the masters (and every later step) would keep the old values.
+        """
+        for params, layout, partition in zip(self.bit16_groups, self.layouts, self.fp16_partitioned_groups_flat):
+            base = layout.partition_range(self.dp_rank)[0]
+            for fragment in layout.fragments(self.dp_rank):
+                param = params[fragment.param_index]
+                if getattr(param, "ds_persist", False):
+                    start = fragment.flat_start - base
+                    partition[start:start + fragment.numel].copy_(
+                        param.data.reshape(-1)[fragment.param_start:fragment.param_start + fragment.numel])
+        super().refresh_fp32_params()
+
+    _restore_from_bit16_weights = refresh_fp32_params
+
+    def _rebuild_masters_after_load(self) -> None:
+        """A module load never writes a partitioned parameter (its saved value is a placeholder, or ignored here), so
+        its loaded weight is the loaded master in the model dtype, as a load from the fp32 weights publishes it."""
+        groups = zip(self.bit16_groups, self.layouts, self.fp16_partitioned_groups_flat,
+                     self.single_partition_of_fp32_groups)
+        for params, layout, partition, master in groups:
+            base = layout.partition_range(self.dp_rank)[0]
+            for fragment in layout.fragments(self.dp_rank):
+                if not getattr(params[fragment.param_index], "ds_persist", False):
+                    start = fragment.flat_start - base
+                    partition[start:start + fragment.numel].copy_(master[start:start + fragment.numel])
+        self.refresh_fp32_params()
+
     def _lp_partitions_on_host(self) -> bool:
         return self.placement.is_offloaded
 

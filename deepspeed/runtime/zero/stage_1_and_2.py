@@ -372,6 +372,10 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
 
     _restore_from_bit16_weights = refresh_fp32_params
 
+    def _rebuild_masters_after_load(self) -> None:
+        """zero_optimization.load_from_fp32_weights false: the masters come from the loaded lp weights."""
+        self.refresh_fp32_params()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop model .grad tensors (accumulated partition gradients are owned by the reducer)."""
         for params in self.bit16_groups:
@@ -403,7 +407,7 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
             state_dict = state_dict[self.dp_rank]
         load_zero_state(self, state_dict, path)
         if not load_from_fp32_weights:
-            self.refresh_fp32_params()
+            self._rebuild_masters_after_load()
         self.update_lp_params()
         self._release_reduced_grads()
         self._grads_ready = False
