@@ -29,7 +29,8 @@ from deepspeed.checkpoint.files import (CHECKPOINT_FORMAT, LATEST_FILE, LATEST_U
                                         copy_zero_to_fp32, discard, find_model_file, load_file, missing_files,
                                         model_file_name, optim_file_name, temporary_name, write_file)
 from deepspeed.checkpoint.module_state import (check_module, check_placeholders_restored, loadable_module_state,
-                                               masters_restore, partitioned_names, saved_placeholders, shared_params)
+                                               masters_restore, partitioned_names, placeholders_kept,
+                                               saved_placeholders, shared_params)
 from deepspeed.checkpoint.rng_state import rng_state, set_rng_state
 from deepspeed.checkpoint.universal import ZERO_DIR, is_universal, read_rank_files, read_universal
 from deepspeed.checkpoint.upstream_form import is_upstream_model_state
@@ -263,6 +264,13 @@ def _prepare_load(view: EngineState, tag_dir: str, load_module_strict: bool, loa
     _check_files_present(tag_dir, model_state)
     if custom_load_fn is None:
         check_placeholders_restored(view.module, model_state["module"], model_path, load_optimizer)
+        kept = placeholders_kept(view.module, model_state["module"], load_optimizer)
+        if kept and rank() == 0:
+            logger.warning(f"checkpoint file {model_path}: {len(kept)} parameter(s) ZeRO stage 3 partitioned (e.g. "
+                           f"{kept[:3]}) keep their current values: the model file holds placeholders of them and "
+                           "their values are the optimizer files' fp32 masters, which load_module_only=True / "
+                           "load_optimizer_states=False do not read; load with the optimizer states, or "
+                           "consolidate the weights with deepspeed.utils.zero_to_fp32")
         check_module(view.module, loadable_module_state(view.module, model_state["module"]), model_path,
                      load_module_strict, skip=masters_restore(view.module, model_state["module"]))
     plan = _LoadPlan(model_path, model_state)

@@ -7,7 +7,7 @@ restores it from the fp32 masters in the optimizer files, not from the module st
 
 import os
 from collections import OrderedDict
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -129,6 +129,14 @@ def check_placeholders_restored(module: torch.nn.Module, saved, path: str, load_
                               f"{lost} in the model file (their values are the optimizer files' fp32 masters); "
                               "load with the optimizer states, or consolidate the weights with "
                               "deepspeed.utils.zero_to_fp32")
+
+
+def placeholders_kept(module: torch.nn.Module, saved, load_optimizer: bool) -> List[str]:
+    """Without the optimizer state at stage 3: the parameters partitioned both in the saving run and here. Their
+    values are only in the optimizer files' fp32 masters, so they keep the values they have (as upstream)."""
+    if load_optimizer:
+        return []
+    return sorted(saved_placeholders(module, saved) & partitioned_names(module))
 
 
 def check_module(module: torch.nn.Module, saved: dict, path: str, strict: bool,
