@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -25,6 +28,30 @@ def torch_assert_dicts_of_tensors_equal(actual: dict[str, Any], expected: dict[s
     assert actual.keys() == expected.keys(), f"keys differ: {sorted(actual)} vs {sorted(expected)}"
     for key, value in actual.items():
         torch_assert_equal(value, expected[key], msg=lambda m, key=key: f"{key}: {m}", **kwargs)
+
+
+class LogMessages(logging.Handler):
+    """A logging handler that keeps each record's message, every level."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextmanager
+def captured_log(name: str = "DeepSpeed") -> Iterator[list[str]]:
+    """The messages sent to logger `name` (deepspeed.utils.logger by default) inside the block, captured by a
+    handler on the logger itself, whatever its propagation."""
+    target = logging.getLogger(name)
+    handler = LogMessages()
+    target.addHandler(handler)
+    try:
+        yield handler.messages
+    finally:
+        target.removeHandler(handler)
 
 
 def _release(text: str | None) -> version.Version | None:

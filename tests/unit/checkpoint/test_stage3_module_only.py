@@ -4,18 +4,17 @@ from the loaded values, not from the ones the engine was built with. Partitioned
 model files and keep their values, with a warning saying so. With and without parameter offload, Muon, 2 gloo ranks.
 """
 
-import logging
-
 import pytest
 import torch
 
 import deepspeed
 import deepspeed.comm as dist
-from deepspeed.utils import logger, safe_get_full_fp32_param
+from deepspeed.utils import safe_get_full_fp32_param
 from unit.common import DistributedTest
 from unit.ops.muon.zero.test_muon_zero import muon_config
 from unit.runtime.engine_harness import global_batches, train_steps
 from unit.simple_model import SimpleModel
+from unit.util import captured_log
 
 HIDDEN = 16
 PERSISTENCE_THRESHOLD = 100  # the biases (16 elements) stay whole, the weights (256) are partitioned
@@ -30,16 +29,6 @@ def _engine(offload_param, load_from_fp32_weights=True, stage=3):
     torch.manual_seed(0)
     model = SimpleModel(HIDDEN, nlayers=2)
     return deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())[0]
-
-
-class _Collect(logging.Handler):
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
 
 
 def _masters(engine):
@@ -61,16 +50,12 @@ class TestStage3ModuleOnlyLoad(DistributedTest):
 
         fresh = _engine(offload_param)
         built = _masters(fresh)
-        collect = _Collect()
-        logger.addHandler(collect)
-        try:
+        with captured_log() as messages:
             fresh.load_checkpoint(save_dir, **load_kwargs)
-        finally:
-            logger.removeHandler(collect)
         loaded = _masters(fresh)
         # The partitioned weights keep their values: said, not silent (on rank 0).
-        kept = [message for message in collect.messages if "keep their current values" in message]
-        assert len(kept) == (1 if dist.get_rank() == 0 else 0), collect.messages
+        kept = [message for message in messages if "keep their current values" in message]
+        assert len(kept) == (1 if dist.get_rank() == 0 else 0), messages
         persistent = [name for name in loaded if name.endswith("bias")]
         assert persistent
         for name in loaded:

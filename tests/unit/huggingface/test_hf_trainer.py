@@ -196,23 +196,10 @@ class TestTrainerCheckpointWarning(DistributedTest):
         advances once per optimizer step there: the Trainer's checkpoint after step 1 of 2-micro-batch steps holds
         everything and must not be reported as taken mid-accumulation. A backward after it leaves gradients that a
         checkpoint does not hold: that save is reported."""
-        import logging
-
-        from deepspeed.utils import logger
         from hf_harness import guide_zero3_offload_config
+        from unit.util import captured_log
 
-        class Collect(logging.Handler):
-
-            def __init__(self):
-                super().__init__(logging.WARNING)
-                self.messages = []
-
-            def emit(self, record):
-                self.messages.append(record.getMessage())
-
-        collect = Collect()
-        logger.addHandler(collect)
-        try:
+        with captured_log() as messages:
             model_dir = saved_model(str(class_tmpdir), llama_config())
             use_deepspeed_state()
             output = os.path.join(str(tmpdir), "run")
@@ -221,13 +208,11 @@ class TestTrainerCheckpointWarning(DistributedTest):
             engine = trainer.model_wrapped
             assert engine.global_steps == 1 and engine.gradient_accumulation_steps() == GAS
             assert glob.glob(os.path.join(output, "checkpoint-1", "global_step1"))
-            mid_accumulation = [m for m in collect.messages if "middle of gradient accumulation" in m]
+            mid_accumulation = [m for m in messages if "middle of gradient accumulation" in m]
             assert mid_accumulation == []
 
             tokens = TokenDataset().tokens[:MICRO]
             engine.backward(engine(input_ids=tokens, labels=tokens).loss)
             engine.save_checkpoint(os.path.join(str(tmpdir), "pending"))
-            mid_accumulation = [m for m in collect.messages if "middle of gradient accumulation" in m]
-            assert len(mid_accumulation) == 1, collect.messages
-        finally:
-            logger.removeHandler(collect)
+            mid_accumulation = [m for m in messages if "middle of gradient accumulation" in m]
+            assert len(mid_accumulation) == 1, messages

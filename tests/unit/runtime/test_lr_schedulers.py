@@ -15,6 +15,7 @@ from deepspeed.runtime.lr_schedules import (
     WarmupLR,
     get_torch_optimizer,
 )
+from unit.util import LogMessages
 
 LOG_N = math.log
 
@@ -37,20 +38,11 @@ def step_to(scheduler, iteration: int) -> None:
         scheduler.step()
 
 
-class _ListHandler(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(level=logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 @pytest.fixture
 def ds_log() -> Iterator[list[str]]:
     """Messages sent to the "DeepSpeed" logger (our handler, whatever the logger's propagation)."""
     ds_logger = logging.getLogger("DeepSpeed")
-    handler = _ListHandler()
+    handler = LogMessages()
     ds_logger.addHandler(handler)
     try:
         yield handler.messages

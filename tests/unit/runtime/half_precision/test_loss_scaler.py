@@ -14,17 +14,9 @@ import pytest
 import torch
 
 from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler, DynamicLossScaler, LossScaler
+from unit.util import LogMessages
 
 MIN_SCALE_ERROR = "Current loss scale already at minimum - cannot decrease scale anymore. Exiting run."
-
-
-class _ListHandler(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(level=logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 @pytest.fixture
@@ -35,7 +27,7 @@ def ds_log(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """
     monkeypatch.delenv("RANK", raising=False)
     ds_logger = logging.getLogger("DeepSpeed")
-    handler = _ListHandler()
+    handler = LogMessages()
     old_level = ds_logger.level
     ds_logger.addHandler(handler)
     ds_logger.setLevel(logging.INFO)
