@@ -32,7 +32,8 @@ from hf_harness import (ADAM_EPS, MUON_LR, TokenDataset, assert_changes_match, b
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 
-WORLD, MICRO, GAS, STEPS, SAVE_AT, WARMUP = 2, 2, 2, 6, 3, 2
+# The warmup lasts the whole run, so that a reload that missed the scheduler's state trains differently.
+WORLD, MICRO, GAS, STEPS, SAVE_AT, WARMUP = 2, 2, 2, 6, 3, 6
 LR, WEIGHT_DECAY, CLIP, BETAS = 3e-3, 0.01, 1.0, (0.9, 0.999)
 
 ACCELERATE_SCRIPT = textwrap.dedent("""
@@ -47,7 +48,7 @@ ACCELERATE_SCRIPT = textwrap.dedent("""
     from hf_harness import ADAM_EPS, TokenDataset, accelerate_train, full_fp32_params
 
     model_dir, out = sys.argv[1], sys.argv[2]
-    MICRO, STEPS, SAVE_AT, WARMUP, LR, WEIGHT_DECAY = 2, 6, 3, 2, 3e-3, 0.01
+    MICRO, STEPS, SAVE_AT, WARMUP, LR, WEIGHT_DECAY = 2, 6, 3, 6, 3e-3, 0.01
     # Without a GPU accelerate picks no backend for DeepSpeed and would count one process.
     accelerator = accelerate.Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
