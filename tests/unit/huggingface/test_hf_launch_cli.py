@@ -4,7 +4,8 @@
   YAML `accelerate config` writes for DeepSpeed (ZeRO-3, optimizer and parameters offloaded to the CPU,
   `zero3_init_flag`, `zero3_save_16bit_model`, accumulation 2, clipping 1.0, bf16) with the script's torch AdamW
   (accelerate swaps in DeepSpeedCPUAdam), and a YAML naming a `deepspeed_config_file` whose optimizer is Muon.
-  A raw accelerate loop: prepare, backward/step, `save_state`, `get_state_dict`, `save_model`, `load_state`.
+  A raw accelerate loop: prepare, backward/step, `save_state`, `get_state_dict`, `save_model`, `load_state` (in the
+  same processes, and in a second launch).
 - `deepspeed --num_gpus 2 train.py --deepspeed ds_config_zero3.json` (here `python -m deepspeed.launcher.runner`):
   a Trainer script with the transformers guide's ZeRO-3 offload config, Muon as its optimizer; trains with a
   checkpoint halfway and saves, then a second launch resumes from that checkpoint.
@@ -47,7 +48,7 @@ ACCELERATE_SCRIPT = textwrap.dedent("""
 
     from hf_harness import ADAM_EPS, TokenDataset, accelerate_train, full_fp32_params
 
-    model_dir, out = sys.argv[1], sys.argv[2]
+    model_dir, out, resume = sys.argv[1], sys.argv[2], sys.argv[3:]  # resume: the saved state to continue from
     MICRO, STEPS, SAVE_AT, WARMUP, LR, WEIGHT_DECAY = 2, 6, 3, 6, 3e-3, 0.01
     # Without a GPU accelerate picks no backend for DeepSpeed and would count one process.
     accelerator = accelerate.Accelerator(kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])
@@ -63,6 +64,15 @@ ACCELERATE_SCRIPT = textwrap.dedent("""
         scheduler = None
         engine, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     gas = engine.gradient_accumulation_steps()
+    if resume:
+        accelerator.load_state(resume[0])
+        resumed_at = engine.global_steps
+        remaining = accelerator.skip_first_batches(loader, SAVE_AT * gas)
+        losses = accelerate_train(accelerator, engine, optimizer, remaining, STEPS - SAVE_AT, gas, scheduler)
+        params = full_fp32_params(engine)
+        if accelerator.is_main_process:
+            torch.save({"resumed_at": resumed_at, "losses": losses, "params": params}, os.path.join(out, "resumed.pt"))
+        sys.exit(0)
     losses = accelerate_train(accelerator, engine, optimizer, loader, SAVE_AT, gas, scheduler)
     accelerator.save_state(os.path.join(out, "state"))
     losses += accelerate_train(accelerator, engine, optimizer, accelerator.skip_first_batches(loader, SAVE_AT * gas),
@@ -207,8 +217,13 @@ def test_accelerate_launch_zero3_offload(variant, tmp_path):
         (tmp_path / "accelerate.yaml").write_text(ACCELERATE_CONFIG_FILE_YAML)
     (tmp_path / "train.py").write_text(ACCELERATE_SCRIPT)
     out = tmp_path / "out"
-    run_cli([sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file", "accelerate.yaml",
-             "--main_process_port", str(free_port()), "train.py", model_dir, str(out)], tmp_path)
+
+    def launch(*resume: str) -> None:
+        run_cli([sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--config_file",
+                 "accelerate.yaml", "--main_process_port", str(free_port()), "train.py", model_dir, str(out), *resume],
+                tmp_path)
+
+    launch()
     run = torch.load(out / "run.pt", weights_only=True)
 
     assert run["processes"] == WORLD and run["partitioned"]
@@ -236,11 +251,16 @@ def test_accelerate_launch_zero3_offload(variant, tmp_path):
         assert torch.equal(exported[name], master.to(exported[name].dtype)), name
     saved = read_safetensors(str(out / "exported"))
     assert all(torch.equal(saved[name], value) for name, value in exported.items())
-    # load_state then the same steps again: the uninterrupted run's numbers bit for bit.
-    assert run["resumed_at"] == SAVE_AT
-    assert run["reloaded_losses"] == run["losses"][SAVE_AT:]
-    for name, value in run["params"].items():
-        assert torch.equal(run["reloaded_params"][name], value), name
+    # load_state then the same steps again, in the trained processes and in a second launch: the uninterrupted
+    # run's numbers bit for bit.
+    launch(str(out / "state"))
+    resumed = torch.load(out / "resumed.pt", weights_only=True)
+    for reloaded in ({"resumed_at": run["resumed_at"], "losses": run["reloaded_losses"],
+                      "params": run["reloaded_params"]}, resumed):
+        assert reloaded["resumed_at"] == SAVE_AT
+        assert reloaded["losses"] == run["losses"][SAVE_AT:]
+        for name, value in run["params"].items():
+            assert torch.equal(reloaded["params"][name], value), name
 
 
 def test_deepspeed_launcher_trainer_zero3_offload_resume(tmp_path):
