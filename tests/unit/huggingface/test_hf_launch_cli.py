@@ -64,35 +64,40 @@ ACCELERATE_SCRIPT = textwrap.dedent("""
         scheduler = None
         engine, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     gas = engine.gradient_accumulation_steps()
+
+
+    def rest_of_the_run():
+        remaining = accelerator.skip_first_batches(loader, SAVE_AT * gas)
+        return accelerate_train(accelerator, engine, optimizer, remaining, STEPS - SAVE_AT, gas, scheduler)
+
+
     if resume:
         accelerator.load_state(resume[0])
         resumed_at = engine.global_steps
-        remaining = accelerator.skip_first_batches(loader, SAVE_AT * gas)
-        losses = accelerate_train(accelerator, engine, optimizer, remaining, STEPS - SAVE_AT, gas, scheduler)
-        params = full_fp32_params(engine)
+        record = {"resumed_at": resumed_at, "losses": rest_of_the_run(), "params": full_fp32_params(engine)}
         if accelerator.is_main_process:
-            torch.save({"resumed_at": resumed_at, "losses": losses, "params": params}, os.path.join(out, "resumed.pt"))
-        sys.exit(0)
-    losses = accelerate_train(accelerator, engine, optimizer, loader, SAVE_AT, gas, scheduler)
-    accelerator.save_state(os.path.join(out, "state"))
-    losses += accelerate_train(accelerator, engine, optimizer, accelerator.skip_first_batches(loader, SAVE_AT * gas),
-                               STEPS - SAVE_AT, gas, scheduler)
-    params = full_fp32_params(engine)
-    exported = accelerator.get_state_dict(engine)
-    accelerator.save_model(engine, os.path.join(out, "exported"))
-    accelerator.load_state(os.path.join(out, "state"))
-    resumed_at = engine.global_steps
-    reloaded = accelerate_train(accelerator, engine, optimizer, accelerator.skip_first_batches(loader, SAVE_AT * gas),
-                                STEPS - SAVE_AT, gas, scheduler)
-    reloaded_params = full_fp32_params(engine)
-    if accelerator.is_main_process:
-        torch.save({"processes": accelerator.num_processes, "partitioned": partitioned,
-                    "stage": engine.zero_optimization_stage(), "gas": gas, "clip": engine.gradient_clipping(),
-                    "offloaded": bool(engine.optimizer.cpu_offload and engine.optimizer.placement.is_offloaded),
-                    "optimizer": type(engine.basic_optimizer).__name__, "bf16": engine.bfloat16_enabled(),
-                    "losses": losses, "params": params, "exported": {k: v.clone() for k, v in exported.items()},
-                    "resumed_at": resumed_at, "reloaded_losses": reloaded, "reloaded_params": reloaded_params},
-                   os.path.join(out, "run.pt"))
+            torch.save(record, os.path.join(out, "resumed.pt"))
+    else:
+        losses = accelerate_train(accelerator, engine, optimizer, loader, SAVE_AT, gas, scheduler)
+        accelerator.save_state(os.path.join(out, "state"))
+        losses += rest_of_the_run()
+        params = full_fp32_params(engine)
+        exported = accelerator.get_state_dict(engine)
+        accelerator.save_model(engine, os.path.join(out, "exported"))
+        accelerator.load_state(os.path.join(out, "state"))
+        resumed_at = engine.global_steps
+        reloaded = rest_of_the_run()
+        reloaded_params = full_fp32_params(engine)
+        if accelerator.is_main_process:
+            torch.save({"processes": accelerator.num_processes, "partitioned": partitioned,
+                        "stage": engine.zero_optimization_stage(), "gas": gas, "clip": engine.gradient_clipping(),
+                        "offloaded": bool(engine.optimizer.cpu_offload and engine.optimizer.placement.is_offloaded),
+                        "optimizer": type(engine.basic_optimizer).__name__, "bf16": engine.bfloat16_enabled(),
+                        "losses": losses, "params": params, "exported": {k: v.clone() for k, v in exported.items()},
+                        "resumed_at": resumed_at, "reloaded_losses": reloaded, "reloaded_params": reloaded_params},
+                       os.path.join(out, "run.pt"))
+    # Destroys the gloo process group: a rank that exits with it alive may abort in torch's teardown.
+    accelerator.end_training()
 """)
 
 # The YAML `accelerate config` writes for DeepSpeed with ZeRO-3 and both offloads to the CPU.
@@ -169,6 +174,8 @@ TRAINER_SCRIPT = textwrap.dedent("""
                     "optimizer": type(engine.basic_optimizer).__name__, "global_steps": engine.global_steps,
                     "losses": {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry},
                     "params": params}, os.path.join(args.output_dir, "run.pt"))
+    # A rank that exits with the gloo process group alive may abort in torch's teardown.
+    torch.distributed.destroy_process_group()
 """)
 
 
