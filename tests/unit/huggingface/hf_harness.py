@@ -284,13 +284,25 @@ def reference_training(model_dir: str, batches: Sequence[torch.Tensor], lrs: Seq
                        weight_decay: float, betas: Tuple[float, float], clip: float, base_lr: float,
                        muon_lr: Optional[float] = None,
                        auto_class: str = "AutoModelForCausalLM",
-                       eps: float = ADAM_EPS) -> Tuple[Dict[str, torch.Tensor], List[float]]:
+                       eps: float = ADAM_EPS,
+                       bf16_micro_batch: Optional[int] = None) -> Tuple[Dict[str, torch.Tensor], List[float]]:
     """Single-process fp32 training from the saved model: mean token loss of each step's batch, clipping to `clip`
     (torch's clip_grad_norm_), then AdamW (torch's) or Muon (momentum 0.95, Nesterov, Newton-Schulz, decoupled
     decay) with Adam for the rest. Muon's lr follows the schedule scaled by muon_lr / base_lr (the configured lr).
-    `optimizer` None is the Trainer's own AdamW: no decay on biases and norm weights; `eps` is Adam's. Returns the
-    final parameters and each step's loss."""
+    `optimizer` None is the Trainer's own AdamW: no decay on biases and norm weights; `eps` is Adam's.
+    `bf16_micro_batch` trains as DeepSpeed's bf16 mode does: the parameters (not the buffers) cast to bf16, the fp32
+    masters starting from those rounded weights (compare changes from `bf16_rounded`), forward and backward in bf16
+    on micro-batches of that size, their gradients summed in fp32. Returns the final parameters (the masters) and
+    each step's loss."""
     model = getattr(transformers, auto_class).from_pretrained(model_dir, dtype=torch.float32)
+    low = None
+    if bf16_micro_batch:
+        low = getattr(transformers, auto_class).from_pretrained(model_dir, dtype=torch.float32)
+        for param in low.parameters():
+            param.data = param.data.bfloat16()
+        with torch.no_grad():
+            for master, param in zip(model.parameters(), low.parameters()):
+                master.copy_(param)
     named = dict(model.named_parameters())
     adam = {n: p for n, p in named.items() if optimizer != "Muon" or not is_muon_param(n, p)}
     muon = {n: p for n, p in named.items() if n not in adam}
@@ -302,9 +314,12 @@ def reference_training(model_dir: str, batches: Sequence[torch.Tensor], lrs: Seq
     losses = []
     for tokens, lr in zip(batches, lrs):
         model.zero_grad()
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        losses.append(loss.item())
+        if low is None:
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            losses.append(loss.item())
+        else:
+            losses.append(bf16_backward(low, model, tokens, bf16_micro_batch))
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else math.inf)
         for group in adamw.param_groups:
             group["lr"] = lr
@@ -317,7 +332,32 @@ def reference_training(model_dir: str, batches: Sequence[torch.Tensor], lrs: Seq
                 update = newton_schulz(direction) * max(1.0, param.size(0) / param.size(1))**0.5
                 param.mul_(1 - group_lr * weight_decay)
                 param.add_(update, alpha=-group_lr)
+        if low is not None:
+            with torch.no_grad():
+                for master, param in zip(model.parameters(), low.parameters()):
+                    param.copy_(master)
     return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
+
+
+def bf16_backward(low, masters, tokens: torch.Tensor, micro_batch: int) -> float:
+    """The step's mean token loss through the bf16 copy `low`, micro-batch by micro-batch; each micro-batch's
+    gradient (of its share of the mean) added in fp32 to the masters' .grad. Returns the mean loss."""
+    chunks = tokens.split(micro_batch)
+    total = 0.0
+    for chunk in chunks:
+        low.zero_grad()
+        loss = low(input_ids=chunk, labels=chunk).loss
+        (loss / len(chunks)).backward()
+        total += loss.item() / len(chunks)
+        for master, param in zip(masters.parameters(), low.parameters()):
+            grad = param.grad.float()
+            master.grad = grad if master.grad is None else master.grad + grad
+    return total
+
+
+def bf16_rounded(weights: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The weights as DeepSpeed's bf16 mode starts its fp32 masters: rounded to bf16."""
+    return {name: value.bfloat16().float() for name, value in weights.items()}
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
