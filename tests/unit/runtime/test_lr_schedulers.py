@@ -1,6 +1,5 @@
 """LR schedules against the closed-form formulas of spec §2.3, iteration by iteration."""
 
-import logging
 import math
 from collections.abc import Callable, Iterator
 
@@ -15,7 +14,7 @@ from deepspeed.runtime.lr_schedules import (
     WarmupLR,
     get_torch_optimizer,
 )
-from unit.util import LogMessages
+from unit.util import captured_log
 
 LOG_N = math.log
 
@@ -41,13 +40,8 @@ def step_to(scheduler, iteration: int) -> None:
 @pytest.fixture
 def ds_log() -> Iterator[list[str]]:
     """Messages sent to the "DeepSpeed" logger (our handler, whatever the logger's propagation)."""
-    ds_logger = logging.getLogger("DeepSpeed")
-    handler = LogMessages()
-    ds_logger.addHandler(handler)
-    try:
-        yield handler.messages
-    finally:
-        ds_logger.removeHandler(handler)
+    with captured_log() as messages:
+        yield messages
 
 
 ITERATIONS = [0, 1, 4, 9, 10, 11, 19, 20, 25, 60]
