@@ -1,0 +1,51 @@
+"""benchmarks/step_clock.py end to end on the CPU (one process, the tiny GPT): every phase of its plan runs, in
+order, with what it puts after each step really there.
+
+Not a timing test: the figures it is for need a GPU and nvidia-smi. What the CPU proves is the plumbing those
+figures rest on: the idle phases' whole step holds the idle time (a phase that dropped it would read like a back to
+back one), the load phase's whole step holds its matmul, and each step's parts fit inside the whole step.
+"""
+
+import json
+from pathlib import Path
+
+from unit.python_process import free_port, repo_env, run_python
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+IDLE_MS = 40.0
+
+
+def test_every_phase_runs_with_its_idle_time_or_load(tmp_path):
+    args = ["--size", "tiny", "--steps", "3", "--warmup", "1", "--idle-ms", str(IDLE_MS), "--load-ms", "20,5",
+            "--out", str(tmp_path)]
+    # One process of its own: the benchmark sets up its one-rank group from these.
+    env = repo_env(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    result = run_python(str(REPO_ROOT / "benchmarks" / "step_clock.py"), args, env, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+    results = json.loads((tmp_path / "step_clock.json").read_text())
+    muon, adamw = "ds-z2-bf16-muon", "ds-z2-bf16-adamw"
+    plan = [(phase["mode"], phase["kind"], phase["ms"]) for phase in results["phases"]]
+    assert plan == [(muon, "back to back", None), (adamw, "back to back", None), (muon, "idle", IDLE_MS),
+                    (adamw, "idle", IDLE_MS), (adamw, "load", 20.0), (adamw, "load", 5.0),
+                    (muon, "back to back", None), (adamw, "back to back", None)]
+    for phase in results["phases"]:
+        what = f"{phase['mode']} {phase['kind']} {phase['ms']}"
+        per_step = phase["per_step"]
+        assert all(len(times) == 3 for times in per_step.values()), what
+        for fwd_bwd, step, whole in zip(per_step["fwd_bwd_ms"], per_step["step_ms"], per_step["whole_ms"]):
+            assert fwd_bwd > 0 and step > 0 and whole >= fwd_bwd + step, what
+        if phase["kind"] == "idle":
+            assert min(per_step["whole_ms"]) >= IDLE_MS, what
+        if phase["kind"] == "load":
+            assert phase["load_products"] >= 1 and phase["load_ms_alone"] > 0, what
+            # The load runs inside the whole step: its parts and the load, less the marks' own cost.
+            assert phase["whole_ms"] >= 0.5 * phase["load_ms_alone"], what
+        assert phase["sm_clock_mhz"] is None and phase["clock_samples"] == 0, what  # no nvidia-smi on a CPU run
+    assert results["meta"]["command"].startswith("python ") and results["settings"]["size"] == "tiny"
+
+    report = (tmp_path / "step_clock.md").read_text()
+    assert report.count(f"| {muon} |") == 3 and report.count(f"| {adamw} |") == 5
+    assert f"{muon} - {adamw}, idle: forward/backward" in report
+    assert report.count(f"{adamw} with ") == 2
