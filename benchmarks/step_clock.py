@@ -67,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="directory for step_clock.json and step_clock.md")
     args = parser.parse_args(argv)
     args.mode_names = [name.strip() for name in args.modes.split(",") if name.strip()]
+    if not args.mode_names:
+        parser.error("--modes names no mode")
     unknown = [name for name in args.mode_names + [args.loaded_mode] if name not in MODES_BY_NAME]
     if unknown:
         parser.error(f"unknown mode(s) {unknown}; known: {sorted(MODES_BY_NAME)}")
@@ -74,7 +76,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--loaded-mode {args.loaded_mode} is not one of --modes")
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the whole step is timed from one step's start to the next's)")
-    args.load_ms_list = [float(text) for text in args.load_ms.split(",") if text.strip()]
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.idle_ms < 0:
+        parser.error(f"--idle-ms must be >= 0, got {args.idle_ms:g}")
+    try:
+        args.load_ms_list = [float(text) for text in args.load_ms.split(",") if text.strip()]
+    except ValueError:
+        parser.error(f"--load-ms takes comma-separated milliseconds, got {args.load_ms!r}")
+    if any(ms <= 0 for ms in args.load_ms_list):
+        parser.error(f"--load-ms lengths must be > 0 ms, got {args.load_ms!r}")
     return args
 
 

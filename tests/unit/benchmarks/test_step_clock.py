@@ -6,8 +6,11 @@ figures rest on: the idle phases' whole step holds the idle time (a phase that d
 back one), the load phase's whole step holds its matmul, and each step's parts fit inside the whole step.
 """
 
+import importlib.util
 import json
 from pathlib import Path
+
+import pytest
 
 from unit.python_process import free_port, repo_env, run_python
 
@@ -49,3 +52,27 @@ def test_every_phase_runs_with_its_idle_time_or_load(tmp_path):
     assert report.count(f"| {muon} |") == 3 and report.count(f"| {adamw} |") == 5
     assert f"{muon} - {adamw}, idle: forward/backward" in report
     assert report.count(f"{adamw} with ") == 2
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("step_clock", REPO_ROOT / "benchmarks" / "step_clock.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--modes", "ds-z2-bf16-muon,no-such-mode"], "unknown mode(s) ['no-such-mode']"),
+    (["--modes", ","], "--modes names no mode"),
+    (["--modes", "ds-z2-bf16-muon"], "--loaded-mode ds-z2-bf16-adamw is not one of --modes"),
+    (["--steps", "1"], "--steps must be at least 2"),
+    (["--warmup", "-1"], "--warmup must be >= 0"),
+    (["--idle-ms", "-5"], "--idle-ms must be >= 0, got -5"),
+    (["--load-ms", "45,abc"], "--load-ms takes comma-separated milliseconds, got '45,abc'"),
+    (["--load-ms", "45,0"], "--load-ms lengths must be > 0 ms"),
+])
+def test_bad_flags_are_refused_by_name(flags, named, capsys):
+    with pytest.raises(SystemExit) as exited:
+        load_benchmark().parse_args(flags)
+    assert exited.value.code == 2
+    assert named in capsys.readouterr().err
