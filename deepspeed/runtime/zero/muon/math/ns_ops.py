@@ -38,6 +38,11 @@ def gemm_with_addend(out: Tensor, addend: Tensor, A: Tensor, B: Tensor, beta: fl
     return torch.baddbmm(out, A, B, beta=beta, alpha=alpha, out=out)
 
 
+def copy_transposed(target: Tensor, source: Tensor) -> Tensor:
+    """``target[b] = source[b]^T`` for 3-D batches that do not overlap. Returns ``target``."""
+    return target.copy_(source.mT)
+
+
 @dataclass
 class NSOps:
     """The operations :data:`OPS` holds: torch's by default (this module's functions)."""
@@ -46,6 +51,7 @@ class NSOps:
     scale_fp16: Callable[..., Tensor] = scale_fp16
     separate_addend_supported: Callable[[Tensor], bool] = separate_addend_supported
     gemm_with_addend: Callable[..., Tensor] = gemm_with_addend
+    copy_transposed: Callable[..., Tensor] = copy_transposed
 
 
 OPS = NSOps()

@@ -77,8 +77,11 @@ FP16_SCALE = 64.0
 # some spectra (as accurate from m = 64). Such matrices cost little either way.
 MIN_GRAM_ROWS = 64
 
-# Index pairs (row block, column block) of the blocks an upper-stored m x m matrix holds.
-_UPPER_BLOCKS = ((0, 0), (0, 1), (1, 1))
+# Matrices with a side of at least this many rows compute each symmetric product on quarter blocks (see
+# _product_blocks): ten of the sixteen (m/4)^2 blocks instead of twelve, 5/8 of the whole product's flops rather
+# than 3/4, with two blocks then mirrored so that the 2 x 2 split's diagonal blocks are whole for the readers.
+# Below it the quarter products are too small to keep the tensor cores as busy and the mirror's passes weigh more.
+QUARTER_MIN_SIZE = 512
 
 
 def _half(m: int) -> int:
@@ -86,9 +89,13 @@ def _half(m: int) -> int:
     return m // 2
 
 
-def _block(S: Tensor, row: int, col: int) -> Tensor:
-    h = _half(S.size(-1))
-    return S[:, slice(None, h) if row == 0 else slice(h, None), slice(None, h) if col == 0 else slice(h, None)]
+def _quarters(m: int) -> tuple[int, int, int] | None:
+    """The quarter split's inner boundaries (b1, h, b3) of an m x m matrix (h the 2 x 2 split's), or None where its
+    products run on the 2 x 2 blocks (m below QUARTER_MIN_SIZE)."""
+    if m < QUARTER_MIN_SIZE:
+        return None
+    h = _half(m)
+    return h // 2, h, h + (m - h) // 2
 
 
 def _row_panel(S: Tensor, row: int) -> Tensor:
@@ -98,24 +105,56 @@ def _row_panel(S: Tensor, row: int) -> Tensor:
     return S[:, :h] if row == 0 else S[:, :, h:].mT
 
 
-def _col_panel(S: Tensor, col: int) -> Tensor:
-    """Column panel ``col`` of the upper-stored symmetric ``S`` (the transpose of row panel ``col``)."""
-    h = _half(S.size(-1))
-    return S[:, :h].mT if col == 0 else S[:, :, h:]
+def _rows(S: Tensor, start: int, stop: int) -> Tensor:
+    """Rows start:stop of the upper-stored symmetric ``S``, within one row panel of the 2 x 2 split."""
+    return S[:, start:stop] if stop <= _half(S.size(-1)) else S[:, :, start:stop].mT
+
+
+def _cols(S: Tensor, start: int, stop: int) -> Tensor:
+    """Columns start:stop of the upper-stored symmetric ``S``, within one column panel of the 2 x 2 split."""
+    return S[:, start:stop].mT if stop <= _half(S.size(-1)) else S[:, :, start:stop]
+
+
+def _product_blocks(m: int) -> tuple[tuple[int, int, int, int], ...]:
+    """The (row start, row stop, column start, column stop) ranges a symmetric product of m x m matrices computes,
+    each one row range of the first factor times one column range of the second (whole inner dimension, one
+    rounding per entry). On 2 x 2 blocks: the first row panel and the last diagonal block. On quarters: of each
+    2 x 2 diagonal block only its upper quarters, and the off-diagonal block whole; :func:`_mirror_quarters` then
+    fills the two quarters left below the diagonal."""
+    quarters = _quarters(m)
+    if quarters is None:
+        h = _half(m)
+        return (0, h, 0, h), (0, h, h, m), (h, m, h, m)
+    b1, h, b3 = quarters
+    return (0, b1, 0, h), (b1, h, b1, h), (0, h, h, m), (h, b3, h, m), (b3, m, b3, m)
+
+
+def _mirror_quarters(S: Tensor) -> None:
+    """The quarters below the diagonal within the 2 x 2 split's diagonal blocks, as the transposes of the ones
+    above it (no-op where the products run on 2 x 2 blocks)."""
+    quarters = _quarters(S.size(-1))
+    if quarters is not None:
+        b1, h, b3 = quarters
+        OPS.copy_transposed(S[:, b1:h, :b1], S[:, :b1, b1:h])
+        OPS.copy_transposed(S[:, b3:, h:b3], S[:, h:b3, b3:])
 
 
 def symmetric_gram(X: Tensor, out: Tensor) -> None:
-    """The upper blocks of X X^T into ``out`` (count, m, m): the first row panel in one product, the last diagonal
-    block in another (3/4 of the whole product's flops)."""
-    h = _half(X.size(-2))
-    torch.bmm(X[:, :h], X.mT, out=out[:, :h])
-    torch.bmm(X[:, h:], X[:, h:].mT, out=out[:, h:, h:])
+    """The upper blocks of X X^T into ``out`` (count, m, m): each row range of :func:`_product_blocks`'s split times
+    X^T from that range's first row on (3/4 of the whole product's flops on 2 x 2 blocks, 5/8 on quarters)."""
+    m = X.size(-2)
+    quarters = _quarters(m)
+    starts = (0, _half(m), m) if quarters is None else (0, *quarters, m)
+    for start, stop in zip(starts, starts[1:]):
+        torch.bmm(X[:, start:stop], X[:, start:].mT, out=out[:, start:stop, start:])
+    _mirror_quarters(out)
 
 
 def symmetric_product(A: Tensor, B: Tensor, out: Tensor, addend: Tensor | None = None, beta: float = 1.0,
                       alpha: float = 1.0) -> None:
     """The upper blocks of ``beta * addend + alpha * A B`` into ``out``, for upper-stored symmetric A, B (and
-    addend) whose product is symmetric: three block products, each a row panel of A times a column panel of B.
+    addend) whose product is symmetric: a row range of A times a column range of B per block of
+    :func:`_product_blocks`.
 
     An addend other than ``out`` is read where it lies (``ns_ops.OPS.gemm_with_addend``, the kernels'
     ``addend_gemm``: cuBLASLt's separate C and D) on a GPU that offers it; otherwise it is first copied into
@@ -126,8 +165,9 @@ def symmetric_product(A: Tensor, B: Tensor, out: Tensor, addend: Tensor | None =
     if addend is not None and addend is not out and not OPS.separate_addend_supported(out):
         out.copy_(addend)
         addend = out
-    for row, col in _UPPER_BLOCKS:
-        rows, cols, target = _row_panel(A, row), _col_panel(B, col), _block(out, row, col)
+    for row_start, row_stop, col_start, col_stop in _product_blocks(A.size(-1)):
+        rows, cols = _rows(A, row_start, row_stop), _cols(B, col_start, col_stop)
+        target = out[:, row_start:row_stop, col_start:col_stop]
         if addend is None:
             torch.bmm(rows, cols, out=target)
         elif addend is out:
@@ -135,7 +175,9 @@ def symmetric_product(A: Tensor, B: Tensor, out: Tensor, addend: Tensor | None =
             # than copying the block onto itself first.
             torch.baddbmm(target, rows, cols, beta=beta, alpha=alpha, out=target)
         else:
-            OPS.gemm_with_addend(target, _block(addend, row, col), rows, cols, beta=beta, alpha=alpha)
+            OPS.gemm_with_addend(target, addend[:, row_start:row_stop, col_start:col_stop], rows, cols, beta=beta,
+                                 alpha=alpha)
+    _mirror_quarters(out)
 
 
 def symmetric_left_product(S: Tensor, X: Tensor, out: Tensor, beta: float | None = None, tall: bool = False) -> Tensor:

@@ -17,6 +17,7 @@ from unit.ops.muon.math.reference import newton_schulz_fp64
 from deepspeed.runtime.zero.muon.original_muon import NS_FUNCTIONS
 from deepspeed.runtime.zero.muon.math.symmetric_gram import (
     MIN_GRAM_ROWS,
+    QUARTER_MIN_SIZE,
     symmetric_gram,
     symmetric_left_product,
     symmetric_product,
@@ -43,8 +44,9 @@ def symmetric_batch(count, m, generator):
     return S, 2 * S + S @ S, S @ S @ S - S
 
 
-@pytest.mark.parametrize("m", [1, 2, 7, 8, 33])
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 33, QUARTER_MIN_SIZE, QUARTER_MIN_SIZE + 3])
 def test_block_products_equal_the_whole_products(m):
+    """On 2 x 2 blocks (small m) and on quarters (from QUARTER_MIN_SIZE; m + 3 splits unevenly)."""
     generator = torch.Generator().manual_seed(m)
     S, A, B = symmetric_batch(3, m, generator)
     X = torch.randn(3, m, 5 * m + 1, generator=generator, dtype=torch.float64)
@@ -147,24 +149,37 @@ def counted_flops(shape, method, dtype=torch.bfloat16, steps=5):
 
 
 @pytest.mark.parametrize("shape", GPT2_SMALL_SHAPES + GPT_1_1B_SHAPES, ids=str)
-def test_flops_are_three_quarters_of_the_symmetric_products_and_fewer_than_every_other_method(shape):
+def test_flops_are_five_eighths_of_the_symmetric_products_and_fewer_than_every_other_method(shape):
+    """Every Muon shape of both models has its small side above QUARTER_MIN_SIZE and divisible by 4: its symmetric
+    products compute ten of the sixteen quarter blocks."""
     m, n = min(shape), max(shape)
+    assert m >= QUARTER_MIN_SIZE and m % 4 == 0
     flops = counted_flops(shape, "gram_sym")
     if m == n:
-        # Standard iteration, X X^T and A A^T on their upper blocks: 5 (1.75 m^2 n + 0.75 m^3) multiply-adds.
-        assert flops == 2 * 5 * (7 * m * m * n + 3 * m**3) // 4
+        # Standard iteration, X X^T and A A^T on 5/8 of their blocks, B X whole: 5 (m^3 + 2 * 5/8 m^3) multiply-adds.
+        assert flops == 2 * 5 * (8 * m**3 + 10 * m**3) // 8
     else:
-        # X X^T twice on its upper blocks, Q X twice, 14 m x m products on their upper blocks.
-        assert flops == 2 * (7 * m * m * n + 21 * m**3) // 2
+        # X X^T twice on 5/8 of its blocks, Q X twice, 14 m x m products on 5/8 of their blocks.
+        assert flops == 2 * (2 * 5 * m * m * n + 16 * m * m * n + 14 * 5 * m**3) // 8
     assert flops < counted_flops(shape, "gram") and flops < counted_flops(shape, "standard")
 
 
-def test_the_1_1b_model_needs_28_35_tflop():
-    """The 80 Muon matrices of the 1.11B GPT (20 of each shape): 48.10 TFLOP standard, 34.70 gram, 28.35 gram_sym;
+@pytest.mark.parametrize("shape", [(QUARTER_MIN_SIZE - 4, 2 * QUARTER_MIN_SIZE), (QUARTER_MIN_SIZE - 4,) * 2], ids=str)
+def test_below_the_quarter_size_the_symmetric_products_take_three_quarters(shape):
+    m, n = min(shape), max(shape)
+    flops = counted_flops(shape, "gram_sym")
+    if m == n:
+        assert flops == 2 * 5 * (7 * m * m * n + 3 * m**3) // 4
+    else:
+        assert flops == 2 * (7 * m * m * n + 21 * m**3) // 2
+
+
+def test_the_1_1b_model_needs_25_17_tflop():
+    """The 80 Muon matrices of the 1.11B GPT (20 of each shape): 48.10 TFLOP standard, 34.70 gram, 25.17 gram_sym;
     "auto" runs gram_sym on all of them (their small side is 2048)."""
     totals = {method: 20 * sum(counted_flops(shape, method) for shape in GPT_1_1B_SHAPES) for method in NS_FUNCTIONS}
-    assert totals == {"standard": 48_103_633_715_200, "gram": 34_703_335_751_680, "gram_sym": 28_346_784_153_600,
-                      "auto": 28_346_784_153_600}
+    assert totals == {"standard": 48_103_633_715_200, "gram": 34_703_335_751_680, "gram_sym": 25_168_508_354_560,
+                      "auto": 25_168_508_354_560}
 
 
 def test_small_sides_take_the_standard_iteration():
