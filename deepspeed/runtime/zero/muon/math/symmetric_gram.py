@@ -79,9 +79,11 @@ MIN_GRAM_ROWS = 64
 
 # Matrices with a side of at least this many rows compute each symmetric product on quarter blocks (see
 # _product_blocks): ten of the sixteen (m/4)^2 blocks instead of twelve, 5/8 of the whole product's flops rather
-# than 3/4, with two blocks then mirrored so that the 2 x 2 split's diagonal blocks are whole for the readers.
-# Below it the quarter products are too small to keep the tensor cores as busy and the mirror's passes weigh more.
-QUARTER_MIN_SIZE = 512
+# than 3/4, with two quarters then mirrored so that the 2 x 2 split's diagonal blocks are whole for the readers.
+# Timed on an H100 (batches of 48-60 matrices in fp16): at m = 768 and 1024 the quarter products and the mirror
+# took longer than the 2 x 2 products (the smaller GEMMs run further from the tensor cores' rate, and the mirror's
+# launches weigh more); at 2048 and 4096 they took less.
+QUARTER_MIN_SIZE = 2048
 
 
 def _half(m: int) -> int:
