@@ -51,7 +51,7 @@ def test_the_1_1b_preset_and_its_newton_schulz_floors():
     assert standard["flops_owner"] / 790e12 * 1e3 == pytest.approx(60.89, abs=0.01)  # ms at 790 TFLOP/s
     # Gram: 4 m^2 n + 14 m^3 multiply-adds on the wide matrices (restart at iteration 2); squares run standard.
     assert gram["flops_owner"] == 34_703_335_751_680
-    # Symmetric Gram on quarter blocks (m = 2048): 3.25 m^2 n + 8.75 m^3 on the wide matrices, 11.25 m^3 on the squares.
+    # Symmetric Gram on quarter blocks (m = 2048): 3.25 m^2 n + 8.75 m^3 on the wide matrices, 11.25 m^3 on squares.
     assert floor["methods"]["gram_sym"]["flops_owner"] == 25_168_508_354_560
     # Two owners split the matrices; the busiest one's flops are the floor.
     two = ns_timing.newton_schulz_floor_flops(shapes, world=2, ns_steps=5)["methods"]["standard"]

@@ -144,9 +144,9 @@ def test_in_bf16_as_close_to_the_polar_factor_as_the_standard_iteration(shape):
 
 @pytest.mark.parametrize("shape", [(512, 1536), (512, 512)], ids=str)
 def test_on_quarter_blocks_in_bf16_closer_to_the_float64_iteration_than_the_standard_iteration(shape, monkeypatch):
-    """Where the products run on quarters (from 512 here): at most the standard iteration's error against the float64 iteration on
-    every spectrum, its error against the polar factor to within 0.1 % (both iterations stop five steps short of it
-    by design: the quintic's band), bounded as the float64 iteration is."""
+    """Where the products run on quarters (from 512 here): at most the standard iteration's error against the
+    float64 iteration on every spectrum, its error against the polar factor to within 0.1 % (both iterations stop
+    five steps short of it by design: the quintic's band), bounded as the float64 iteration is."""
     monkeypatch.setattr(symmetric_gram_module, "QUARTER_MIN_SIZE", 512)
     generator = torch.Generator().manual_seed(sum(shape))
     for name, G in spectra(*shape, generator).items():
