@@ -123,8 +123,8 @@ def _memory_of(dead: Tensor, shape: torch.Size, empty: Callable[[Sequence[int]],
 
 
 def _restored_layout(X: Tensor, like: Tensor) -> Tensor:
-    """Undo :func:`_normalized_wide`'s batch view: ``like``'s shape, the compute dtype. (Its transpose the iterations
-    undo themselves, by writing their last product transposed.)"""
+    """Undo :func:`_normalized_wide`'s batch view: ``like``'s shape. (Its transpose the iterations undo themselves, by
+    writing their last product transposed.)"""
     return X if X.shape == like.shape else X.reshape(like.shape)
 
 

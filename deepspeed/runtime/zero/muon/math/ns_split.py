@@ -40,7 +40,7 @@ from deepspeed.runtime.zero.muon.math.ns_coefficients import DEFAULT_NS_COEFFICI
 from deepspeed.runtime.zero.muon.math.ns_common import NS_NORM_EPS, SumPieces, resolve_ns_dtype
 from deepspeed.runtime.zero.muon.math.ns_ops import OPS
 from deepspeed.runtime.zero.muon.math.ns_split_square import SquareRows, square_split_gram, square_split_standard
-from deepspeed.runtime.zero.muon.math.symmetric_gram import (FP16_SCALE, MIN_GRAM_ROWS, _in_compute_dtype,
+from deepspeed.runtime.zero.muon.math.symmetric_gram import (FP16_SCALE, MIN_GRAM_ROWS,
                                                              _restarts_at, _symmetric_gram_iterations,
                                                              _symmetric_standard_iterations, inner_dtype)
 
@@ -74,7 +74,8 @@ def split_zeropower(block: Tensor, rows: int, cols: int, sum_pieces: SumPieces, 
             computes its rows of them; None: every holder computes them whole.
 
     Returns:
-        The block's columns of the result (m x n_i), in the compute dtype.
+        The block's columns of the result (m x n_i): in the dtype the whole matrix's function returns it in (fp16
+        for "gram_sym"'s Gram iteration in a 16-bit compute dtype, else the compute dtype).
 
     Raises:
         ValueError: a block that is not m x n_i, a shape that is not wide, or an unknown method or schedule.
@@ -96,11 +97,12 @@ def split_zeropower(block: Tensor, rows: int, cols: int, sum_pieces: SumPieces, 
         # A (1, 1, 1) factor, as the single-matrix form scales by: a 0-dim fp32 factor would not promote a 16-bit X,
         # and X would be scaled in its own dtype, one rounding more before fp16.
         OPS.scale_matrices(X, (math.sqrt(FP16_SCALE) / norm).view(1, 1, 1), scaled)
+        # In fp16 with FP16_SCALE undone, as the whole matrix's iteration returns it.
         if square_rows is not None:
             result = square_split_gram(scaled, schedule, sum_pieces, square_rows, _restarts_at, symmetric=True)
-        else:
-            result = _symmetric_gram_iterations([scaled], schedule, sum_pieces=sum_pieces)[0]
-        return _in_compute_dtype(result, compute_dtype)[0]
+            return OPS.scale_fp16(result, 1 / math.sqrt(FP16_SCALE), result)[0]
+        return _symmetric_gram_iterations([scaled], schedule, sum_pieces=sum_pieces,
+                                          result_scale=1 / math.sqrt(FP16_SCALE))[0][0]
     X = X / norm.to(compute_dtype)
     if square_rows is not None:
         if iteration == "gram":

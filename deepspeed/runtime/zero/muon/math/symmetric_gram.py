@@ -23,7 +23,9 @@ the standard iteration in bf16, and 2-3x closer to the float64 iteration (see do
 methods", tests/unit/ops/muon/math/test_symmetric_gram.py and benchmarks/ns_methods_gpu.py). Square
 matrices, and wide ones with a small side below MIN_GRAM_ROWS, stay in the compute dtype: their symmetric
 products are Gram products (X X^T, and A A^T with A = X X^T), whose halves are those of the whole product.
-Results come back in the compute dtype.
+Results come back in the dtype they were iterated in: the wide matrices iterated in fp16 in fp16 (three more bits
+than bf16, and no pass to convert them: the last product's epilogue undoes the scaling), the rest in the compute
+dtype.
 """
 
 from __future__ import annotations
@@ -182,8 +184,11 @@ def symmetric_product(A: Tensor, B: Tensor, out: Tensor, addend: Tensor | None =
     _mirror_quarters(out)
 
 
-def symmetric_left_product(S: Tensor, X: Tensor, out: Tensor, beta: float | None = None, tall: bool = False) -> Tensor:
-    """``S X`` (or ``beta X + S X``) for an upper-stored symmetric S, one product per row panel of S, into ``out``.
+def symmetric_left_product(S: Tensor, X: Tensor, out: Tensor, beta: float | None = None, tall: bool = False,
+                           scale: float = 1.0) -> Tensor:
+    """``scale * S X`` (or ``scale * (beta X + S X)``) for an upper-stored symmetric S, one product per row panel of
+    S, into ``out``. ``scale`` rides in the products' alpha and beta (applied to the fp32 accumulator before its one
+    rounding).
 
     ``out`` is memory for the (count, m, n) result; with ``tall`` it is the (count, n, m) transposed result, written
     as X^T S^T, so that a matrix transposed into the wide orientation comes back contiguous in its own layout.
@@ -206,12 +211,15 @@ def symmetric_left_product(S: Tensor, X: Tensor, out: Tensor, beta: float | None
             target, left, right, addend = out[:, :, rows], X.mT, panel.mT, X_out[:, :, rows]
         else:
             target, left, right, addend = out[:, rows], panel, X, X_out[:, rows]
-        if beta is None:
+        if beta is None and scale == 1.0:
             torch.bmm(left, right, out=target)
+        elif beta is None:
+            # beta 0: the target's old contents are not read (nor a NaN in them carried).
+            torch.baddbmm(target, left, right, beta=0.0, alpha=scale, out=target)
         elif separate:
-            OPS.gemm_with_addend(target, addend, left, right, beta=beta)
+            OPS.gemm_with_addend(target, addend, left, right, beta=beta * scale, alpha=scale)
         else:
-            torch.baddbmm(target, left, right, beta=beta, out=target)
+            torch.baddbmm(target, left, right, beta=beta * scale, alpha=scale, out=target)
     return out
 
 
@@ -264,12 +272,6 @@ def _scaled_wide(G: Tensor, dtype: torch.dtype | None, workspace: Workspace | No
     return OPS.scale_matrices(X, factor, out), transposed, compute_dtype
 
 
-def _in_compute_dtype(result: Tensor, compute_dtype: torch.dtype) -> Tensor:
-    """Undo the scaling and return to the compute dtype, in one pass over the result's own memory."""
-    back = result.view(compute_dtype) if result.dtype != compute_dtype else result
-    return OPS.scale_fp16(result, 1 / math.sqrt(FP16_SCALE), back)
-
-
 def zeropower_via_symmetric_gram(G: Tensor | Sequence[Tensor], steps: int = 5, dtype: torch.dtype | None = None,
                                  workspace: Workspace | None = None,
                                  coefficients: str = DEFAULT_NS_COEFFICIENTS) -> Tensor | list[Tensor]:
@@ -288,7 +290,8 @@ def zeropower_via_symmetric_gram(G: Tensor | Sequence[Tensor], steps: int = 5, d
         coefficients: the coefficient schedule's name (see ``ns_coefficients``).
 
     Returns:
-        The orthogonalised tensor, same shape as ``G``, in the compute dtype (a list for a list, in order).
+        The orthogonalised tensor, same shape as ``G`` (a list for a list, in order): in :func:`inner_dtype` where it
+        took the Gram iteration (a small side of at least MIN_GRAM_ROWS, not square), else in the compute dtype.
 
     Raises:
         ValueError: if a tensor has fewer than two dimensions, or is not in the compute dtype with a workspace, or
@@ -314,16 +317,17 @@ def zeropower_via_symmetric_gram(G: Tensor | Sequence[Tensor], steps: int = 5, d
         joint.setdefault((X.size(-2), X.dtype, X.device), []).append(index)
     for indices in joint.values():
         outputs = _symmetric_gram_iterations([prepared[i][0] for i in indices], schedule, workspace,
-                                             tall=[prepared[i][1] for i in indices])
+                                             tall=[prepared[i][1] for i in indices],
+                                             result_scale=1 / math.sqrt(FP16_SCALE))
         for index, X in zip(indices, outputs):
-            results[index] = _restored_layout(_in_compute_dtype(X, prepared[index][2]), G[index])
+            results[index] = _restored_layout(X, G[index])
     return results
 
 
 def _symmetric_gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients],
                                workspace: Workspace | None = None,
                                tall: Sequence[bool] | None = None,
-                               sum_pieces: SumPieces | None = None) -> list[Tensor]:
+                               sum_pieces: SumPieces | None = None, result_scale: float = 1.0) -> list[Tensor]:
     """The Gram iteration on upper-stored m x m matrices, for scaled wide batches sharing the small side m.
 
     As ``newton_schulz._gram_iterations``: R, the factors P_k = a I + Z_k (Z_k = b' R + c' R^2, with b and c
@@ -343,6 +347,9 @@ def _symmetric_gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients
 
     ``sum_pieces``: each X is a column block of its matrix; R is summed over the blocks (``ns_split``) at every
     build of R (its lower block, never read, is summed too).
+
+    ``result_scale``: the results are multiplied by it, in the last product's epilogue (a power of two, such as
+    undoing FP16_SCALE, changes no bit of the fp16 result but its exponent, short of fp16's subnormals).
     """
     steps = len(schedule)
     tall, sizes, empty, R, PR, free, spares = _gram_buffers(Xs, tall, workspace)
@@ -354,19 +361,23 @@ def _symmetric_gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients
             sum_pieces(R)
 
     def left_multiplied(Q: Tensor, Xs: list[Tensor], alpha: float | None, last: bool = False) -> list[Tensor]:
-        """Q X per batch, or alpha X + W X when Q = alpha I + W (``alpha`` given)."""
+        """Q X per batch, or alpha X + W X when Q = alpha I + W (``alpha`` given); times ``result_scale`` when
+        ``last``."""
+        scale = result_scale if last else 1.0
         products = []
         for index, (Q_part, X) in enumerate(zip(Q.split(sizes), Xs)):
             memory = spares[index] if spares[index] is not None else empty(X.shape)
             if last and tall[index]:
-                products.append(symmetric_left_product(Q_part, X, _tall(memory, X.shape), beta=alpha, tall=True))
+                products.append(symmetric_left_product(Q_part, X, _tall(memory, X.shape), beta=alpha, tall=True,
+                                                       scale=scale))
                 continue
             if alpha is not None and not X.is_contiguous() and X.mT.is_contiguous():
                 # X is stored transposed (a tall matrix's wide view): the product keeps that layout, so that
                 # copying X into it for the alpha X term is a contiguous copy, not a transposition.
-                product = symmetric_left_product(Q_part, X, _tall(memory, X.shape), beta=alpha, tall=True).mT
+                product = symmetric_left_product(Q_part, X, _tall(memory, X.shape), beta=alpha, tall=True,
+                                                 scale=scale).mT
             else:
-                product = symmetric_left_product(Q_part, X, memory, beta=alpha)
+                product = symmetric_left_product(Q_part, X, memory, beta=alpha, scale=scale)
             products.append(product)
             spares[index] = _memory_of(X, memory.shape, empty)
         return products
@@ -408,5 +419,7 @@ def _symmetric_gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients
         free += [Q, Z]
         Q = Q_next
     if Q is None:
+        if result_scale != 1.0:
+            Xs = [OPS.scale_fp16(X, result_scale, X) for X in Xs]
         return [X.mT if is_tall else X for X, is_tall in zip(Xs, tall)]
     return left_multiplied(Q, Xs, alpha, last=True)

@@ -84,8 +84,8 @@ def test_workspace_refuses_buffers_it_cannot_carve():
 @pytest.mark.parametrize("method, dtype", [("gram", torch.float32), ("standard", torch.float32),
                                            ("gram_sym", torch.float32), ("gram_sym", torch.bfloat16)])
 def test_newton_schulz_in_a_workspace_gives_the_same_bits(method, dtype, steps, coefficients):
-    """In bf16 the symmetric Gram iteration writes its fp16 input over the bf16 one and its bf16 result over the
-    fp16 one, in the same bytes."""
+    """In bf16 the symmetric Gram iteration writes its fp16 input over the bf16 one, and its fp16 result in the same
+    workspace."""
     generator = torch.Generator().manual_seed(steps)
     inputs = [torch.randn(shape, generator=generator).to(dtype) for shape in BATCH_SHAPES]
     expected = NS[method]([x.clone() for x in inputs], steps=steps, dtype=dtype, coefficients=coefficients)
@@ -98,8 +98,11 @@ def test_newton_schulz_in_a_workspace_gives_the_same_bits(method, dtype, steps, 
         views[-1].copy_(x)
         start += x.numel()
     results = NS[method](views, steps=steps, dtype=dtype, workspace=workspace, coefficients=coefficients)
-    for result, reference in zip(results, expected):
-        assert result.dtype == dtype and torch.equal(result, reference)
+    for shape, result, reference in zip(BATCH_SHAPES, results, expected):
+        # "gram_sym" returns its Gram iteration's results in fp16, the dtype they were iterated in.
+        gram_path = method == "gram_sym" and min(shape[-2:]) >= 64 and shape[-1] != shape[-2]
+        assert result.dtype == (torch.float16 if gram_path and dtype == torch.bfloat16 else dtype)
+        assert torch.equal(result, reference)
         assert workspace.contains(result)  # nothing was allocated for the results
     assert workspace.fallback_bytes == 0
 
