@@ -5,11 +5,14 @@ P and their product Q are polynomials in one symmetric matrix, so they commute a
 Split each m x m matrix into 2 x 2 blocks of about m/2: the blocks on and above the diagonal hold it all, so a
 product needs three of the four block products, 3/4 of the flops. Only those blocks are stored ("upper-stored");
 readers take a row panel below the diagonal as the transpose of the column panel above it. Products with X are
-computed whole (Q X is not symmetric) from the two row panels of Q.
+computed whole (Q X is not symmetric) from the two row panels of Q. From QUARTER_MIN_SIZE a product computes only
+the quarters on and above the diagonal within each diagonal block (5/8 of the flops) and mirrors the two below it,
+so the storage readers see is the same.
 
-For an m x n matrix, m < n, five steps cost 3.5 m^2 n + 10.5 m^3 multiply-adds (the Gram iteration computed whole:
-4 m^2 n + 14 m^3; the standard one: 10 m^2 n + 5 m^3); a square matrix takes the standard iteration with its
-two symmetric products halved, 12.5 m^3 (15 whole).
+For an m x n matrix, m < n, five steps cost 3.5 m^2 n + 10.5 m^3 multiply-adds on 2 x 2 blocks, 3.25 m^2 n +
+8.75 m^3 on quarters (the Gram iteration computed whole: 4 m^2 n + 14 m^3; the standard one: 10 m^2 n + 5 m^3); a
+square matrix takes the standard iteration with its two symmetric products so reduced, 12.5 m^3 or 11.25 m^3 (15
+whole).
 
 Precision. Treating a computed product as symmetric uses its upper blocks for its lower ones, which the Gram
 iteration's m x m recursion tolerates only with finer rounding than bf16's 8 bits: in bf16 the error against
