@@ -198,7 +198,8 @@ def product_rates(reps: int) -> dict:
             A = A + A.mT
             out = torch.empty_like(A)
             # beta < 1 keeps the in-place accumulation bounded over the repetitions. The upper blocks are 3/4 of the
-            # flops; their rate is counted with the whole product's flops, so that the times compare directly.
+            # flops (5/8 on quarter blocks, from symmetric_gram.QUARTER_MIN_SIZE); their rate is counted with the
+            # whole product's flops, so that the times compare directly.
             calls = {"bmm": functools.partial(torch.bmm, A, A, out=out),
                      "baddbmm, addend copied": functools.partial(torch.baddbmm, A, A, A, beta=0.5, out=out),
                      "baddbmm in place": functools.partial(out.baddbmm_, A, A, beta=0.5),

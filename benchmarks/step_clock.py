@@ -286,8 +286,9 @@ def _fmt(value, spec=".2f") -> str:
 
 
 def differences(results: dict) -> list:
-    """Per mode other than the loaded one: its forward/backward minus the loaded mode's, back to back (each pass) and
-    idle; and the loaded mode's own forward/backward under each load minus back to back (its first pass)."""
+    """Per mode other than the loaded one: its forward/backward and optimizer step minus the loaded mode's, back to
+    back (each pass, and the whole step) and idle; and the loaded mode's own forward/backward under each load minus
+    back to back (its first pass)."""
     loaded = results["settings"]["loaded_mode"]
     by = {}
     for phase in results["phases"]:
@@ -300,8 +301,11 @@ def differences(results: dict) -> list:
             for mine, theirs in zip(by.get((mode, kind), []), by.get((loaded, kind), [])):
                 fwd_bwd = mine["fwd_bwd_ms"] - theirs["fwd_bwd_ms"]
                 step = mine["step_ms"] - theirs["step_ms"]
+                # Back to back the whole step is the training step (with idle time it holds the idle time too).
+                whole = mine["whole_ms"] - theirs["whole_ms"]
+                whole = f", whole step {whole:+.2f} ms" if kind == "back to back" else ""
                 lines.append(f"{mode} - {loaded}, {kind}: forward/backward {fwd_bwd:+.2f} ms, "
-                             f"optimizer step {step:+.2f} ms")
+                             f"optimizer step {step:+.2f} ms{whole}")
     first = by.get((loaded, "back to back"), [None])[0]
     for phase in by.get((loaded, "load"), []):
         if first is not None:

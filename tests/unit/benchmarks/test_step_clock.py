@@ -51,6 +51,12 @@ def test_every_phase_runs_with_its_idle_time_or_load(tmp_path):
     report = (tmp_path / "step_clock.md").read_text()
     assert report.count(f"| {muon} |") == 3 and report.count(f"| {adamw} |") == 5
     assert f"{muon} - {adamw}, idle: forward/backward" in report
+    # Back to back, each pass: the whole training step's difference too (the idle phases' hold the idle time).
+    first, last = [phase for phase in results["phases"] if phase["kind"] == "back to back" and phase["mode"] == muon]
+    assert report.count(", whole step ") == 2
+    for mine, theirs in zip((first, last), [phase for phase in results["phases"]
+                                            if phase["kind"] == "back to back" and phase["mode"] == adamw]):
+        assert f"whole step {mine['whole_ms'] - theirs['whole_ms']:+.2f} ms" in report
     assert report.count(f"{adamw} with ") == 2
 
 
