@@ -147,8 +147,9 @@ def _mirror_quarters(S: Tensor) -> None:
 
 
 def symmetric_gram(X: Tensor, out: Tensor) -> None:
-    """The upper blocks of X X^T into ``out`` (count, m, m): each row range of :func:`_product_blocks`'s split times
-    X^T from that range's first row on (3/4 of the whole product's flops on 2 x 2 blocks, 5/8 on quarters)."""
+    """The upper blocks of X X^T into ``out`` (count, m, m): each row range of the split (the two halves, or from
+    QUARTER_MIN_SIZE the four quarters) times X^T from that range's first row on, then the mirror of
+    :func:`_mirror_quarters` (3/4 of the whole product's flops on halves, 5/8 on quarters)."""
     m = X.size(-2)
     quarters = _quarters(m)
     starts = (0, _half(m), m) if quarters is None else (0, *quarters, m)
