@@ -105,13 +105,6 @@ def _quarters(m: int) -> tuple[int, int, int] | None:
     return h // 2, h, h + (m - h) // 2
 
 
-def _row_panel(S: Tensor, row: int) -> Tensor:
-    """Row panel ``row`` of the upper-stored symmetric ``S``: the first is stored; the second is the transpose of
-    the column panel above the diagonal."""
-    h = _half(S.size(-1))
-    return S[:, :h] if row == 0 else S[:, :, h:].mT
-
-
 def _rows(S: Tensor, start: int, stop: int) -> Tensor:
     """Rows start:stop of the upper-stored symmetric ``S``, within one row panel of the 2 x 2 split."""
     return S[:, start:stop] if stop <= _half(S.size(-1)) else S[:, :, start:stop].mT
@@ -209,8 +202,8 @@ def symmetric_left_product(S: Tensor, X: Tensor, out: Tensor, beta: float | None
     separate = beta is not None and X_out.stride(-1) == 1 and OPS.separate_addend_supported(out)
     if beta is not None and not separate:
         out.copy_(X_out)
-    for row, rows in ((0, slice(None, h)), (1, slice(h, None))):
-        panel = _row_panel(S, row)
+    for start, stop in ((0, h), (h, S.size(-1))):
+        rows, panel = slice(start, stop), _rows(S, start, stop)
         if tall:
             target, left, right, addend = out[:, :, rows], X.mT, panel.mT, X_out[:, :, rows]
         else:
