@@ -12,7 +12,9 @@ fast their products run (block products of m/2, fp16 in place of bf16, ``baddbmm
 only the device can tell which is faster where. Per shape, each method runs on the batch the engine hands it with
 one rank (every matrix of that shape), and per model once as the engine calls it (one call on the list of
 per-shape stacks, eagerly and replayed from a CUDA graph, as the optimizer replays it). A few product rates beside
-them say where the time goes: a large bf16 GEMM, and the m x m products as the iterations issue them.
+them say where the time goes: a large bf16 GEMM, and the m x m products as the iterations issue them; and the
+engine's call ("auto") is taken apart into its GEMMs, each kind timed on its own operands (count, time, TFLOP/s),
+whose sum beside the call's time is the part of the call that is GEMM time.
 Prints tables and writes ns_methods_gpu.json to --out (default $OUT, else the working directory). About a minute
 on one H200. Accuracy: a Gaussian, a nearly low-rank and a decaying-spectrum matrix per shape, the relative
 Frobenius error of each method (bf16 compute, as on the GPU in training) against the float64 polar factor U V^T
@@ -47,7 +49,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from ns_timing import ns_flops  # noqa: E402
 
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
 from deepspeed.runtime.zero.muon.math.ns_coefficients import coefficient_schedule  # noqa: E402
+from deepspeed.runtime.zero.muon.math.ns_ops import OPS, install  # noqa: E402
 from deepspeed.runtime.zero.muon.math.symmetric_gram import symmetric_product  # noqa: E402
 from deepspeed.runtime.zero.muon.original_muon import NS_FUNCTIONS  # noqa: E402
 
@@ -288,6 +293,84 @@ def engine_call(model: str, reps: int) -> dict:
     return result
 
 
+# The GEMMs a Newton-Schulz call issues: torch's batched and plain products, and ns_ops' GEMM with a separate addend.
+_GEMM_OPS = {"bmm", "baddbmm", "baddbmm_", "mm", "addmm"}
+
+
+class _GemmRecorder(TorchDispatchMode):
+    """Records every GEMM run under it, with its operands, as a call that runs it again."""
+
+    def __init__(self):
+        super().__init__()
+        self.gemms = []
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in _GEMM_OPS and not self.paused:
+            A, B = (args[0], args[1]) if name in ("bmm", "mm") else (args[1], args[2])
+            self.add(name, A, B, functools.partial(func, *args, **kwargs))
+        return func(*args, **kwargs)
+
+    def add(self, name, A, B, call) -> None:
+        flops = 2 * A.numel() * B.size(-1)
+        layout = "".join("T" if t.stride(-1) != 1 else "N" for t in (A, B))
+        key = (name, str(A.dtype).replace("torch.", ""), tuple(A.shape[-2:]), tuple(B.shape[-2:]), layout,
+               A.shape[0] if A.ndim == 3 else 1)
+        self.gemms.append((key, flops, call))
+
+
+def recorded_gemms(call) -> list:
+    """(key, flops, call) for every GEMM ``call`` runs, in order: key = (op, dtype, A's and B's matrix shapes,
+    their layouts (N: rows contiguous, T: transposed), batch). ns_ops' GEMM with a separate addend (cuBLASLt) is
+    recorded as "gemm_with_addend", and not again as the torch ops it falls back to."""
+    recorder = _GemmRecorder()
+    original = OPS.gemm_with_addend
+
+    def with_addend(out, addend, A, B, beta, alpha=1.0):
+        recorder.add("gemm_with_addend", A, B,
+                     functools.partial(original, out, addend, A, B, beta=beta, alpha=alpha))
+        recorder.paused = True
+        try:
+            return original(out, addend, A, B, beta=beta, alpha=alpha)
+        finally:
+            recorder.paused = False
+
+    install(gemm_with_addend=with_addend)
+    try:
+        with recorder:
+            call()
+    finally:
+        install(gemm_with_addend=original)
+    return recorder.gemms
+
+
+def gemm_breakdown(model: str, reps: int) -> dict:
+    """The engine's call ("auto", every Muon matrix of ``model``) against its GEMMs timed one at a time: how much of
+    the call is GEMM time, and the rate of each kind of GEMM."""
+    stacks = [torch.randn(count, *shape, device=DEVICE, dtype=torch.bfloat16)
+              for shape, count in MODELS[model].items()]
+    call = functools.partial(NS_FUNCTIONS["auto"], stacks, steps=STEPS, dtype=torch.bfloat16)
+    call_ms = device_ms(call, reps)
+    groups = {}
+    for key, flops, gemm in recorded_gemms(call):
+        group = groups.setdefault(key, {"count": 0, "gflop_each": flops / 1e9, "call": gemm})
+        group["count"] += 1
+    rows = []
+    for key, group in groups.items():
+        ms = device_ms(group.pop("call"), reps)
+        op, dtype, a, b, layout, batch = key
+        rows.append({"op": op, "dtype": dtype, "A": list(a), "B": list(b), "layout": layout, "batch": batch,
+                     "count": group["count"], "ms_each": ms, "gflop_each": group["gflop_each"],
+                     "tflops": group["gflop_each"] / ms})
+    rows.sort(key=lambda row: -row["ms_each"] * row["count"])
+    gemm_ms = sum(row["ms_each"] * row["count"] for row in rows)
+    tflop = sum(row["gflop_each"] * row["count"] for row in rows) / 1e3
+    return {"call_ms": call_ms, "gemms": sum(row["count"] for row in rows), "gemm_ms": gemm_ms, "gemm_tflop": tflop,
+            "gemm_tflops": tflop / gemm_ms * 1e3, "rows": rows}
+
+
 def print_tables(results: dict) -> None:
     print(f"\n{results['device']}, torch {results['torch']}; product rates (TFLOP/s):")
     for name, rate in results["product_rates"].items():
@@ -297,6 +380,15 @@ def print_tables(results: dict) -> None:
         for method, call in entry["engine_call"].items():
             print(f"  {method:9s} {call['eager_ms']:8.2f} / {call['graph_ms']:8.2f} ms  {call['tflop']:7.3f} TFLOP  "
                   f"{call['graph_tflops']:6.1f} TFLOP/s")
+        gemms = entry["gemm_breakdown"]
+        print(f"{model}: the auto call's {gemms['gemms']} GEMMs timed one at a time: {gemms['gemm_ms']:.2f} ms of the "
+              f"call's {gemms['call_ms']:.2f} ms ({gemms['gemm_tflop']:.3f} TFLOP, {gemms['gemm_tflops']:.1f} "
+              f"TFLOP/s); the rest is the call's other kernels")
+        print("   count x ms each  TFLOP/s  op                dtype     A            B            layout batch")
+        for row in gemms["rows"]:
+            print(f"  {row['count']:4d} x {row['ms_each']:7.3f} {row['tflops']:8.1f}  {row['op']:17s} "
+                  f"{row['dtype']:9s} {'x'.join(map(str, row['A'])):12s} {'x'.join(map(str, row['B'])):12s} "
+                  f"{row['layout']:6s} {row['batch']}")
         print(f"{model}: per shape, batched (ms, TFLOP/s; error vs float64 polar / vs float64 iteration, max sv)")
         for row in entry["per_shape"]:
             shape = f"{row['batch']} x {row['shape'][0]}x{row['shape'][1]}"
@@ -361,6 +453,7 @@ def gpu_tables(args) -> None:
     }
     for model in args.models.split(","):
         results["models"][model] = {"engine_call": engine_call(model, args.reps),
+                                    "gemm_breakdown": gemm_breakdown(model, args.reps),
                                     "per_shape": per_shape(model, args.reps, generator)}
     print_tables(results)
     os.makedirs(args.out, exist_ok=True)

@@ -25,3 +25,21 @@ def test_accuracy_table_covers_every_method_and_schedule(tmp_path, monkeypatch):
     records = json.loads(out.read_text())["records"]
     assert all(record["iteration_error"] < 1e-3 for record in records), records
     assert "| 16x32 | fp32 |" in out.with_suffix(".md").read_text()
+
+
+def test_the_recorded_gemms_are_the_flops_the_counter_counts():
+    """The GPU table times the engine call's GEMMs one at a time; the recording must hold every product of the call
+    (torch's and the separate-addend GEMM's, each once), so their flops are the flop counter's."""
+    import torch
+    from ns_timing import ns_flops
+
+    shapes = {(96, 256): 2, (256, 96): 3, (80, 80): 2, (256, 1024): 1}
+    stacks = [torch.randn(count, *shape, dtype=torch.float32) for shape, count in shapes.items()]
+    gemms = ns_methods.recorded_gemms(
+        lambda: ns_methods.NS_FUNCTIONS["gram_sym"](stacks, steps=5, dtype=torch.bfloat16))
+    assert sum(flops for _, flops, _ in gemms) == sum(count * ns_flops("gram_sym", shape, 5)
+                                                      for shape, count in shapes.items())
+    assert {key[0] for key, _, _ in gemms} <= {"bmm", "baddbmm", "baddbmm_", "gemm_with_addend"}
+    # Each recorded product runs again on its own operands.
+    key, flops, call = gemms[0]
+    call()
