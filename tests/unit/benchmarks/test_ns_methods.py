@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[3] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
@@ -27,19 +29,30 @@ def test_accuracy_table_covers_every_method_and_schedule(tmp_path, monkeypatch):
     assert "| 16x32 | fp32 |" in out.with_suffix(".md").read_text()
 
 
-def test_the_recorded_gemms_are_the_flops_the_counter_counts():
-    """The GPU table times the engine call's GEMMs one at a time; the recording must hold every product of the call
-    (torch's and the separate-addend GEMM's, each once), so their flops are the flop counter's."""
+@pytest.mark.parametrize("separate_addend", [False, True], ids=["torch's products", "with the addend GEMM"])
+def test_the_recorded_gemms_are_the_flops_the_counter_counts(separate_addend, monkeypatch):
+    """The GPU table times the engine call's GEMMs, each kind on its own; the recording must hold every product of
+    the call once (torch's, and the separate-addend GEMM's without the torch ops it runs inside), so their flops are
+    the flop counter's, and recording leaves the call's result as it is."""
     import torch
     from ns_timing import ns_flops
 
+    from deepspeed.runtime.zero.muon.math.ns_ops import OPS
+
+    if separate_addend:
+        # The CPU takes the addend GEMM's torch fallback (copy, then baddbmm), as a GPU without cuBLASLt would.
+        monkeypatch.setattr(OPS, "separate_addend_supported", lambda out: True)
     shapes = {(96, 256): 2, (256, 96): 3, (80, 80): 2, (256, 1024): 1}
     stacks = [torch.randn(count, *shape, dtype=torch.float32) for shape, count in shapes.items()]
-    gemms = ns_methods.recorded_gemms(
-        lambda: ns_methods.NS_FUNCTIONS["gram_sym"](stacks, steps=5, dtype=torch.bfloat16))
+
+    def call():
+        return ns_methods.NS_FUNCTIONS["gram_sym"](stacks, steps=5, dtype=torch.bfloat16)
+
+    results = []
+    gemms = ns_methods.recorded_gemms(lambda: results.append(call()))
     assert sum(flops for _, flops, _ in gemms) == sum(count * ns_flops("gram_sym", shape, 5)
                                                       for shape, count in shapes.items())
-    assert {key[0] for key, _, _ in gemms} <= {"bmm", "baddbmm", "baddbmm_", "gemm_with_addend"}
-    # Each recorded product runs again on its own operands.
-    key, flops, call = gemms[0]
-    call()
+    ops = {key[0] for key, _, _ in gemms}
+    assert ("gemm_with_addend" in ops) == separate_addend
+    assert ops <= {"bmm", "baddbmm", "baddbmm_", "gemm_with_addend"}
+    assert all(torch.equal(got, expected) for got, expected in zip(results[0], call()))
