@@ -153,12 +153,7 @@ class MuonWithAuxAdam(EagerOptimizer):
             # Muon: for each group, fold the gradient into the momentum, orthogonalise the direction, apply the update.
             for group in self.param_groups:
                 if group["use_muon"]:
-                    with step_ranges.phase(step_ranges.MUON_FOLD):
-                        folded = executor.fold(group, grad_factor)
-                    with step_ranges.phase(step_ranges.MUON_ORTHOGONALISE):
-                        updates = executor.orthogonalise(group, folded)
-                    with step_ranges.phase(step_ranges.MUON_APPLY):
-                        executor.apply(group, folded, updates, copies)
+                    executor.step_group(group, grad_factor, copies)
             executor.finish()
         finally:
             executor.end_of_step()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -126,6 +127,54 @@ def _restored_layout(X: Tensor, like: Tensor) -> Tensor:
     """Undo :func:`_normalized_wide`'s batch view: ``like``'s shape. (Its transpose the iterations undo themselves, by
     writing their last product transposed.)"""
     return X if X.shape == like.shape else X.reshape(like.shape)
+
+
+@dataclass(frozen=True)
+class ChainHooks:
+    """A caller's work around each chain of a Newton-Schulz call, run with the chain (on its stream):
+    ``before(indices)`` writes the inputs of those batches of the call (their shapes are all the call reads before
+    that), ``after(indices, results)`` consumes their results. A chain is a set of batches computed together,
+    sharing no memory with another chain; the executor folds a chain's gradients just before it and applies its
+    updates just after, so that on a GPU one chain's element-wise passes run beside another chain's products."""
+
+    before: Callable[[list[int]], None]
+    after: Callable[[list[int], list[Tensor]], None]
+
+    def of_subset(self, indices: Sequence[int]) -> ChainHooks:
+        """These hooks for a call on the batches ``indices`` of this one (a chain's index i is ``indices[i]`` here)."""
+        indices = list(indices)
+        return ChainHooks(lambda local: self.before([indices[i] for i in local]),
+                          lambda local, results: self.after([indices[i] for i in local], results))
+
+
+def _check_matrices(G: Sequence[Tensor]) -> None:
+    """Raise ValueError for a tensor of ``G`` with fewer than two dimensions."""
+    for one in G:
+        if one.ndim < 2:
+            raise ValueError(f"Newton-Schulz needs a matrix (or a batch of matrices), got shape {tuple(one.shape)}")
+
+
+def _run_chains(chains: Sequence[tuple[list[int], Callable[[], dict[int, Tensor]]]], inputs: Sequence[Tensor],
+                hooks: ChainHooks | None) -> list[Tensor]:
+    """Run a call's chains, each (its batches' indices, a body returning their results by index), with ``hooks``
+    around each, side by side where the device allows (``ns_ops.concurrently``); the results in index order."""
+
+    def chain(indices: list[int], body: Callable[[], dict[int, Tensor]]) -> dict[int, Tensor]:
+        if hooks is not None:
+            hooks.before(indices)
+        produced = body()
+        if hooks is not None:
+            hooks.after(indices, [produced[index] for index in indices])
+        return produced
+
+    devices = {tensor.device for tensor in inputs}
+    # On several devices (a list the caller mixed): one after another.
+    device = devices.pop() if len(devices) == 1 else torch.device("cpu")
+    produced = OPS.concurrently([functools.partial(chain, indices, body) for indices, body in chains], device)
+    results: dict[int, Tensor] = {}
+    for part in produced:
+        results.update(part)
+    return [results[index] for index in range(len(inputs))]
 
 
 def _tall(memory: Tensor, wide_shape: torch.Size) -> Tensor:

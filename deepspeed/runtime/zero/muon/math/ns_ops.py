@@ -7,8 +7,9 @@ a GPU (each kernel module states how its results compare with torch's). The math
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -43,6 +44,12 @@ def copy_transposed(target: Tensor, source: Tensor) -> Tensor:
     return target.copy_(source.mT)
 
 
+def concurrently(chains: Sequence[Callable[[], Any]], device: torch.device) -> list[Any]:
+    """Run independent chains of work on ``device`` (each reads its own inputs and writes only memory it took
+    itself), returning their results in order. torch: one after another."""
+    return [chain() for chain in chains]
+
+
 @dataclass
 class NSOps:
     """The operations :data:`OPS` holds: torch's by default (this module's functions)."""
@@ -52,6 +59,7 @@ class NSOps:
     separate_addend_supported: Callable[[Tensor], bool] = separate_addend_supported
     gemm_with_addend: Callable[..., Tensor] = gemm_with_addend
     copy_transposed: Callable[..., Tensor] = copy_transposed
+    concurrently: Callable[..., list[Any]] = concurrently
 
 
 OPS = NSOps()

@@ -33,6 +33,7 @@ dtype.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -45,12 +46,16 @@ from deepspeed.runtime.zero.muon.math.ns_common import (
     NS_NORM_EPS,
     SumPieces,
     _allocator,
+    ChainHooks,
+    _check_matrices,
     _gram_buffers,
+    _run_chains,
     _memory_of,
     _normalized_wide,
     _restored_layout,
     _tall,
     _wide_view,
+    resolve_ns_dtype,
     Workspace,
 )
 from deepspeed.runtime.zero.muon.math.ns_ops import OPS
@@ -279,8 +284,8 @@ def _scaled_wide(G: Tensor, dtype: torch.dtype | None, workspace: Workspace | No
 
 
 def zeropower_via_symmetric_gram(G: Tensor | Sequence[Tensor], steps: int = 5, dtype: torch.dtype | None = None,
-                                 workspace: Workspace | None = None,
-                                 coefficients: str = DEFAULT_NS_COEFFICIENTS) -> Tensor | list[Tensor]:
+                                 workspace: Workspace | None = None, coefficients: str = DEFAULT_NS_COEFFICIENTS,
+                                 chain_hooks: ChainHooks | None = None) -> Tensor | list[Tensor]:
     """Approximately orthogonalise ``G`` as :func:`~.newton_schulz.zeropower_via_newtonschulz5` does, computing
     half of every symmetric product (see the module docstring for the cost and the precision).
 
@@ -294,6 +299,7 @@ def zeropower_via_symmetric_gram(G: Tensor | Sequence[Tensor], steps: int = 5, d
         workspace: where the large tensors live (see ``ns_workspace``); then ``G`` must be in the compute dtype
             and is normalised in place, and the results are views of the workspace.
         coefficients: the coefficient schedule's name (see ``ns_coefficients``).
+        chain_hooks: work to run before and after each chain of the call (see ``ns_common.ChainHooks``).
 
     Returns:
         The orthogonalised tensor, same shape as ``G`` (a list for a list, in order): in :func:`inner_dtype` where it
@@ -305,29 +311,34 @@ def zeropower_via_symmetric_gram(G: Tensor | Sequence[Tensor], steps: int = 5, d
     """
     schedule = coefficient_schedule(coefficients, steps)
     if isinstance(G, Tensor):
-        return zeropower_via_symmetric_gram([G], steps, dtype, workspace, coefficients)[0]
-    for one in G:
-        if one.ndim < 2:
-            raise ValueError(f"Newton-Schulz needs a matrix (or a batch of matrices), got shape {tuple(one.shape)}")
-    results: list[Tensor | None] = [None] * len(G)
+        return zeropower_via_symmetric_gram([G], steps, dtype, workspace, coefficients, chain_hooks)[0]
+    _check_matrices(G)
+    standard: list[int] = []
     joint: dict[tuple, list[int]] = {}
-    prepared: dict[int, tuple[Tensor, bool, torch.dtype]] = {}
     for index, one in enumerate(G):
         if min(one.shape[-2:]) < MIN_GRAM_ROWS or one.size(-2) == one.size(-1):
-            X, transposed = _normalized_wide(one, dtype, workspace)
-            results[index] = _restored_layout(_symmetric_standard_iterations(X, schedule, workspace, tall=transposed),
-                                              one)
-            continue
-        prepared[index] = _scaled_wide(one, dtype, workspace)
-        X = prepared[index][0]
-        joint.setdefault((X.size(-2), X.dtype, X.device), []).append(index)
-    for indices in joint.values():
-        outputs = _symmetric_gram_iterations([prepared[i][0] for i in indices], schedule, workspace,
-                                             tall=[prepared[i][1] for i in indices],
+            standard.append(index)
+        else:
+            joint.setdefault((min(one.shape[-2:]), inner_dtype(resolve_ns_dtype(one, dtype)), one.device),
+                             []).append(index)
+
+    def standard_chain(index: int) -> dict[int, Tensor]:
+        X, transposed = _normalized_wide(G[index], dtype, workspace)
+        return {index: _restored_layout(_symmetric_standard_iterations(X, schedule, workspace, tall=transposed),
+                                        G[index])}
+
+    def joint_chain(indices: list[int]) -> dict[int, Tensor]:
+        prepared = [_scaled_wide(G[index], dtype, workspace) for index in indices]
+        outputs = _symmetric_gram_iterations([X for X, _, _ in prepared], schedule, workspace,
+                                             tall=[transposed for _, transposed, _ in prepared],
                                              result_scale=1 / math.sqrt(FP16_SCALE))
-        for index, X in zip(indices, outputs):
-            results[index] = _restored_layout(X, G[index])
-    return results
+        return {index: _restored_layout(X, G[index]) for index, X in zip(indices, outputs)}
+
+    # Each batch of the standard iteration, and each set of wide batches sharing m, is a chain of its own: they share
+    # no memory, so on a GPU they run side by side (``ns_ops.concurrently``).
+    chains = ([([index], functools.partial(standard_chain, index)) for index in standard]
+              + [(indices, functools.partial(joint_chain, indices)) for indices in joint.values()])
+    return _run_chains(chains, G, chain_hooks)
 
 
 def _symmetric_gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients],
