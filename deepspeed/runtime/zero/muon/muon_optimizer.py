@@ -143,9 +143,9 @@ class MuonWithAuxAdam(EagerOptimizer):
         executor = self._executor
         copies = executor.copies_by_param(fp16_param_groups)
         try:
-            # Adam groups first: on the accelerator their few element-wise launches are queued at once and the device
-            # works through them while the host issues Muon's; the host executor steps them once Muon's Newton-Schulz
-            # is queued on the accelerator, while it runs.
+            # Adam groups first, as the executor schedules them: on the accelerator once the first Muon group's side
+            # chains are queued, which then run beside them; the host executor steps them once Muon's Newton-Schulz is
+            # queued on the accelerator, while it runs. Either steps them by finish() at the latest.
             for group in self.param_groups:
                 if not group["use_muon"]:
                     with step_ranges.phase(step_ranges.MUON_ADAM):

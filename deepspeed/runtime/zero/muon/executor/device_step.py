@@ -68,6 +68,8 @@ class DeviceStepExecutor(MuonStepExecutor):
         self.graphs = GraphedCalls()
         # Per call key: the sizes the last call of that kind allocated beyond the lent buffers (() for none).
         self.fallback_plans: dict[Any, Any] = {}
+        # The Adam groups of this step not stepped yet: (group, grad_factor, copies).
+        self._adam_queue: list[tuple[dict[str, Any], Tensor | None, dict[int, Tensor]]] = []
 
     def lend_workspace(self, buffers: Sequence[Tensor]) -> None:
         """See ``MuonWithAuxAdam.lend_step_workspace``."""
@@ -112,18 +114,19 @@ class DeviceStepExecutor(MuonStepExecutor):
         return direction, _InWorkspace(key, carve, captured)
 
     def step_group(self, group: dict[str, Any], grad_factor: Tensor | None, copies: dict[int, Tensor]) -> None:
-        """Muon's rule for one group, chain by chain: each chain of the Newton-Schulz call (``ns_common.ChainHooks``)
-        folds its own batches just before it and applies their updates just after it, so that on a GPU one chain's
-        element-wise passes run beside another chain's products (``kernels/side_stream.py``); the same kernels on the
-        same memory as fold, orthogonalise, apply, so the same bits. A call replayed from a CUDA graph (the graph
-        holds Newton-Schulz alone) and a group with a piece of a split matrix (its collectives run in batch order)
-        take the three phases one after another."""
+        """Muon's rule for one group, chain by chain (``ns_common.ChainHooks``): each chain of the Newton-Schulz call
+        folds its own batches just before it and applies each update as soon as it is queued, and the Adam groups
+        step once the side chains are queued, so that on a GPU element-wise passes run beside products
+        (``kernels/side_stream.py``); the same kernels on the same memory as fold, orthogonalise, apply, so the same
+        bits. A call replayed from a CUDA graph (the graph holds Newton-Schulz alone) and a group with a piece of a
+        split matrix (its collectives run in batch order) take the three phases one after another."""
         with step_ranges.phase(step_ranges.MUON_FOLD):
             folded = self.prepare_fold(group, grad_factor)
         if folded is None:
             return
         in_workspace: _InWorkspace | None = folded.in_workspace
         if (in_workspace is not None and in_workspace.captured is not None) or has_split_batch(folded.batches):
+            self._step_adam_groups()
             with step_ranges.phase(step_ranges.MUON_FOLD):
                 self.fold_batches(folded, range(len(folded.batches)))
             with step_ranges.phase(step_ranges.MUON_ORTHOGONALISE):
@@ -136,12 +139,12 @@ class DeviceStepExecutor(MuonStepExecutor):
             with step_ranges.phase(step_ranges.MUON_FOLD):
                 self.fold_batches(folded, indices)
 
-        def after(indices: list[int], updates: list[Tensor]) -> None:
+        def after(index: int, update: Tensor) -> None:
             with step_ranges.phase(step_ranges.MUON_APPLY):
-                self.apply_batches(group, folded, indices, updates, copies)
+                self.apply_batches(group, folded, [index], [update], copies)
 
         with step_ranges.phase(step_ranges.MUON_ORTHOGONALISE):
-            self.orthogonalise(group, folded, ChainHooks(before, after))
+            self.orthogonalise(group, folded, ChainHooks(before, after, self._step_adam_groups))
 
     def orthogonalise(self, group: dict[str, Any], folded: FoldedGroup | None,
                       chain_hooks: ChainHooks | None = None) -> list[Tensor]:
@@ -167,6 +170,17 @@ class DeviceStepExecutor(MuonStepExecutor):
         return updates
 
     def adam_step(self, group: dict[str, Any], grad_factor: Tensor | None, copies: dict[int, Tensor]) -> None:
+        """Queued until the first Muon group's side chains are queued (``step_group``), or the step's end."""
+        self._adam_queue.append((group, grad_factor, copies))
+
+    def _step_adam_groups(self) -> None:
+        queue, self._adam_queue = self._adam_queue, []
+        if queue:
+            with step_ranges.phase(step_ranges.MUON_ADAM):
+                for group, grad_factor, copies in queue:
+                    self._adam_group_step(group, grad_factor, copies)
+
+    def _adam_group_step(self, group: dict[str, Any], grad_factor: Tensor | None, copies: dict[int, Tensor]) -> None:
         lr, weight_decay = group["lr"], group["weight_decay"]
         fused = []
         for p in group["params"]:
@@ -190,8 +204,13 @@ class DeviceStepExecutor(MuonStepExecutor):
         if fused:
             fused_adamw(fused, lr, group["betas"], group["eps"], weight_decay)
 
+    def finish(self) -> None:
+        self._step_adam_groups()
+
     def end_of_step(self) -> None:
-        """Step memory freed: what did not fit in the lent buffers is one step's scratch."""
+        """Step memory freed: what did not fit in the lent buffers is one step's scratch. No Adam group stays queued
+        (a step that raised steps none)."""
+        self._adam_queue.clear()
         if self.workspace is not None:
             self.workspace.release()
 

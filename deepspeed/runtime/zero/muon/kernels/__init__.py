@@ -9,8 +9,8 @@ the others directly.
 from deepspeed.runtime.zero.muon.kernels.block_transpose import copy_transposed
 from deepspeed.runtime.zero.muon.kernels.addend_gemm import gemm_with_addend, separate_addend_supported
 from deepspeed.runtime.zero.muon.kernels.matrix_scale import scale_fp16, scale_matrices
-from deepspeed.runtime.zero.muon.kernels.side_stream import concurrently
+from deepspeed.runtime.zero.muon.kernels.side_stream import side_by_side
 from deepspeed.runtime.zero.muon.math.ns_ops import install
 
 install(scale_matrices=scale_matrices, scale_fp16=scale_fp16, separate_addend_supported=separate_addend_supported,
-        gemm_with_addend=gemm_with_addend, copy_transposed=copy_transposed, concurrently=concurrently)
+        gemm_with_addend=gemm_with_addend, copy_transposed=copy_transposed, side_by_side=side_by_side)

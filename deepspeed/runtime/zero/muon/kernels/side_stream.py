@@ -18,15 +18,17 @@ allocator may hand that memory to the side stream again, but only to a chain of 
 side stream first waits for all the work the caller's stream was given before it (the caller's reads of that
 result included), so no mark of the caller's use (``record_stream``, which would also defer the free) is needed.
 
-Everywhere else (CPU, a single chain) the chains run one after another, as ``math.ns_ops.concurrently``.
+Everywhere else (the CPU) the chains run one after another, as ``math.ns_ops.side_by_side`` runs them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from deepspeed.runtime.zero.muon.math.ns_ops import OneAfterAnother
 
 # One side stream per device, kept: cuBLAS keeps a workspace per stream, and a new stream per call would take a new
 # one each time.
@@ -43,18 +45,30 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[device]
 
 
-def concurrently(chains: Sequence[Callable[[], Any]], device: torch.device) -> list[Any]:
-    """Run the ``chains`` (callables taking no argument) and return their results in order: on a CUDA device, all
-    but the last in order on the side stream, the last on the current stream, which then waits for the side one.
-    Each chain must read only memory written before the call or by itself, and write only memory no other chain
-    reads or writes."""
-    if len(chains) < 2 or torch.device(device).type != "cuda":
-        return [chain() for chain in chains]
-    current = torch.cuda.current_stream(device)
-    side = side_stream(device)
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        results = [chain() for chain in chains[:-1]]
-    results.append(chains[-1]())
-    current.wait_stream(side)
-    return results
+class SideStream:
+    """The side stream as a context: it waits for the caller's stream on entry (the inputs are written there), and
+    the caller's stream waits for it on exit. See ``math.ns_ops.side_by_side``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.current = torch.cuda.current_stream(device)
+        self.side = side_stream(device)
+
+    def __enter__(self) -> SideStream:
+        self.side.wait_stream(self.current)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.current.wait_stream(self.side)
+
+    def beside(self, work: Callable[[], Any], after_current: bool = False) -> Any:
+        if after_current:
+            self.side.wait_stream(self.current)
+        with torch.cuda.stream(self.side):
+            return work()
+
+
+def side_by_side(device: torch.device) -> SideStream | OneAfterAnother:
+    """The side stream of a CUDA ``device``; elsewhere work runs one after another (``math.ns_ops``)."""
+    if torch.device(device).type != "cuda":
+        return OneAfterAnother()
+    return SideStream(device)

@@ -23,9 +23,10 @@ from torch import Tensor
 from deepspeed.runtime.zero.muon.math.ns_by_shape import method_for_shape
 from deepspeed.runtime.zero.muon.math.ns_coefficients import (DEFAULT_NS_COEFFICIENTS, Coefficients,
                                                               coefficient_schedule)
-from deepspeed.runtime.zero.muon.math.ns_common import (ChainHooks, SumPieces, Workspace, _allocator, _check_matrices,
-                                                         _gram_buffers, _memory_of, _normalized_wide, _restored_layout,
-                                                         _run_chains, _tall, resolve_ns_dtype)
+from deepspeed.runtime.zero.muon.math.ns_common import (ChainHooks, OnResult, SumPieces, Workspace, _allocator,
+                                                         _check_matrices, _delivered, _gram_buffers, _memory_of,
+                                                         _normalized_wide, _restored_layout, _run_chains, _tall,
+                                                         resolve_ns_dtype)
 from deepspeed.runtime.zero.muon.math.symmetric_gram import zeropower_via_symmetric_gram
 
 # Iteration indices (0-based) at which the Gram iteration rebuilds X = Q X and R = X X^T from
@@ -109,8 +110,8 @@ def zeropower_via_newtonschulz5(G: Tensor | Sequence[Tensor], steps: int = 5, dt
     if not isinstance(G, Tensor):
         _check_matrices(G)
 
-        def one_batch(index: int) -> dict[int, Tensor]:
-            return {index: zeropower_via_newtonschulz5(G[index], steps, dtype, workspace, coefficients)}
+        def one_batch(index: int, deliver: Callable[[int, Tensor], None]) -> None:
+            deliver(index, zeropower_via_newtonschulz5(G[index], steps, dtype, workspace, coefficients))
 
         return _run_chains([([index], functools.partial(one_batch, index)) for index in range(len(G))], G, chain_hooks)
     X, is_transposed = _normalized_wide(G, dtype, workspace)
@@ -166,15 +167,15 @@ def zeropower_via_gram_newtonschulz(G: Tensor | Sequence[Tensor], steps: int = 5
         else:
             joint.setdefault((min(one.shape[-2:]), resolve_ns_dtype(one, dtype), one.device), []).append(index)
 
-    def square_chain(index: int) -> dict[int, Tensor]:
+    def square_chain(index: int, deliver: Callable[[int, Tensor], None]) -> None:
         X, is_transposed = _normalized_wide(G[index], dtype, workspace)
-        return {index: _restored_layout(_standard_iterations(X, schedule, workspace, tall=is_transposed), G[index])}
+        deliver(index, _restored_layout(_standard_iterations(X, schedule, workspace, tall=is_transposed), G[index]))
 
-    def joint_chain(indices: list[int]) -> dict[int, Tensor]:
+    def joint_chain(indices: list[int], deliver: Callable[[int, Tensor], None]) -> None:
         prepared = [_normalized_wide(G[index], dtype, workspace) for index in indices]
-        outputs = _gram_iterations([X for X, _ in prepared], schedule, workspace,
-                                   tall=[is_transposed for _, is_transposed in prepared], restarts=coefficients)
-        return {index: _restored_layout(X, G[index]) for index, X in zip(indices, outputs)}
+        _gram_iterations([X for X, _ in prepared], schedule, workspace,
+                         tall=[is_transposed for _, is_transposed in prepared], restarts=coefficients,
+                         on_result=lambda i, X: deliver(indices[i], _restored_layout(X, G[indices[i]])))
 
     # Each square batch, and each set of wide batches sharing m, is a chain of its own: they share no memory, so on a
     # GPU they run side by side (``ns_ops.concurrently``).
@@ -185,7 +186,7 @@ def zeropower_via_gram_newtonschulz(G: Tensor | Sequence[Tensor], steps: int = 5
 
 def _gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients], workspace: Workspace | None = None,
                      tall: Sequence[bool] | None = None, restarts: str = DEFAULT_NS_COEFFICIENTS,
-                     sum_pieces: SumPieces | None = None) -> list[Tensor]:
+                     sum_pieces: SumPieces | None = None, on_result: OnResult | None = None) -> list[Tensor]:
     """The Gram iteration for 3-D batches of wide matrices that share the small side m.
 
     Each batch keeps its own X (different widths); R, Z, Q and the products among them are m x m and are
@@ -200,6 +201,7 @@ def _gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients], workspa
     ``restarts``: the schedule whose restart iterations apply (:func:`gram_restarts_at`).
     ``sum_pieces``: each X is a column block of its matrix; R is summed over the blocks (``ns_split``), once per
     build of R, for all batches in one call.
+    ``on_result(i, result)``: called for each batch as soon as its result is queued.
     """
     steps = len(schedule)
     tall, sizes, empty, R, PR, free, spares = _gram_buffers(Xs, tall, workspace)
@@ -216,9 +218,11 @@ def _gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients], workspa
             out = spares[index] if spares[index] is not None else empty(X.shape)
             if last and tall[index]:
                 products.append(torch.bmm(X.mT, Q_part.mT, out=_tall(out, X.shape)))
-                continue
-            products.append(torch.bmm(Q_part, X, out=out))
-            spares[index] = _memory_of(X, out.shape, empty)
+            else:
+                products.append(torch.bmm(Q_part, X, out=out))
+                spares[index] = _memory_of(X, out.shape, empty)
+            if last and on_result is not None:
+                on_result(index, products[-1])
         return products
 
     gram_matrices(Xs)
@@ -244,7 +248,7 @@ def _gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients], workspa
             free += [Q, Z]
             Q = Q_next
     if Q is None:
-        return [X.mT if is_tall else X for X, is_tall in zip(Xs, tall)]
+        return _delivered([X.mT if is_tall else X for X, is_tall in zip(Xs, tall)], on_result)
     return left_multiplied(Q, Xs, last=True)
 
 

@@ -131,20 +131,46 @@ def _restored_layout(X: Tensor, like: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class ChainHooks:
-    """A caller's work around each chain of a Newton-Schulz call, run with the chain (on its stream):
-    ``before(indices)`` writes the inputs of those batches of the call (their shapes are all the call reads before
-    that), ``after(indices, results)`` consumes their results. A chain is a set of batches computed together,
-    sharing no memory with another chain; the executor folds a chain's gradients just before it and applies its
-    updates just after, so that on a GPU one chain's element-wise passes run beside another chain's products."""
+    """A caller's work around the chains of a Newton-Schulz call.
 
-    before: Callable[[list[int]], None]
-    after: Callable[[list[int], list[Tensor]], None]
+    A chain is a set of batches computed together (each batch of the standard iteration alone, the wide batches that
+    share a small side together), sharing no memory with another chain. The call runs all chains but the last beside
+    its caller's stream (``ns_ops.side_by_side``: a side stream on a GPU) and the last on it. ``before(indices)``
+    runs on a chain's stream just before it and writes those batches' inputs (the call reads only their shapes
+    earlier); ``after(index, result)`` runs once per batch as soon as its result is queued: on the chain's stream
+    for a side chain, beside the caller's stream (after the result) for the last chain, so that its updates are
+    applied while its other batches' last products run. ``beside()`` runs on the caller's stream once the side
+    chains are queued, before the last chain: the caller's own work that the side chains then run beside. The
+    executor folds a chain's gradients in ``before``, applies each update in ``after`` and steps its Adam groups in
+    ``beside``.
+    """
+
+    before: Callable[[list[int]], None] | None = None
+    after: Callable[[int, Tensor], None] | None = None
+    beside: Callable[[], None] | None = None
 
     def of_subset(self, indices: Sequence[int]) -> ChainHooks:
         """These hooks for a call on the batches ``indices`` of this one (a chain's index i is ``indices[i]`` here)."""
         indices = list(indices)
-        return ChainHooks(lambda local: self.before([indices[i] for i in local]),
-                          lambda local, results: self.after([indices[i] for i in local], results))
+        before, after = self.before, self.after
+        return ChainHooks(None if before is None else lambda local: before([indices[i] for i in local]),
+                          None if after is None else lambda local, result: after(indices[local], result),
+                          self.beside)
+
+
+# A chain's body: computes the chain, delivering each batch's result (its index in the call, the result) as soon as it
+# is queued.
+ChainBody = Callable[[Callable[[int, Tensor], None]], None]
+# Where an iteration over several batches delivers each one's result (its index among them, the result).
+OnResult = Callable[[int, Tensor], None]
+
+
+def _delivered(results: list[Tensor], on_result: OnResult | None) -> list[Tensor]:
+    """``results``, each first passed to ``on_result`` (with its index) when given."""
+    if on_result is not None:
+        for index, result in enumerate(results):
+            on_result(index, result)
+    return results
 
 
 def _check_matrices(G: Sequence[Tensor]) -> None:
@@ -154,26 +180,38 @@ def _check_matrices(G: Sequence[Tensor]) -> None:
             raise ValueError(f"Newton-Schulz needs a matrix (or a batch of matrices), got shape {tuple(one.shape)}")
 
 
-def _run_chains(chains: Sequence[tuple[list[int], Callable[[], dict[int, Tensor]]]], inputs: Sequence[Tensor],
+def _run_chains(chains: Sequence[tuple[list[int], ChainBody]], inputs: Sequence[Tensor],
                 hooks: ChainHooks | None) -> list[Tensor]:
-    """Run a call's chains, each (its batches' indices, a body returning their results by index), with ``hooks``
-    around each, side by side where the device allows (``ns_ops.concurrently``); the results in index order."""
-
-    def chain(indices: list[int], body: Callable[[], dict[int, Tensor]]) -> dict[int, Tensor]:
-        if hooks is not None:
-            hooks.before(indices)
-        produced = body()
-        if hooks is not None:
-            hooks.after(indices, [produced[index] for index in indices])
-        return produced
-
+    """Run a call's chains, each (its batches' indices, its body), all but the last beside the caller's stream, with
+    ``hooks`` as :class:`ChainHooks` describes; the results in index order."""
+    hooks = hooks if hooks is not None else ChainHooks()
     devices = {tensor.device for tensor in inputs}
     # On several devices (a list the caller mixed): one after another.
     device = devices.pop() if len(devices) == 1 else torch.device("cpu")
-    produced = OPS.concurrently([functools.partial(chain, indices, body) for indices, body in chains], device)
     results: dict[int, Tensor] = {}
-    for part in produced:
-        results.update(part)
+    with OPS.side_by_side(device) as lanes:
+
+        def run(indices: list[int], body: ChainBody, on_side: bool) -> None:
+            if hooks.before is not None:
+                hooks.before(indices)
+
+            def deliver(index: int, result: Tensor) -> None:
+                results[index] = result
+                if hooks.after is None:
+                    return
+                if on_side:
+                    hooks.after(index, result)
+                else:
+                    lanes.beside(functools.partial(hooks.after, index, result), after_current=True)
+
+            body(deliver)
+
+        for indices, body in chains[:-1]:
+            lanes.beside(functools.partial(run, indices, body, True))
+        if hooks.beside is not None:
+            hooks.beside()
+        if chains:
+            run(*chains[-1], False)
     return [results[index] for index in range(len(inputs))]
 
 

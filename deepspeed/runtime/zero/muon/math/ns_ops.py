@@ -7,7 +7,7 @@ a GPU (each kernel module states how its results compare with torch's). The math
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,10 +44,31 @@ def copy_transposed(target: Tensor, source: Tensor) -> Tensor:
     return target.copy_(source.mT)
 
 
-def concurrently(chains: Sequence[Callable[[], Any]], device: torch.device) -> list[Any]:
-    """Run independent chains of work on ``device`` (each reads its own inputs and writes only memory it took
-    itself), returning their results in order. torch: one after another."""
-    return [chain() for chain in chains]
+class OneAfterAnother:
+    """Work a caller could run beside its own, run at once on the caller's stream (torch's: one stream).
+
+    The kernels' side stream (``kernels/side_stream.py``) has the same methods: used as a context, it forks a second
+    stream from the caller's at the start and joins it at the end.
+    """
+
+    def __enter__(self) -> OneAfterAnother:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+    def beside(self, work: Callable[[], Any], after_current: bool = False) -> Any:
+        """Run ``work`` (on the side stream: after what the side stream was given before, and, with
+        ``after_current``, after what the caller's stream has been given so far); returns what it returns."""
+        return work()
+
+
+def side_by_side(device: torch.device) -> OneAfterAnother:
+    """A context whose ``beside`` runs work beside the caller's stream on ``device`` (torch: one after another).
+    Work run beside must read only memory written before it was queued (before the context, or on the caller's
+    stream before it with ``after_current``) or by itself, and write only memory nothing else in the context reads
+    or writes."""
+    return OneAfterAnother()
 
 
 @dataclass
@@ -59,7 +80,7 @@ class NSOps:
     separate_addend_supported: Callable[[Tensor], bool] = separate_addend_supported
     gemm_with_addend: Callable[..., Tensor] = gemm_with_addend
     copy_transposed: Callable[..., Tensor] = copy_transposed
-    concurrently: Callable[..., list[Any]] = concurrently
+    side_by_side: Callable[[torch.device], Any] = side_by_side
 
 
 OPS = NSOps()

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -47,7 +47,9 @@ from deepspeed.runtime.zero.muon.math.ns_common import (
     SumPieces,
     _allocator,
     ChainHooks,
+    OnResult,
     _check_matrices,
+    _delivered,
     _gram_buffers,
     _run_chains,
     _memory_of,
@@ -322,17 +324,17 @@ def zeropower_via_symmetric_gram(G: Tensor | Sequence[Tensor], steps: int = 5, d
             joint.setdefault((min(one.shape[-2:]), inner_dtype(resolve_ns_dtype(one, dtype)), one.device),
                              []).append(index)
 
-    def standard_chain(index: int) -> dict[int, Tensor]:
+    def standard_chain(index: int, deliver: Callable[[int, Tensor], None]) -> None:
         X, transposed = _normalized_wide(G[index], dtype, workspace)
-        return {index: _restored_layout(_symmetric_standard_iterations(X, schedule, workspace, tall=transposed),
-                                        G[index])}
+        deliver(index, _restored_layout(_symmetric_standard_iterations(X, schedule, workspace, tall=transposed),
+                                        G[index]))
 
-    def joint_chain(indices: list[int]) -> dict[int, Tensor]:
+    def joint_chain(indices: list[int], deliver: Callable[[int, Tensor], None]) -> None:
         prepared = [_scaled_wide(G[index], dtype, workspace) for index in indices]
-        outputs = _symmetric_gram_iterations([X for X, _, _ in prepared], schedule, workspace,
-                                             tall=[transposed for _, transposed, _ in prepared],
-                                             result_scale=1 / math.sqrt(FP16_SCALE))
-        return {index: _restored_layout(X, G[index]) for index, X in zip(indices, outputs)}
+        _symmetric_gram_iterations([X for X, _, _ in prepared], schedule, workspace,
+                                   tall=[transposed for _, transposed, _ in prepared],
+                                   result_scale=1 / math.sqrt(FP16_SCALE),
+                                   on_result=lambda i, X: deliver(indices[i], _restored_layout(X, G[indices[i]])))
 
     # Each batch of the standard iteration, and each set of wide batches sharing m, is a chain of its own: they share
     # no memory, so on a GPU they run side by side (``ns_ops.concurrently``).
@@ -344,7 +346,8 @@ def zeropower_via_symmetric_gram(G: Tensor | Sequence[Tensor], steps: int = 5, d
 def _symmetric_gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients],
                                workspace: Workspace | None = None,
                                tall: Sequence[bool] | None = None,
-                               sum_pieces: SumPieces | None = None, result_scale: float = 1.0) -> list[Tensor]:
+                               sum_pieces: SumPieces | None = None, result_scale: float = 1.0,
+                               on_result: OnResult | None = None) -> list[Tensor]:
     """The Gram iteration on upper-stored m x m matrices, for scaled wide batches sharing the small side m.
 
     As ``newton_schulz._gram_iterations``: R, the factors P_k = a I + Z_k (Z_k = b' R + c' R^2, with b and c
@@ -367,6 +370,8 @@ def _symmetric_gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients
 
     ``result_scale``: the results are multiplied by it, in the last product's epilogue (a power of two, such as
     undoing FP16_SCALE, changes no bit of the fp16 result but its exponent, short of fp16's subnormals).
+
+    ``on_result(i, result)``: called for each batch as soon as its result is queued.
     """
     steps = len(schedule)
     tall, sizes, empty, R, PR, free, spares = _gram_buffers(Xs, tall, workspace)
@@ -387,6 +392,8 @@ def _symmetric_gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients
             if last and tall[index]:
                 products.append(symmetric_left_product(Q_part, X, _tall(memory, X.shape), beta=alpha, tall=True,
                                                        scale=scale))
+                if on_result is not None:
+                    on_result(index, products[-1])
                 continue
             if alpha is not None and not X.is_contiguous() and X.mT.is_contiguous():
                 # X is stored transposed (a tall matrix's wide view): the product keeps that layout, so that
@@ -397,6 +404,8 @@ def _symmetric_gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients
                 product = symmetric_left_product(Q_part, X, memory, beta=alpha, scale=scale)
             products.append(product)
             spares[index] = _memory_of(X, memory.shape, empty)
+            if last and on_result is not None:
+                on_result(index, product)
         return products
 
     gram_matrices(Xs)
@@ -438,5 +447,5 @@ def _symmetric_gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients
     if Q is None:
         if result_scale != 1.0:
             Xs = [OPS.scale_fp16(X, result_scale, X) for X in Xs]
-        return [X.mT if is_tall else X for X, is_tall in zip(Xs, tall)]
+        return _delivered([X.mT if is_tall else X for X, is_tall in zip(Xs, tall)], on_result)
     return left_multiplied(Q, Xs, alpha, last=True)

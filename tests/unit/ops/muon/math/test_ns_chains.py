@@ -36,12 +36,17 @@ def test_hooks_write_each_chains_inputs_before_it_and_receive_its_results(method
         for index in indices:
             inputs[index].copy_(values[index])
 
-    def receive(indices, results):
-        assert len(indices) == len(results)
-        after.update(zip(indices, results))
+    def receive(index, result):
+        assert index not in after
+        after[index] = result
 
-    got = orthogonalise(inputs, method, 5, torch.float32, chain_hooks=ChainHooks(write, receive))
+    beside = []
+    got = orthogonalise(inputs, method, 5, torch.float32,
+                        chain_hooks=ChainHooks(write, receive, lambda: beside.append(len(before))))
     assert before == CHAINS[method]
+    # The caller's own work runs once the side chains are queued (all but the last chain), before the last one;
+    # "auto" makes two calls, each with the hooks (the first has one chain; the caller's work is its own to run once).
+    assert beside == ([0, len(CHAINS[method]) - 1] if method == "auto" else [len(CHAINS[method]) - 1])
     assert sorted(after) == list(range(len(SHAPES)))
     for index, (result, want) in enumerate(zip(got, expected)):
         assert after[index] is result
