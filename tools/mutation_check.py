@@ -112,7 +112,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "    def _apply(self, grad_factor: torch.Tensor) -> None:\n"),
             # The optimizer applies the update computed before the decision instead of computing its own.
             Patch(MUON_OPTIMIZER,
-                  "                if group[\"use_muon\"]:\n                    executor.step_group(",
+                  "                if group[\"use_muon\"]:\n                    with step_ranges.phase(",
                   "                if group[\"use_muon\"]:\n"
                   "                    with_grad = [p for p in group['params'] if p.grad is not None]\n"
                   "                    precomputed = [self.state[p].pop('precomputed_update', None)\n"
@@ -120,7 +120,7 @@ MUTATIONS: Tuple[Mutation, ...] = (
                   "                    if precomputed and all(u is not None for u in precomputed):\n"
                   "                        torch._foreach_add_(with_grad, precomputed, alpha=-group['lr'])\n"
                   "                        continue\n"
-                  "                    executor.step_group("),
+                  "                    with step_ranges.phase("),
         ),
     ),
     Mutation(
@@ -138,10 +138,12 @@ MUTATIONS: Tuple[Mutation, ...] = (
             # The form the ZeRO step runs (a group laid out as one run, folded by a kernel of the same signature): the
             # gradients are left holding the Nesterov direction.
             Patch(MUON_EXECUTOR,
-                  "                                            fold.nesterov, grad_factor=fold.grad_factor)\n",
-                  "                                            fold.nesterov, grad_factor=fold.grad_factor)\n"
-                  "            if fold.nesterov:\n"
-                  "                grads.copy_(folded.direction[start:end])\n"),
+                  "            self.kernels.fold_and_direction(grads, momenta, direction, beta, nesterov, "
+                  "grad_factor=grad_factor)\n",
+                  "            self.kernels.fold_and_direction(grads, momenta, direction, beta, nesterov, "
+                  "grad_factor=grad_factor)\n"
+                  "            if nesterov:\n"
+                  "                grads.copy_(direction)\n"),
         ),
     ),
     Mutation(
@@ -167,12 +169,19 @@ MUTATIONS: Tuple[Mutation, ...] = (
         patches=(
             # Muon reads the loss-scaled gradient (no factor), and its update is scaled by the factor instead.
             Patch(MUON_OPTIMIZER,
-                  "                    executor.step_group(group, grad_factor, copies)\n",
+                  "                    with step_ranges.phase(step_ranges.MUON_FOLD):\n"
+                  "                        folded = executor.fold(group, grad_factor)\n"
+                  "                    with step_ranges.phase(step_ranges.MUON_ORTHOGONALISE):\n"
+                  "                        updates = executor.orthogonalise(group, folded)\n"
+                  "                    with step_ranges.phase(step_ranges.MUON_APPLY):\n"
+                  "                        executor.apply(group, folded, updates, copies)\n",
                   "                    muon_lr = group['lr']\n"
                   "                    if grad_factor is not None:\n"
                   "                        group['lr'] = muon_lr * float(grad_factor)\n"
                   "                    try:\n"
-                  "                        executor.step_group(group, None, copies)\n"
+                  "                        folded = executor.fold(group, None)\n"
+                  "                        updates = executor.orthogonalise(group, folded)\n"
+                  "                        executor.apply(group, folded, updates, copies)\n"
                   "                    finally:\n"
                   "                        group['lr'] = muon_lr\n"),
         ),

@@ -143,9 +143,9 @@ class MuonWithAuxAdam(EagerOptimizer):
         executor = self._executor
         copies = executor.copies_by_param(fp16_param_groups)
         try:
-            # Adam groups first, as the executor schedules them: on the accelerator once the first Muon group's side
-            # chains are queued, which then run beside them; the host executor steps them once Muon's Newton-Schulz is
-            # queued on the accelerator, while it runs. Either steps them by finish() at the latest.
+            # Adam groups first: on the accelerator their few element-wise launches are queued at once and the device
+            # works through them while the host issues Muon's; the host executor steps them once Muon's Newton-Schulz
+            # is queued on the accelerator, while it runs.
             for group in self.param_groups:
                 if not group["use_muon"]:
                     with step_ranges.phase(step_ranges.MUON_ADAM):
@@ -153,7 +153,12 @@ class MuonWithAuxAdam(EagerOptimizer):
             # Muon: for each group, fold the gradient into the momentum, orthogonalise the direction, apply the update.
             for group in self.param_groups:
                 if group["use_muon"]:
-                    executor.step_group(group, grad_factor, copies)
+                    with step_ranges.phase(step_ranges.MUON_FOLD):
+                        folded = executor.fold(group, grad_factor)
+                    with step_ranges.phase(step_ranges.MUON_ORTHOGONALISE):
+                        updates = executor.orthogonalise(group, folded)
+                    with step_ranges.phase(step_ranges.MUON_APPLY):
+                        executor.apply(group, folded, updates, copies)
             executor.finish()
         finally:
             executor.end_of_step()

@@ -4,9 +4,7 @@ The fold and the update's application run in the fused kernels (``kernels/fused_
 ``kernels/fused_update.py``: Triton on a GPU, the math's torch passes elsewhere). With a lent workspace (ZeRO's
 dead lp weights) the directions and Newton-Schulz's results live in it, and on a GPU the Newton-Schulz call may be
 replayed from a CUDA graph; what does not fit is allocated for the step and freed at its end. The Adam groups take
-torch's fused AdamW kernel, or the same step a chunk at a time from loss-scaled gradients (``aux_adam.py``). A
-Muon group runs chain by chain (:meth:`DeviceStepExecutor.step_group`): on a GPU the chains' folds, products and
-updates run side by side.
+torch's fused AdamW kernel, or the same step a chunk at a time from loss-scaled gradients (``aux_adam.py``).
 """
 
 from __future__ import annotations
@@ -20,12 +18,11 @@ from torch import Tensor
 from deepspeed.runtime.zero.muon.executor.aux_adam import adam_in_chunks, counted_adam_state, fusable, fused_adamw
 from deepspeed.runtime.zero.muon.executor.ns_graph import GraphedCalls
 from deepspeed.runtime.zero.muon.executor.ns_workspace import NSWorkspace
-from deepspeed.runtime import step_ranges
 from deepspeed.runtime.zero.muon.executor.step import (BatchKey, FoldedGroup, MuonStepExecutor, _batch_views,
-                                                       has_split, has_split_batch, orthogonalise_with_splits)
+                                                       has_split, orthogonalise_with_splits)
 from deepspeed.runtime.zero.muon.kernels import fused_momentum, fused_update
 from deepspeed.runtime.zero.muon.math.newton_schulz import NS_FUNCTIONS
-from deepspeed.runtime.zero.muon.math.ns_common import ChainHooks, resolve_ns_dtype
+from deepspeed.runtime.zero.muon.math.ns_common import resolve_ns_dtype
 from deepspeed.runtime.zero.muon.math.update import adam_update, orthogonalise
 
 
@@ -68,8 +65,6 @@ class DeviceStepExecutor(MuonStepExecutor):
         self.graphs = GraphedCalls()
         # Per call key: the sizes the last call of that kind allocated beyond the lent buffers (() for none).
         self.fallback_plans: dict[Any, Any] = {}
-        # The Adam groups of this step not stepped yet: (group, grad_factor, copies).
-        self._adam_queue: list[tuple[dict[str, Any], Tensor | None, dict[int, Tensor]]] = []
 
     def lend_workspace(self, buffers: Sequence[Tensor]) -> None:
         """See ``MuonWithAuxAdam.lend_step_workspace``."""
@@ -113,74 +108,25 @@ class DeviceStepExecutor(MuonStepExecutor):
                                                                   workspace), device, workspace)
         return direction, _InWorkspace(key, carve, captured)
 
-    def step_group(self, group: dict[str, Any], grad_factor: Tensor | None, copies: dict[int, Tensor]) -> None:
-        """Muon's rule for one group, chain by chain (``ns_common.ChainHooks``): each chain of the Newton-Schulz call
-        folds its own batches just before it and applies each update as soon as it is queued, and the Adam groups
-        step once the side chains are queued, so that on a GPU element-wise passes run beside products
-        (``kernels/side_stream.py``); the same kernels on the same memory as fold, orthogonalise, apply, so the same
-        bits. A call replayed from a CUDA graph (the graph holds Newton-Schulz alone) and a group with a piece of a
-        split matrix (its collectives run in batch order) take the three phases one after another."""
-        with step_ranges.phase(step_ranges.MUON_FOLD):
-            folded = self.prepare_fold(group, grad_factor)
-        if folded is None:
-            return
-        in_workspace: _InWorkspace | None = folded.in_workspace
-        if (in_workspace is not None and in_workspace.captured is not None) or has_split_batch(folded.batches):
-            self._step_adam_groups()
-            with step_ranges.phase(step_ranges.MUON_FOLD):
-                self.fold_batches(folded, range(len(folded.batches)))
-            with step_ranges.phase(step_ranges.MUON_ORTHOGONALISE):
-                updates = self.orthogonalise(group, folded)
-            with step_ranges.phase(step_ranges.MUON_APPLY):
-                self.apply(group, folded, updates, copies)
-            return
-
-        def before(indices: list[int]) -> None:
-            with step_ranges.phase(step_ranges.MUON_FOLD):
-                self.fold_batches(folded, indices)
-
-        def after(index: int, update: Tensor) -> None:
-            with step_ranges.phase(step_ranges.MUON_APPLY):
-                self.apply_batches(group, folded, [index], [update], copies)
-
-        with step_ranges.phase(step_ranges.MUON_ORTHOGONALISE):
-            self.orthogonalise(group, folded, ChainHooks(before, after, self._step_adam_groups))
-
-    def orthogonalise(self, group: dict[str, Any], folded: FoldedGroup | None,
-                      chain_hooks: ChainHooks | None = None) -> list[Tensor]:
+    def orthogonalise(self, group: dict[str, Any], folded: FoldedGroup | None) -> list[Tensor]:
         """One Newton-Schulz call for the group's batches: in the lent workspace (replayed from a CUDA graph where
-        one was captured), else on new memory; with ``chain_hooks`` around each chain (not for a replay, nor for a
-        group with a piece of a split matrix)."""
+        one was captured), else on new memory."""
         if folded is None:
             return []
         method, steps, coefficients = group["ns_method"], group["ns_steps"], group["ns_coefficients"]
         dtype = folded.direction.dtype
         in_workspace: _InWorkspace | None = folded.in_workspace
         if in_workspace is None:
-            if chain_hooks is not None:
-                return orthogonalise(folded.directions, method, steps, dtype, coefficients, chain_hooks=chain_hooks)
             return orthogonalise_with_splits(folded.directions, folded.batches, method, steps, dtype, coefficients)
         workspace = self.workspace
         if in_workspace.captured is not None:
             updates = in_workspace.captured.replay(workspace)
         else:
-            updates = orthogonalise(in_workspace.carve()[1], method, steps, dtype, coefficients, workspace,
-                                    chain_hooks=chain_hooks)
+            updates = orthogonalise(in_workspace.carve()[1], method, steps, dtype, coefficients, workspace)
         self.fallback_plans[in_workspace.key] = workspace.fallback_sizes
         return updates
 
     def adam_step(self, group: dict[str, Any], grad_factor: Tensor | None, copies: dict[int, Tensor]) -> None:
-        """Queued until the first Muon group's side chains are queued (``step_group``), or the step's end."""
-        self._adam_queue.append((group, grad_factor, copies))
-
-    def _step_adam_groups(self) -> None:
-        queue, self._adam_queue = self._adam_queue, []
-        if queue:
-            with step_ranges.phase(step_ranges.MUON_ADAM):
-                for group, grad_factor, copies in queue:
-                    self._adam_group_step(group, grad_factor, copies)
-
-    def _adam_group_step(self, group: dict[str, Any], grad_factor: Tensor | None, copies: dict[int, Tensor]) -> None:
         lr, weight_decay = group["lr"], group["weight_decay"]
         fused = []
         for p in group["params"]:
@@ -204,13 +150,8 @@ class DeviceStepExecutor(MuonStepExecutor):
         if fused:
             fused_adamw(fused, lr, group["betas"], group["eps"], weight_decay)
 
-    def finish(self) -> None:
-        self._step_adam_groups()
-
     def end_of_step(self) -> None:
-        """Step memory freed: what did not fit in the lent buffers is one step's scratch. No Adam group stays queued
-        (a step that raised steps none)."""
-        self._adam_queue.clear()
+        """Step memory freed: what did not fit in the lent buffers is one step's scratch."""
         if self.workspace is not None:
             self.workspace.release()
 

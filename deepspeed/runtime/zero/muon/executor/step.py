@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from deepspeed.runtime import step_ranges
 from deepspeed.runtime.zero.muon.executor.split_ns import SPLIT_ATTRIBUTE, split_rows_zeropower, sum_over_holders
 from deepspeed.runtime.zero.muon.math.normuon import (NEURON_SECOND_MOMENT, muon_state_shape, neuron_normalised,
                                                       split_neuron_normalised)
@@ -33,33 +32,18 @@ BatchKey = tuple
 
 @dataclass
 class FoldedGroup:
-    """A Muon group ready for (or after) the fold: its batches and the directions Newton-Schulz takes.
+    """A Muon group after the fold: its batches and the directions Newton-Schulz takes.
 
     ``batches`` holds (params, the factor of their blocks' shape) per batch key, ``directions`` one
     (count * blocks, rows, cols) view per batch, in the same order, of ``direction`` (one 1-D tensor in the
     Newton-Schulz dtype). ``in_workspace``: how the device executor runs their Newton-Schulz in its lent workspace
-    (None: on memory of its own). ``fold``: what :meth:`MuonStepExecutor.fold_batches` reads.
+    (None: on memory of its own).
     """
 
     batches: list[tuple[list[Tensor], float]]
     direction: Tensor
     directions: list[Tensor]
     in_workspace: Any = None
-    fold: Any = None
-
-
-@dataclass
-class _FoldInputs:
-    """The fold's operands for a group: the gradients as one flat tensor in batch order (None when they do not lie
-    back to back), the packed momenta, where each batch starts in both (and the end), and the rule's scalars."""
-
-    grads: Tensor | None
-    momenta: Tensor
-    offsets: list[int]
-    params: list[list[Tensor]]
-    beta: float
-    nesterov: bool
-    grad_factor: Tensor | None
 
 
 class MuonStepExecutor:
@@ -99,75 +83,38 @@ class MuonStepExecutor:
     def graph_pool_bytes(self) -> int:
         return 0
 
-    def step_group(self, group: dict[str, Any], grad_factor: Tensor | None, copies: dict[int, Tensor]) -> None:
-        """Muon's rule for one group (inside the step, after the verdict): fold the gradients into the momenta,
-        orthogonalise the directions, apply the updates."""
-        with step_ranges.phase(step_ranges.MUON_FOLD):
-            folded = self.fold(group, grad_factor)
-        with step_ranges.phase(step_ranges.MUON_ORTHOGONALISE):
-            updates = self.orthogonalise(group, folded)
-        with step_ranges.phase(step_ranges.MUON_APPLY):
-            self.apply(group, folded, updates, copies)
-
     def fold(self, group: dict[str, Any], grad_factor: Tensor | None) -> FoldedGroup | None:
         """Fold every gradient of ``group`` into its momentum and write the direction Newton-Schulz takes (None when no
-        param of the group has a gradient): :meth:`prepare_fold`, then :meth:`fold_batches` of every batch."""
-        folded = self.prepare_fold(group, grad_factor)
-        if folded is not None:
-            self.fold_batches(folded, range(len(folded.batches)))
-        return folded
+        param of the group has a gradient).
 
-    def prepare_fold(self, group: dict[str, Any], grad_factor: Tensor | None) -> FoldedGroup | None:
-        """Everything the fold of ``group`` needs, nothing folded yet (None when no param has a gradient): the momenta
-        (created as zeros, packed into one run in batch order, where missing; NorMuon's second moments alike), the
-        directions' memory and views.
-
-        Inside the step, after the verdict. The gradients, in any float dtype, are multiplied by ``grad_factor`` as
-        they are read.
+        Inside the step, after the verdict: the momenta are written (created as zeros, packed into one run in batch
+        order, where missing). The gradients, in any float dtype, are multiplied by ``grad_factor`` as they are read.
+        One call of the kernel for the group when the gradients lie back to back in batch order (ZeRO's layout), one
+        per batch otherwise.
         """
         params, by_key = _with_grads_by_key(group)
         if not params:
             return None
         in_batch_order = [p for batch in by_key.values() for p in batch]
         momenta = flat_view(self._packed_momenta(in_batch_order, _momentum_dtype(group)))
-        if group.get("normuon", False):
-            # Packed here, for the whole group, so that each batch's moments are one run whichever chain applies it.
-            self._packed_state(in_batch_order, NEURON_SECOND_MOMENT,
-                               lambda p: muon_state_shape(NEURON_SECOND_MOMENT, p.shape))
         numel = momenta.numel()
         direction, in_workspace = self._direction_buffer(group, by_key, numel)
-        offsets = [0]
-        for batch in by_key.values():
-            offsets.append(offsets[-1] + sum(p.numel() for p in batch))
-        fold = _FoldInputs(flat_view([p.grad for p in in_batch_order]), momenta, offsets, list(by_key.values()),
-                           group["momentum"], group["nesterov"], grad_factor)
+        beta, nesterov = group["momentum"], group["nesterov"]
+        grads = flat_view([p.grad for p in in_batch_order])
+        if grads is not None:
+            # The new momenta, then the direction straight into the Newton-Schulz input: one pass on a GPU with Triton.
+            self.kernels.fold_and_direction(grads, momenta, direction, beta, nesterov, grad_factor=grad_factor)
+        else:
+            start = 0
+            for batch in by_key.values():
+                end = start + sum(p.numel() for p in batch)
+                self.kernels.fold_and_direction(_stacked([p.grad for p in batch]), momenta[start:end],
+                                                direction[start:end], beta, nesterov, grad_factor=grad_factor)
+                start = end
         directions = _batch_views(direction, by_key)
         batches = [(batch, update_scale(*_scaled_shape(batch[0], view), group["adjust_lr_fn"]))
                    for batch, view in zip(by_key.values(), directions)]
-        return FoldedGroup(batches, direction, directions, in_workspace, fold)
-
-    def fold_batches(self, folded: FoldedGroup, indices: Sequence[int]) -> None:
-        """Fold the gradients of the batches ``indices`` of ``folded`` into their momenta and write their directions:
-        one kernel call per run of adjacent batches when the gradients lie back to back in batch order (ZeRO's
-        layout; one call for a whole group), else one per batch."""
-        fold = folded.fold
-        indices = sorted(indices)
-        if fold.grads is None:
-            runs = [(index, index + 1) for index in indices]
-        else:
-            runs = []
-            for index in indices:
-                if runs and runs[-1][1] == index:
-                    runs[-1] = (runs[-1][0], index + 1)
-                else:
-                    runs.append((index, index + 1))
-        for first, stop in runs:
-            start, end = fold.offsets[first], fold.offsets[stop]
-            grads = (fold.grads[start:end] if fold.grads is not None
-                     else _stacked([p.grad for p in fold.params[first]]))
-            # The new momenta, then the direction straight into the Newton-Schulz input: one pass on a GPU with Triton.
-            self.kernels.fold_and_direction(grads, fold.momenta[start:end], folded.direction[start:end], fold.beta,
-                                            fold.nesterov, grad_factor=fold.grad_factor)
+        return FoldedGroup(batches, direction, directions, in_workspace)
 
     def orthogonalise(self, group: dict[str, Any], folded: FoldedGroup | None) -> list[Tensor]:
         """The orthogonalised update of every batch of ``folded``, one Newton-Schulz call for the group."""
@@ -179,17 +126,11 @@ class MuonStepExecutor:
         updated params into their ``copies`` (by param id), when given."""
         if folded is None:
             return
-        self.apply_batches(group, folded, range(len(folded.batches)), updates, copies)
-
-    def apply_batches(self, group: dict[str, Any], folded: FoldedGroup, indices: Sequence[int],
-                      updates: Sequence[Tensor], copies: dict[int, Tensor]) -> None:
-        """:meth:`apply` for the batches ``indices`` of ``folded``, whose updates are ``updates`` (in that order)."""
         lr, weight_decay = group["lr"], group["weight_decay"]
-        batches = [folded.batches[index] for index in indices]
         # Here, after the verdict: NorMuon's second moments are written only by a step that is taken.
-        applied = self._neuron_normalised(group, batches, updates) if group.get("normuon", False) else updates
+        applied = self._neuron_normalised(group, folded, updates) if group.get("normuon", False) else updates
         decay = 1 - lr * weight_decay if weight_decay != 0 else None
-        for (params, scale), update in zip(batches, applied):
+        for (params, scale), update in zip(folded.batches, applied):
             if update.shape[1:] != params[0].shape:  # blocks: heads, experts, or a 4-D kernel as (out, -1)
                 update = update.reshape(len(params), *params[0].shape)
             # One read of the low-precision update per element: the RMS factor and the learning rate travel as
@@ -233,19 +174,19 @@ class MuonStepExecutor:
                 copies[id(param)] = copy
         return copies
 
-    def _neuron_normalised(self, group: dict[str, Any], batches: Sequence[tuple[list[Tensor], float]],
-                           updates: Sequence[Tensor]) -> list[Tensor]:
+    def _neuron_normalised(self, group: dict[str, Any], folded: FoldedGroup, updates: list[Tensor]) -> list[Tensor]:
         """NorMuon: each batch's orthogonalised update normalised per row (``normuon.neuron_normalised``), the
-        params' second moments (one fp32 value per row, packed into one run for the group by :meth:`prepare_fold`)
-        updated in place.
+        params' second moments (one fp32 value per row, packed into one run) updated in place.
 
         A piece of a split matrix holds its own rows and their second moments; its norm is summed with the other
         holders' (``normuon.split_neuron_normalised``, one all-reduce per matrix) in batch order, the params' flat
         order, as its Newton-Schulz was (``orthogonalise_with_splits``)."""
+        moments = iter(self._packed_state([p for params, _ in folded.batches for p in params], NEURON_SECOND_MOMENT,
+                                          lambda p: muon_state_shape(NEURON_SECOND_MOMENT, p.shape)))
         normalised = []
-        for (params, _), update in zip(batches, updates):
+        for (params, _), update in zip(folded.batches, updates):
             # A batch's rows, head by head: (count * heads, rows / heads) over the params' packed moments.
-            batch_moments = flat_view([self.state[p][NEURON_SECOND_MOMENT] for p in params]).view(update.shape[:2])
+            batch_moments = flat_view([next(moments) for _ in params]).view(update.shape[:2])
             beta2, eps = group["normuon_beta2"], group["normuon_eps"]
             split = getattr(params[0], SPLIT_ATTRIBUTE, None)
             if split is None:
@@ -326,11 +267,6 @@ def _with_grads_by_key(group: dict[str, Any]) -> tuple[list[Tensor], dict[BatchK
 def has_split(by_key: dict[BatchKey, list[Tensor]]) -> bool:
     """Whether a group's batches include a piece of a split matrix."""
     return any(len(key) > 2 for key in by_key)
-
-
-def has_split_batch(batches: Sequence[tuple[list[Tensor], float]]) -> bool:
-    """Whether a folded group's batches include a piece of a split matrix."""
-    return any(getattr(params[0], SPLIT_ATTRIBUTE, None) is not None for params, _ in batches)
 
 
 def _scaled_shape(param: Tensor, view: Tensor) -> tuple[int, int]:

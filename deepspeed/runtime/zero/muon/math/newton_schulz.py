@@ -23,10 +23,8 @@ from torch import Tensor
 from deepspeed.runtime.zero.muon.math.ns_by_shape import method_for_shape
 from deepspeed.runtime.zero.muon.math.ns_coefficients import (DEFAULT_NS_COEFFICIENTS, Coefficients,
                                                               coefficient_schedule)
-from deepspeed.runtime.zero.muon.math.ns_common import (ChainHooks, OnResult, SumPieces, Workspace, _allocator,
-                                                         _check_matrices, _delivered, _gram_buffers, _memory_of,
-                                                         _normalized_wide, _restored_layout, _run_chains, _tall,
-                                                         resolve_ns_dtype)
+from deepspeed.runtime.zero.muon.math.ns_common import (SumPieces, Workspace, _allocator, _gram_buffers, _memory_of,
+                                                         _normalized_wide, _restored_layout, _tall)
 from deepspeed.runtime.zero.muon.math.symmetric_gram import zeropower_via_symmetric_gram
 
 # Iteration indices (0-based) at which the Gram iteration rebuilds X = Q X and R = X X^T from
@@ -81,8 +79,8 @@ def _standard_iterations(X: Tensor, schedule: Sequence[Coefficients], workspace:
 
 
 def zeropower_via_newtonschulz5(G: Tensor | Sequence[Tensor], steps: int = 5, dtype: torch.dtype | None = None,
-                                workspace: Workspace | None = None, coefficients: str = DEFAULT_NS_COEFFICIENTS,
-                                chain_hooks: ChainHooks | None = None) -> Tensor | list[Tensor]:
+                                workspace: Workspace | None = None,
+                                coefficients: str = DEFAULT_NS_COEFFICIENTS) -> Tensor | list[Tensor]:
     """Approximately orthogonalise ``G`` (U S V^T -> U S' V^T, S' ~ 1) with the quintic Newton-Schulz iteration.
 
     Each step is X <- a X + (b A + c A^2) X with A = X X^T, computed on the wide orientation so A is
@@ -96,8 +94,6 @@ def zeropower_via_newtonschulz5(G: Tensor | Sequence[Tensor], steps: int = 5, dt
         workspace: where the large tensors live (see ``ns_workspace``); then ``G`` must be in the compute dtype
             and is normalised in place, and the results are views of the workspace.
         coefficients: the coefficient schedule's name (see ``ns_coefficients``).
-        chain_hooks: work to run before and after each chain of the call (see ``ns_common.ChainHooks``); here each
-            batch of a list is a chain.
 
     Returns:
         The orthogonalised tensor, same shape as ``G``, in the compute dtype (a list for a list).
@@ -108,19 +104,14 @@ def zeropower_via_newtonschulz5(G: Tensor | Sequence[Tensor], steps: int = 5, dt
     """
     schedule = coefficient_schedule(coefficients, steps)
     if not isinstance(G, Tensor):
-        _check_matrices(G)
-
-        def one_batch(index: int, deliver: Callable[[int, Tensor], None]) -> None:
-            deliver(index, zeropower_via_newtonschulz5(G[index], steps, dtype, workspace, coefficients))
-
-        return _run_chains([([index], functools.partial(one_batch, index)) for index in range(len(G))], G, chain_hooks)
+        return [zeropower_via_newtonschulz5(one, steps, dtype, workspace, coefficients) for one in G]
     X, is_transposed = _normalized_wide(G, dtype, workspace)
     return _restored_layout(_standard_iterations(X, schedule, workspace, tall=is_transposed), G)
 
 
 def zeropower_via_gram_newtonschulz(G: Tensor | Sequence[Tensor], steps: int = 5, dtype: torch.dtype | None = None,
-                                    workspace: Workspace | None = None, coefficients: str = DEFAULT_NS_COEFFICIENTS,
-                                    chain_hooks: ChainHooks | None = None) -> Tensor | list[Tensor]:
+                                    workspace: Workspace | None = None,
+                                    coefficients: str = DEFAULT_NS_COEFFICIENTS) -> Tensor | list[Tensor]:
     """Newton-Schulz computed on the Gram matrix R = X X^T; equals :func:`zeropower_via_newtonschulz5` to rounding.
 
     Every standard step multiplies X on the left by P_k = a I + b A_k + c A_k^2, a polynomial in
@@ -146,8 +137,6 @@ def zeropower_via_gram_newtonschulz(G: Tensor | Sequence[Tensor], steps: int = 5
         steps: number of iterations (the same count as the standard iteration it reproduces).
         dtype: compute dtype; ``None`` applies :func:`resolve_ns_dtype`.
         workspace, coefficients: as :func:`zeropower_via_newtonschulz5`.
-        chain_hooks: work to run before and after each chain of the call (see ``ns_common.ChainHooks``): each square
-            batch, and each set of wide batches sharing m.
 
     Returns:
         The orthogonalised tensor, same shape as ``G``, in the compute dtype (a list for a list, in order).
@@ -157,36 +146,28 @@ def zeropower_via_gram_newtonschulz(G: Tensor | Sequence[Tensor], steps: int = 5
     """
     schedule = coefficient_schedule(coefficients, steps)
     if isinstance(G, Tensor):
-        return zeropower_via_gram_newtonschulz([G], steps, dtype, workspace, coefficients, chain_hooks)[0]
-    _check_matrices(G)
-    square: list[int] = []
+        return zeropower_via_gram_newtonschulz([G], steps, dtype, workspace, coefficients)[0]
+    prepared = [_normalized_wide(one, dtype, workspace) for one in G]
+    results: list[Tensor | None] = [None] * len(prepared)
     joint: dict[tuple, list[int]] = {}
-    for index, one in enumerate(G):
-        if one.size(-2) == one.size(-1):
-            square.append(index)
+    for index, (X, is_transposed) in enumerate(prepared):
+        rows, cols = X.shape[-2:]
+        if rows == cols:
+            results[index] = _restored_layout(_standard_iterations(X, schedule, workspace, tall=is_transposed),
+                                              G[index])
         else:
-            joint.setdefault((min(one.shape[-2:]), resolve_ns_dtype(one, dtype), one.device), []).append(index)
-
-    def square_chain(index: int, deliver: Callable[[int, Tensor], None]) -> None:
-        X, is_transposed = _normalized_wide(G[index], dtype, workspace)
-        deliver(index, _restored_layout(_standard_iterations(X, schedule, workspace, tall=is_transposed), G[index]))
-
-    def joint_chain(indices: list[int], deliver: Callable[[int, Tensor], None]) -> None:
-        prepared = [_normalized_wide(G[index], dtype, workspace) for index in indices]
-        _gram_iterations([X for X, _ in prepared], schedule, workspace,
-                         tall=[is_transposed for _, is_transposed in prepared], restarts=coefficients,
-                         on_result=lambda i, X: deliver(indices[i], _restored_layout(X, G[indices[i]])))
-
-    # Each square batch, and each set of wide batches sharing m, is a chain of its own: they share no memory, so on a
-    # GPU they run side by side (``ns_ops.concurrently``).
-    chains = ([([index], functools.partial(square_chain, index)) for index in square]
-              + [(indices, functools.partial(joint_chain, indices)) for indices in joint.values()])
-    return _run_chains(chains, G, chain_hooks)
+            joint.setdefault((rows, X.dtype, X.device), []).append(index)
+    for indices in joint.values():
+        outputs = _gram_iterations([prepared[i][0] for i in indices], schedule, workspace,
+                                   tall=[prepared[i][1] for i in indices], restarts=coefficients)
+        for index, X in zip(indices, outputs):
+            results[index] = _restored_layout(X, G[index])
+    return results
 
 
 def _gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients], workspace: Workspace | None = None,
                      tall: Sequence[bool] | None = None, restarts: str = DEFAULT_NS_COEFFICIENTS,
-                     sum_pieces: SumPieces | None = None, on_result: OnResult | None = None) -> list[Tensor]:
+                     sum_pieces: SumPieces | None = None) -> list[Tensor]:
     """The Gram iteration for 3-D batches of wide matrices that share the small side m.
 
     Each batch keeps its own X (different widths); R, Z, Q and the products among them are m x m and are
@@ -201,7 +182,6 @@ def _gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients], workspa
     ``restarts``: the schedule whose restart iterations apply (:func:`gram_restarts_at`).
     ``sum_pieces``: each X is a column block of its matrix; R is summed over the blocks (``ns_split``), once per
     build of R, for all batches in one call.
-    ``on_result(i, result)``: called for each batch as soon as its result is queued.
     """
     steps = len(schedule)
     tall, sizes, empty, R, PR, free, spares = _gram_buffers(Xs, tall, workspace)
@@ -218,11 +198,9 @@ def _gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients], workspa
             out = spares[index] if spares[index] is not None else empty(X.shape)
             if last and tall[index]:
                 products.append(torch.bmm(X.mT, Q_part.mT, out=_tall(out, X.shape)))
-            else:
-                products.append(torch.bmm(Q_part, X, out=out))
-                spares[index] = _memory_of(X, out.shape, empty)
-            if last and on_result is not None:
-                on_result(index, products[-1])
+                continue
+            products.append(torch.bmm(Q_part, X, out=out))
+            spares[index] = _memory_of(X, out.shape, empty)
         return products
 
     gram_matrices(Xs)
@@ -248,25 +226,26 @@ def _gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients], workspa
             free += [Q, Z]
             Q = Q_next
     if Q is None:
-        return _delivered([X.mT if is_tall else X for X, is_tall in zip(Xs, tall)], on_result)
+        return [X.mT if is_tall else X for X, is_tall in zip(Xs, tall)]
     return left_multiplied(Q, Xs, last=True)
 
 
 def zeropower_by_shape(G: Tensor | Sequence[Tensor], steps: int = 5, dtype: torch.dtype | None = None,
-                       workspace: Workspace | None = None, coefficients: str = DEFAULT_NS_COEFFICIENTS,
-                       chain_hooks: ChainHooks | None = None) -> Tensor | list[Tensor]:
+                       workspace: Workspace | None = None,
+                       coefficients: str = DEFAULT_NS_COEFFICIENTS) -> Tensor | list[Tensor]:
     """Approximately orthogonalise ``G`` as :func:`zeropower_via_newtonschulz5` does, each tensor with
     :func:`~.ns_by_shape.method_for_shape`'s method (arguments, results and errors as there; a list is split by method
-    and each part runs as one call, in order, so a workspace carves deterministically, with its own chains)."""
+    and each part runs as one call, in order, so a workspace carves deterministically)."""
     if isinstance(G, Tensor):
-        return zeropower_by_shape([G], steps, dtype, workspace, coefficients, chain_hooks)[0]
-    _check_matrices(G)
+        return zeropower_by_shape([G], steps, dtype, workspace, coefficients)[0]
+    for one in G:
+        if one.ndim < 2:
+            raise ValueError(f"Newton-Schulz needs a matrix (or a batch of matrices), got shape {tuple(one.shape)}")
     results: list[Tensor | None] = [None] * len(G)
     for method, function in (("gram", zeropower_via_gram_newtonschulz), ("gram_sym", zeropower_via_symmetric_gram)):
         indices = [index for index, one in enumerate(G) if method_for_shape(one.shape) == method]
         if indices:
-            hooks = chain_hooks.of_subset(indices) if chain_hooks is not None else None
-            outputs = function([G[i] for i in indices], steps, dtype, workspace, coefficients, hooks)
+            outputs = function([G[i] for i in indices], steps, dtype, workspace, coefficients)
             for index, result in zip(indices, outputs):
                 results[index] = result
     return results

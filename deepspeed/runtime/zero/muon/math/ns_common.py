@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -127,92 +126,6 @@ def _restored_layout(X: Tensor, like: Tensor) -> Tensor:
     """Undo :func:`_normalized_wide`'s batch view: ``like``'s shape. (Its transpose the iterations undo themselves, by
     writing their last product transposed.)"""
     return X if X.shape == like.shape else X.reshape(like.shape)
-
-
-@dataclass(frozen=True)
-class ChainHooks:
-    """A caller's work around the chains of a Newton-Schulz call.
-
-    A chain is a set of batches computed together (each batch of the standard iteration alone, the wide batches that
-    share a small side together), sharing no memory with another chain. The call runs all chains but the last beside
-    its caller's stream (``ns_ops.side_by_side``: a side stream on a GPU) and the last on it. ``before(indices)``
-    runs on a chain's stream just before it and writes those batches' inputs (the call reads only their shapes
-    earlier); ``after(index, result)`` runs once per batch as soon as its result is queued: on the chain's stream
-    for a side chain, beside the caller's stream (after the result) for the last chain, so that its updates are
-    applied while its other batches' last products run. ``beside()`` runs on the caller's stream once the side
-    chains are queued, before the last chain: the caller's own work that the side chains then run beside. The
-    executor folds a chain's gradients in ``before``, applies each update in ``after`` and steps its Adam groups in
-    ``beside``.
-    """
-
-    before: Callable[[list[int]], None] | None = None
-    after: Callable[[int, Tensor], None] | None = None
-    beside: Callable[[], None] | None = None
-
-    def of_subset(self, indices: Sequence[int]) -> ChainHooks:
-        """These hooks for a call on the batches ``indices`` of this one (a chain's index i is ``indices[i]`` here)."""
-        indices = list(indices)
-        before, after = self.before, self.after
-        return ChainHooks(None if before is None else lambda local: before([indices[i] for i in local]),
-                          None if after is None else lambda local, result: after(indices[local], result),
-                          self.beside)
-
-
-# A chain's body: computes the chain, delivering each batch's result (its index in the call, the result) as soon as it
-# is queued.
-ChainBody = Callable[[Callable[[int, Tensor], None]], None]
-# Where an iteration over several batches delivers each one's result (its index among them, the result).
-OnResult = Callable[[int, Tensor], None]
-
-
-def _delivered(results: list[Tensor], on_result: OnResult | None) -> list[Tensor]:
-    """``results``, each first passed to ``on_result`` (with its index) when given."""
-    if on_result is not None:
-        for index, result in enumerate(results):
-            on_result(index, result)
-    return results
-
-
-def _check_matrices(G: Sequence[Tensor]) -> None:
-    """Raise ValueError for a tensor of ``G`` with fewer than two dimensions."""
-    for one in G:
-        if one.ndim < 2:
-            raise ValueError(f"Newton-Schulz needs a matrix (or a batch of matrices), got shape {tuple(one.shape)}")
-
-
-def _run_chains(chains: Sequence[tuple[list[int], ChainBody]], inputs: Sequence[Tensor],
-                hooks: ChainHooks | None) -> list[Tensor]:
-    """Run a call's chains, each (its batches' indices, its body), all but the last beside the caller's stream, with
-    ``hooks`` as :class:`ChainHooks` describes; the results in index order."""
-    hooks = hooks if hooks is not None else ChainHooks()
-    devices = {tensor.device for tensor in inputs}
-    # On several devices (a list the caller mixed): one after another.
-    device = devices.pop() if len(devices) == 1 else torch.device("cpu")
-    results: dict[int, Tensor] = {}
-    with OPS.side_by_side(device) as lanes:
-
-        def run(indices: list[int], body: ChainBody, on_side: bool) -> None:
-            if hooks.before is not None:
-                hooks.before(indices)
-
-            def deliver(index: int, result: Tensor) -> None:
-                results[index] = result
-                if hooks.after is None:
-                    return
-                if on_side:
-                    hooks.after(index, result)
-                else:
-                    lanes.beside(functools.partial(hooks.after, index, result), after_current=True)
-
-            body(deliver)
-
-        for indices, body in chains[:-1]:
-            lanes.beside(functools.partial(run, indices, body, True))
-        if hooks.beside is not None:
-            hooks.beside()
-        if chains:
-            run(*chains[-1], False)
-    return [results[index] for index in range(len(inputs))]
 
 
 def _tall(memory: Tensor, wide_shape: torch.Size) -> Tensor:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -44,33 +43,6 @@ def copy_transposed(target: Tensor, source: Tensor) -> Tensor:
     return target.copy_(source.mT)
 
 
-class OneAfterAnother:
-    """Work a caller could run beside its own, run at once on the caller's stream (torch's: one stream).
-
-    The kernels' side stream (``kernels/side_stream.py``) has the same methods: used as a context, it forks a second
-    stream from the caller's at the start and joins it at the end.
-    """
-
-    def __enter__(self) -> OneAfterAnother:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        return None
-
-    def beside(self, work: Callable[[], Any], after_current: bool = False) -> Any:
-        """Run ``work`` (on the side stream: after what the side stream was given before, and, with
-        ``after_current``, after what the caller's stream has been given so far); returns what it returns."""
-        return work()
-
-
-def side_by_side(device: torch.device) -> OneAfterAnother:
-    """A context whose ``beside`` runs work beside the caller's stream on ``device`` (torch: one after another).
-    Work run beside must read only memory written before it was queued (before the context, or on the caller's
-    stream before it with ``after_current``) or by itself, and write only memory nothing else in the context reads
-    or writes."""
-    return OneAfterAnother()
-
-
 @dataclass
 class NSOps:
     """The operations :data:`OPS` holds: torch's by default (this module's functions)."""
@@ -80,7 +52,6 @@ class NSOps:
     separate_addend_supported: Callable[[Tensor], bool] = separate_addend_supported
     gemm_with_addend: Callable[..., Tensor] = gemm_with_addend
     copy_transposed: Callable[..., Tensor] = copy_transposed
-    side_by_side: Callable[[torch.device], Any] = side_by_side
 
 
 OPS = NSOps()

@@ -33,9 +33,8 @@ dtype.
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -46,18 +45,12 @@ from deepspeed.runtime.zero.muon.math.ns_common import (
     NS_NORM_EPS,
     SumPieces,
     _allocator,
-    ChainHooks,
-    OnResult,
-    _check_matrices,
-    _delivered,
     _gram_buffers,
-    _run_chains,
     _memory_of,
     _normalized_wide,
     _restored_layout,
     _tall,
     _wide_view,
-    resolve_ns_dtype,
     Workspace,
 )
 from deepspeed.runtime.zero.muon.math.ns_ops import OPS
@@ -286,8 +279,8 @@ def _scaled_wide(G: Tensor, dtype: torch.dtype | None, workspace: Workspace | No
 
 
 def zeropower_via_symmetric_gram(G: Tensor | Sequence[Tensor], steps: int = 5, dtype: torch.dtype | None = None,
-                                 workspace: Workspace | None = None, coefficients: str = DEFAULT_NS_COEFFICIENTS,
-                                 chain_hooks: ChainHooks | None = None) -> Tensor | list[Tensor]:
+                                 workspace: Workspace | None = None,
+                                 coefficients: str = DEFAULT_NS_COEFFICIENTS) -> Tensor | list[Tensor]:
     """Approximately orthogonalise ``G`` as :func:`~.newton_schulz.zeropower_via_newtonschulz5` does, computing
     half of every symmetric product (see the module docstring for the cost and the precision).
 
@@ -301,7 +294,6 @@ def zeropower_via_symmetric_gram(G: Tensor | Sequence[Tensor], steps: int = 5, d
         workspace: where the large tensors live (see ``ns_workspace``); then ``G`` must be in the compute dtype
             and is normalised in place, and the results are views of the workspace.
         coefficients: the coefficient schedule's name (see ``ns_coefficients``).
-        chain_hooks: work to run before and after each chain of the call (see ``ns_common.ChainHooks``).
 
     Returns:
         The orthogonalised tensor, same shape as ``G`` (a list for a list, in order): in :func:`inner_dtype` where it
@@ -313,41 +305,35 @@ def zeropower_via_symmetric_gram(G: Tensor | Sequence[Tensor], steps: int = 5, d
     """
     schedule = coefficient_schedule(coefficients, steps)
     if isinstance(G, Tensor):
-        return zeropower_via_symmetric_gram([G], steps, dtype, workspace, coefficients, chain_hooks)[0]
-    _check_matrices(G)
-    standard: list[int] = []
+        return zeropower_via_symmetric_gram([G], steps, dtype, workspace, coefficients)[0]
+    for one in G:
+        if one.ndim < 2:
+            raise ValueError(f"Newton-Schulz needs a matrix (or a batch of matrices), got shape {tuple(one.shape)}")
+    results: list[Tensor | None] = [None] * len(G)
     joint: dict[tuple, list[int]] = {}
+    prepared: dict[int, tuple[Tensor, bool, torch.dtype]] = {}
     for index, one in enumerate(G):
         if min(one.shape[-2:]) < MIN_GRAM_ROWS or one.size(-2) == one.size(-1):
-            standard.append(index)
-        else:
-            joint.setdefault((min(one.shape[-2:]), inner_dtype(resolve_ns_dtype(one, dtype)), one.device),
-                             []).append(index)
-
-    def standard_chain(index: int, deliver: Callable[[int, Tensor], None]) -> None:
-        X, transposed = _normalized_wide(G[index], dtype, workspace)
-        deliver(index, _restored_layout(_symmetric_standard_iterations(X, schedule, workspace, tall=transposed),
-                                        G[index]))
-
-    def joint_chain(indices: list[int], deliver: Callable[[int, Tensor], None]) -> None:
-        prepared = [_scaled_wide(G[index], dtype, workspace) for index in indices]
-        _symmetric_gram_iterations([X for X, _, _ in prepared], schedule, workspace,
-                                   tall=[transposed for _, transposed, _ in prepared],
-                                   result_scale=1 / math.sqrt(FP16_SCALE),
-                                   on_result=lambda i, X: deliver(indices[i], _restored_layout(X, G[indices[i]])))
-
-    # Each batch of the standard iteration, and each set of wide batches sharing m, is a chain of its own: they share
-    # no memory, so on a GPU they run side by side (``ns_ops.concurrently``).
-    chains = ([([index], functools.partial(standard_chain, index)) for index in standard]
-              + [(indices, functools.partial(joint_chain, indices)) for indices in joint.values()])
-    return _run_chains(chains, G, chain_hooks)
+            X, transposed = _normalized_wide(one, dtype, workspace)
+            results[index] = _restored_layout(_symmetric_standard_iterations(X, schedule, workspace, tall=transposed),
+                                              one)
+            continue
+        prepared[index] = _scaled_wide(one, dtype, workspace)
+        X = prepared[index][0]
+        joint.setdefault((X.size(-2), X.dtype, X.device), []).append(index)
+    for indices in joint.values():
+        outputs = _symmetric_gram_iterations([prepared[i][0] for i in indices], schedule, workspace,
+                                             tall=[prepared[i][1] for i in indices],
+                                             result_scale=1 / math.sqrt(FP16_SCALE))
+        for index, X in zip(indices, outputs):
+            results[index] = _restored_layout(X, G[index])
+    return results
 
 
 def _symmetric_gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients],
                                workspace: Workspace | None = None,
                                tall: Sequence[bool] | None = None,
-                               sum_pieces: SumPieces | None = None, result_scale: float = 1.0,
-                               on_result: OnResult | None = None) -> list[Tensor]:
+                               sum_pieces: SumPieces | None = None, result_scale: float = 1.0) -> list[Tensor]:
     """The Gram iteration on upper-stored m x m matrices, for scaled wide batches sharing the small side m.
 
     As ``newton_schulz._gram_iterations``: R, the factors P_k = a I + Z_k (Z_k = b' R + c' R^2, with b and c
@@ -370,8 +356,6 @@ def _symmetric_gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients
 
     ``result_scale``: the results are multiplied by it, in the last product's epilogue (a power of two, such as
     undoing FP16_SCALE, changes no bit of the fp16 result but its exponent, short of fp16's subnormals).
-
-    ``on_result(i, result)``: called for each batch as soon as its result is queued.
     """
     steps = len(schedule)
     tall, sizes, empty, R, PR, free, spares = _gram_buffers(Xs, tall, workspace)
@@ -392,8 +376,6 @@ def _symmetric_gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients
             if last and tall[index]:
                 products.append(symmetric_left_product(Q_part, X, _tall(memory, X.shape), beta=alpha, tall=True,
                                                        scale=scale))
-                if on_result is not None:
-                    on_result(index, products[-1])
                 continue
             if alpha is not None and not X.is_contiguous() and X.mT.is_contiguous():
                 # X is stored transposed (a tall matrix's wide view): the product keeps that layout, so that
@@ -404,8 +386,6 @@ def _symmetric_gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients
                 product = symmetric_left_product(Q_part, X, memory, beta=alpha, scale=scale)
             products.append(product)
             spares[index] = _memory_of(X, memory.shape, empty)
-            if last and on_result is not None:
-                on_result(index, product)
         return products
 
     gram_matrices(Xs)
@@ -447,5 +427,5 @@ def _symmetric_gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients
     if Q is None:
         if result_scale != 1.0:
             Xs = [OPS.scale_fp16(X, result_scale, X) for X in Xs]
-        return _delivered([X.mT if is_tall else X for X, is_tall in zip(Xs, tall)], on_result)
+        return [X.mT if is_tall else X for X, is_tall in zip(Xs, tall)]
     return left_multiplied(Q, Xs, alpha, last=True)

@@ -126,13 +126,11 @@ def fold_and_direction(grads: Tensor, momenta: Tensor, direction: Tensor, beta: 
 
 def orthogonalise(directions: Tensor | list[Tensor], ns_method: str = "gram", ns_steps: int = 5,
                   ns_dtype: torch.dtype | None = None, ns_coefficients: str = DEFAULT_NS_COEFFICIENTS,
-                  workspace: object | None = None, chain_hooks: object | None = None) -> Tensor | list[Tensor]:
+                  workspace: object | None = None) -> Tensor | list[Tensor]:
     """Newton-Schulz of ``ns_method`` (looked up in :data:`NS_FUNCTIONS` at each call, so a wrapped entry sees every
-    call) on a (..., rows, cols) batch or a list of batches; ``workspace`` and ``chain_hooks`` as the Newton-Schulz
-    functions take them (``chain_hooks`` is passed only when given)."""
-    extra = {} if chain_hooks is None else {"chain_hooks": chain_hooks}
+    call) on a (..., rows, cols) batch or a list of batches; ``workspace`` as the Newton-Schulz functions take it."""
     return NS_FUNCTIONS[ns_method](directions, steps=ns_steps, dtype=ns_dtype, coefficients=ns_coefficients,
-                                   workspace=workspace, **extra)
+                                   workspace=workspace)
 
 
 def apply_update(params: Sequence[Tensor], update: Tensor, alpha: float, decay: float | None = None,

@@ -147,15 +147,15 @@ def test_optimizer_in_a_lent_workspace_gives_the_same_bits(nesterov, room, ns_me
             p.grad, q.grad = grad.view(p.shape), grad.view(p.shape).clone()
         lent.fill_(float("nan"))  # the lender's contents are dead: nothing may read them
         computed_in_step = []
-        prepare = lent_opt._executor.prepare_fold
-        lent_opt._executor.prepare_fold = _recording(prepare, computed_in_step)
+        fold = lent_opt._executor.fold
+        lent_opt._executor.fold = _recording(fold, computed_in_step)
         for optimizer in (lent_opt, plain_opt):
             with count_newton_schulz_calls() as calls:
                 optimizer.step()
             # One Newton-Schulz call for the group; lent a workspace, every step (the first too: it packs the
             # momenta) runs it there.
             assert sum(calls.values()) == 1
-        del lent_opt._executor.prepare_fold
+        del lent_opt._executor.fold
         assert computed_in_step == [True]
         for p, q in zip(lent_params, plain_params):
             assert torch.equal(p, q)
@@ -164,10 +164,10 @@ def test_optimizer_in_a_lent_workspace_gives_the_same_bits(nesterov, room, ns_me
         assert lent_opt._executor.workspace.fallback_bytes == 0, "step memory outlived the step"
 
 
-def _recording(prepare_fold, record):
-    """``prepare_fold`` recording whether the group's directions were carved from the lent workspace."""
+def _recording(fold, record):
+    """``fold`` recording whether the group's directions were carved from the lent workspace."""
     def recorded(group, *args):
-        folded = prepare_fold(group, *args)
+        folded = fold(group, *args)
         record.append(folded is not None and folded.in_workspace is not None)
         return folded
     return recorded

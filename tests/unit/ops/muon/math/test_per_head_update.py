@@ -152,14 +152,14 @@ def test_flat_group_with_heads_takes_the_workspace_path_with_the_same_bits():
     assert flat_opt.param_groups[0]["params"] == flat, "the flat run is already in the optimizer's order"
     flat_opt.lend_step_workspace([torch.empty(master.numel() * 8)])
     in_workspace = []
-    prepare_fold = flat_opt._executor.prepare_fold
+    fold = flat_opt._executor.fold
 
     def counting(group, *args):
-        folded = prepare_fold(group, *args)
+        folded = fold(group, *args)
         in_workspace.append(folded is not None and folded.in_workspace is not None)
         return folded
 
-    flat_opt._executor.prepare_fold = counting
+    flat_opt._executor.fold = counting
     for step in range(3):
         grads = torch.randn(master.numel(), generator=generator)
         for p, n, grad in zip(flat, order, grads.split(numels)):

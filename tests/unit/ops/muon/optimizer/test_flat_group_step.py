@@ -1,10 +1,9 @@
-"""MuonWithAuxAdam on a group laid out as one run (ZeRO's masters): the flat fold gives the same bits as the per-shape
-folds, and it is the one taken.
+"""MuonWithAuxAdam on a group laid out as one run (ZeRO's masters): the whole-group fold gives the same bits as the
+per-shape folds, and it is the one taken.
 
 Under ZeRO a rank's Muon masters are slices of one flat fp32 partition in the group's order (largest first), their
 fp32 gradients are slices of one buffer in the same order, and the optimizer packs the momenta the same way; the
-step then folds slices of those runs: one call of the fold per run of adjacent batches of a Newton-Schulz chain
-(the batches computed together; the fold of each chain runs just before it).
+step then folds and reads all momenta as one tensor: one call of the fold for the group.
 """
 
 import pytest
@@ -15,9 +14,6 @@ from deepspeed.runtime.zero.muon.original_muon import count_newton_schulz_calls,
 
 # Already in the optimizer's order (largest first, stable), as ZeRO lays them out.
 SHAPES = [(24, 16)] * 2 + [(16, 24)] * 3 + [(8, 8)]
-# The Newton-Schulz chains of a call on SHAPES: "gram" iterates the first two batches (small side 16) together and the
-# square alone; the standard iteration takes each batch alone, and so does "gram_sym" below its Gram path's side.
-CHAINS = {"gram": 2, "standard": 3, "gram_sym": 3}
 
 
 def flat_params(generator):
@@ -29,7 +25,7 @@ def flat_params(generator):
 
 
 def counting_folds(optimizer, calls):
-    """Record the gradient shape of each call of the executor's fold kernel."""
+    """Count the executor's calls of the fold kernel (one per group laid out as one run, else one per shape)."""
     kernels = optimizer._executor.kernels
 
     class Counting:
@@ -70,9 +66,8 @@ def test_whole_group_path_matches_per_shape_path_bit_for_bit(nesterov, ns_method
             with count_newton_schulz_calls() as calls:
                 optimizer.step()
             assert sum(calls.values()) == 1
-        # The first step too: the step packs the momenta it creates before folding. Flat slices, one per chain.
-        assert all(len(shape) == 1 for shape in flat_folds), flat_folds
-        assert len(flat_folds) == CHAINS[ns_method] and sum(shape.numel() for shape in flat_folds) == sum(numels)
+        # The first step too: the step packs the momenta it creates before folding.
+        assert flat_folds == [torch.Size([sum(numels)])]
         assert len(separate_folds) == len(set(SHAPES))
         for p, q in zip(flat, separate):
             assert torch.equal(p, q)

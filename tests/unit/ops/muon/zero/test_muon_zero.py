@@ -342,20 +342,20 @@ class TestMuonWorkSplit(DistributedTest):
         for shape, masters in by_shape.items():
             assert original_muon.stacked_view(masters) is not None, f"masters of shape {shape} are not adjacent"
         # The whole group is one run too (masters, their gradients, the packed momenta), so the element-wise work is
-        # one kernel call per run of adjacent batches of a Newton-Schulz chain.
+        # done once for the group.
         assert original_muon.flat_view(muon_groups[0]["params"]) is not None
         whole_group_steps = []
-        prepare_fold = basic._executor.prepare_fold
+        fold = basic._executor.fold
 
         def counting(group, *args, **kwargs):
-            folded = prepare_fold(group, *args, **kwargs)
+            folded = fold(group, *args, **kwargs)
             # The group's gradients as one run, and its directions carved from the lent workspace.
             grads = [p.grad for p in group["params"] if p.grad is not None]
             if folded is not None and folded.in_workspace is not None and original_muon.flat_view(grads) is not None:
                 whole_group_steps.append(engine.global_steps)
             return folded
 
-        basic._executor.prepare_fold = counting
+        basic._executor.fold = counting
         rank = dist.get_rank()
         for step in range(3):
             generator = torch.Generator().manual_seed(step)
