@@ -318,10 +318,11 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
 
     def _step_inputs(self, grad_factor: torch.Tensor) -> Tuple[List[torch.Tensor], torch.Tensor, Optional[LpCopies]]:
         """This step's loss-scaled gradients, the factor on their device, and where the step may write the updated
-        weights in the model dtype: on the accelerator the reducer's partitions and None (the masters are cast when
-        published); offloaded their host copies, the factor moved with them, and the buffers that go back."""
+        weights in the model dtype: on the accelerator the reducer's partitions and the lp partitions' slices (None
+        where those live in host memory: the masters are cast when published); offloaded their host copies, the
+        factor moved with them, and the buffers that go back."""
         if self._offload is None:
-            return self._partition_grads(), grad_factor, None
+            return self._partition_grads(), grad_factor, None if self._lp_partitions_on_host() else self._lp_slices()
         return self._offload.host_grads(), grad_factor.cpu(), self._lp_copy_targets()
 
     def _partition_grads(self) -> List[torch.Tensor]:
@@ -361,9 +362,40 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
         master = self.single_partition_of_fp32_groups[group]
         if self._offload is not None:
             self._offload.send_weights(group, lp_partition, master, is_written)
+        elif is_written:
+            # The step wrote every master's slice; what no master covers (padding) may hold its scratch.
+            for start, end in self._uncovered_ranges(group):
+                lp_partition[start:end].copy_(master[start:end])
         else:
             lp_partition.copy_(master)
         return lp_partition
+
+    def _lp_slices(self) -> LpCopies:
+        """Per basic-optimizer group, per master: its slice of this rank's lp partition (kept while the partitions
+        stay where they are)."""
+        partitions = [self._lp_partition(g) for g in range(len(self.layouts))]
+        key = tuple((p.data_ptr(), p.numel()) for p in partitions)
+        cached = self.__dict__.get("_lp_slices_cache")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_lp_slices_cache"] = (key, self._masters.slices_of(partitions))
+        return cached[1]
+
+    def _uncovered_ranges(self, group: int) -> List[Tuple[int, int]]:
+        """The [start, end) ranges of `group`'s partition that no master view covers, computed once."""
+        cache = self.__dict__.setdefault("_uncovered_by_group", {})
+        if group not in cache:
+            slots = sorted((slot.start, slot.start + slot.numel) for slot in self._masters.slots.values()
+                           if slot.group == group)
+            ranges, covered = [], 0
+            for start, end in slots:
+                if start > covered:
+                    ranges.append((covered, start))
+                covered = max(covered, end)
+            size = self.single_partition_of_fp32_groups[group].numel()
+            if covered < size:
+                ranges.append((covered, size))
+            cache[group] = ranges
+        return cache[group]
 
     def refresh_fp32_params(self) -> None:
         """Rebuild the fp32 masters from the current lp weights (after loading only the module)."""

@@ -47,10 +47,14 @@ class ZeroStep(Protocol):
 
         Args:
             grad_factor: the unscale-and-clip factor, a 0-d fp32 tensor on the gradients' device.
-            lp_copies: None, or (under ZeRO-Offload) where the updated params may be written in the model dtype in
-                the pass that updates them; ZeRO then sends those to the device instead of casting the fp32 masters.
+            lp_copies: None, or where the updated params may be written in the model dtype (ideally in the pass
+                that updates them): under ZeRO-Offload host buffers ZeRO then sends to the device, on the accelerator
+                this rank's lp partitions themselves; ZeRO then does not cast the fp32 masters. On the accelerator
+                they are also in `workspace`: a step that uses it must not write a copy before it is done with the
+                copy's memory.
             workspace: 1-D buffers whose contents are dead during this call (ZeRO's lp weights, rewritten from the
-                masters right after it), usable as scratch memory; empty when there are none.
+                masters right after it unless the step wrote `lp_copies`), usable as scratch memory; empty when there
+                are none.
 
         Returns:
             True when every tensor of `lp_copies` was written, False when none was.

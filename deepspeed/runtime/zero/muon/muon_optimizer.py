@@ -125,16 +125,18 @@ class MuonWithAuxAdam(EagerOptimizer):
             closure: re-evaluates the model and returns the loss (run with gradients enabled).
             grad_factor: a 0-d fp32 tensor every gradient is multiplied by as it is read (the caller's unscale and
                 clip); the gradients may then be in any float dtype.
-            fp16_param_groups: on the host only (:meth:`run_on_host`): one list per param group with one CPU tensor per
-                param (as many elements, contiguous, fp32/bf16/fp16), as DeepSpeedCPUAdam's step takes them; each
-                receives its updated param in its own dtype (``param.to(dtype)``'s bits) in the op's pass that
-                updates it. A param without a gradient is not stepped and its tensor is left as it is.
+            fp16_param_groups: one list per param group with one tensor per param (as many elements, contiguous,
+                fp32/bf16/fp16, where the params are), as DeepSpeedCPUAdam's step takes them; each receives its
+                updated param in its own dtype (``param.to(dtype)``'s bits). On the host (:meth:`run_on_host`) in the
+                op's pass that updates it, and a param without a gradient is not stepped and its tensor is left as it
+                is; on the device in the update's pass where that is safe, else cast once the step's last
+                Newton-Schulz has run, every param's (``executor/device_step.py``).
 
         Returns:
             The closure's loss, or None.
 
         Raises:
-            ValueError: ``fp16_param_groups`` without the host step, or not one tensor per param of each group.
+            ValueError: ``fp16_param_groups`` not one tensor per param of each group.
         """
         loss = None
         if closure is not None:
@@ -167,8 +169,8 @@ class MuonWithAuxAdam(EagerOptimizer):
     def step_partitions(self, grad_factor: Tensor, lp_copies: Sequence[Sequence[Tensor]] | None,
                         workspace: Sequence[Tensor]) -> bool:
         """ZeRO's step (``step_contract.ZeroStep``): :meth:`step` on the loss-scaled gradients with ``grad_factor``,
-        Newton-Schulz in ``workspace`` (see :meth:`lend_step_workspace`), and on the host the updated params written
-        into ``lp_copies`` (``fp16_param_groups``) in the passes that update them. Returns whether it wrote them."""
+        Newton-Schulz in ``workspace`` (see :meth:`lend_step_workspace`), and the updated params written into
+        ``lp_copies`` (``fp16_param_groups``). Returns whether it wrote them."""
         lent = _buffers_key(workspace)
         if lent != self.__dict__.get("_lent_workspace"):
             # Lent anew only when the buffers change: the carving and its CUDA graphs are kept for the same ones.

@@ -5,6 +5,13 @@ The fold and the update's application run in the fused kernels (``kernels/fused_
 dead lp weights) the directions and Newton-Schulz's results live in it, and on a GPU the Newton-Schulz call may be
 replayed from a CUDA graph; what does not fit is allocated for the step and freed at its end. The Adam groups take
 torch's fused AdamW kernel, or the same step a chunk at a time from loss-scaled gradients (``aux_adam.py``).
+
+Copies of the params in the model dtype (``step(fp16_param_groups=...)``; ZeRO passes its lp weights, which are
+also the lent workspace) are written where that cannot overwrite anything the step still reads: in the update's
+pass for the batches of the step's last Muon group whose copies lie back to back and hold either exactly that
+batch's update (the Newton-Schulz result left in the direction's memory, which is the lp weights themselves) or
+nothing any later update of the group lies in; every other copy is cast from its updated param once the step's last
+Newton-Schulz has run (:meth:`DeviceStepExecutor.finish`). Either way each copy ends up ``param.to(copy.dtype)``.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from deepspeed.runtime.zero.muon.executor.step import (BatchKey, FoldedGroup, Mu
 from deepspeed.runtime.zero.muon.kernels import fused_momentum, fused_update
 from deepspeed.runtime.zero.muon.math.newton_schulz import NS_FUNCTIONS
 from deepspeed.runtime.zero.muon.math.ns_common import resolve_ns_dtype
-from deepspeed.runtime.zero.muon.math.update import adam_update, orthogonalise
+from deepspeed.runtime.zero.muon.math.update import adam_update, flat_view, orthogonalise
 
 
 class _DeviceKernels:
@@ -58,6 +65,7 @@ class DeviceStepExecutor(MuonStepExecutor):
     """
 
     kernels = _DeviceKernels
+    writes_param_copies = True
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(optimizer)
@@ -65,6 +73,57 @@ class DeviceStepExecutor(MuonStepExecutor):
         self.graphs = GraphedCalls()
         # Per call key: the sizes the last call of that kind allocated beyond the lent buffers (() for none).
         self.fallback_plans: dict[Any, Any] = {}
+        # This step's copies not written yet, by param id: (param, copy), in param-group order.
+        self._unwritten: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def copies_by_param(self, fp16_param_groups: Sequence[Sequence[Tensor]] | None) -> dict[int, Tensor]:
+        copies = super().copies_by_param(fp16_param_groups)
+        self._unwritten = {id(p): (p, copies[id(p)]) for group in self.param_groups for p in group["params"]
+                           if id(p) in copies}
+        return copies
+
+    def _copies_in_pass(self, group: dict[str, Any], folded: FoldedGroup, updates: list[Tensor],
+                        copies: dict[int, Tensor]) -> list[list[Tensor] | None]:
+        """The batches whose copies the update's pass may write (see the module's docstring); the rest wait for
+        :meth:`finish`."""
+        if not copies or group is not self._last_muon_group():
+            # A later group's Newton-Schulz may carve the lent memory the copies lie in.
+            return [None] * len(folded.batches)
+        spans = [_span(update) for update in updates]
+        in_pass: list[list[Tensor] | None] = []
+        for index, ((params, _), update) in enumerate(zip(folded.batches, updates)):
+            batch_copies = [copies[id(p)] for p in params]
+            run = flat_view(batch_copies)
+            writable = run is not None and (_same_elements(run, update) or not _overlap(_span(run), spans[index]))
+            writable = writable and not any(_overlap(_span(run), later) for later in spans[index + 1:])
+            if writable:
+                for p in params:
+                    self._unwritten.pop(id(p), None)
+            in_pass.append(batch_copies if writable else None)
+        return in_pass
+
+    def _last_muon_group(self) -> dict[str, Any] | None:
+        muon_groups = [group for group in self.param_groups if group["use_muon"]]
+        return muon_groups[-1] if muon_groups else None
+
+    def finish(self) -> None:
+        """The copies not written in an update's pass, cast from their params: after the step's last Newton-Schulz,
+        one copy per run of params and copies lying back to back."""
+        pending, self._unwritten = list(self._unwritten.values()), {}
+        runs: list[tuple[list[Tensor], list[Tensor]]] = []
+        for param, copy in pending:
+            if runs and _follows(runs[-1][0][-1], param) and _follows(runs[-1][1][-1], copy):
+                runs[-1][0].append(param)
+                runs[-1][1].append(copy)
+            else:
+                runs.append(([param], [copy]))
+        for params, copies in runs:
+            source, target = flat_view(params), flat_view(copies)
+            if source is not None and target is not None:
+                target.copy_(source)
+            else:
+                for param, copy in zip(params, copies):
+                    copy.view(-1).copy_(param.view(-1))
 
     def lend_workspace(self, buffers: Sequence[Tensor]) -> None:
         """See ``MuonWithAuxAdam.lend_step_workspace``."""
@@ -151,7 +210,33 @@ class DeviceStepExecutor(MuonStepExecutor):
             fused_adamw(fused, lr, group["betas"], group["eps"], weight_decay)
 
     def end_of_step(self) -> None:
-        """Step memory freed: what did not fit in the lent buffers is one step's scratch."""
+        """Step memory freed: what did not fit in the lent buffers is one step's scratch. (After a step that
+        raised, copies may be left unwritten: the caller was not told they were written.)"""
+        self._unwritten = {}
         if self.workspace is not None:
             self.workspace.release()
+
+
+def _span(tensor: Tensor) -> tuple[int, int]:
+    """The bytes ``tensor`` may touch: [first, last + 1) of its elements' addresses."""
+    if tensor.numel() == 0:
+        return tensor.data_ptr(), tensor.data_ptr()
+    last = sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride()))
+    return tensor.data_ptr(), tensor.data_ptr() + (last + 1) * tensor.element_size()
+
+
+def _overlap(first: tuple[int, int], second: tuple[int, int]) -> bool:
+    return first[0] < second[1] and second[0] < first[1]
+
+
+def _same_elements(run: Tensor, update: Tensor) -> bool:
+    """Whether element i of the 1-D ``run`` is element i of ``update`` (in its row-major order), byte for byte."""
+    return (update.is_contiguous() and update.data_ptr() == run.data_ptr() and update.numel() == run.numel()
+            and update.element_size() == run.element_size())
+
+
+def _follows(previous: Tensor, tensor: Tensor) -> bool:
+    """Whether ``tensor`` starts where ``previous`` ends, both contiguous and of one dtype."""
+    return (tensor.dtype == previous.dtype and tensor.is_contiguous() and previous.is_contiguous()
+            and tensor.data_ptr() == previous.data_ptr() + previous.numel() * previous.element_size())
 

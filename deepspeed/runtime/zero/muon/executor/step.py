@@ -130,13 +130,19 @@ class MuonStepExecutor:
         # Here, after the verdict: NorMuon's second moments are written only by a step that is taken.
         applied = self._neuron_normalised(group, folded, updates) if group.get("normuon", False) else updates
         decay = 1 - lr * weight_decay if weight_decay != 0 else None
-        for (params, scale), update in zip(folded.batches, applied):
+        in_pass = self._copies_in_pass(group, folded, applied, copies)
+        for (params, scale), update, batch_copies in zip(folded.batches, applied, in_pass):
             if update.shape[1:] != params[0].shape:  # blocks: heads, experts, or a 4-D kernel as (out, -1)
                 update = update.reshape(len(params), *params[0].shape)
             # One read of the low-precision update per element: the RMS factor and the learning rate travel as
             # alpha, computed in fp32 against the fp32 master; the decay rides in the same pass where a kernel can.
-            self.kernels.apply_update(params, update, -lr * scale, decay,
-                                      [copies[id(p)] for p in params] if copies else None)
+            self.kernels.apply_update(params, update, -lr * scale, decay, batch_copies)
+
+    def _copies_in_pass(self, group: dict[str, Any], folded: FoldedGroup, updates: list[Tensor],
+                        copies: dict[int, Tensor]) -> list[list[Tensor] | None]:
+        """Per batch of ``folded``, the copies its update's pass writes (None: none). Here every batch's, when
+        given; an executor whose copies may share memory with the updates decides per batch."""
+        return [[copies[id(p)] for p in params] if copies else None for params, _ in folded.batches]
 
     def adam_step(self, group: dict[str, Any], grad_factor: Tensor | None, copies: dict[int, Tensor]) -> None:
         raise NotImplementedError

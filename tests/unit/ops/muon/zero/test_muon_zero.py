@@ -408,3 +408,25 @@ class TestStepWorkspace(DistributedTest):
             for param in engine.module.parameters():
                 assert torch.equal(param.detach(), safe_get_full_fp32_param(param).to(param.dtype)), (
                     f"step {step}: the lp weights differ from the masters")
+
+    @pytest.mark.world_size([1, 2])
+    @pytest.mark.parametrize("stage", [1, 2, 3])
+    @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+    def test_the_step_writes_the_lp_partitions_as_the_masters_cast(self, stage, dtype):
+        """Newton-Schulz in the model dtype runs in the lp weights themselves, and the step writes the updated
+        weights into them (in the update's pass where nothing it still reads is there, else after its last
+        Newton-Schulz); ZeRO then casts only what no master covers. After every step each rank's whole lp
+        partition, padding included, is its fp32 partition cast, bit for bit."""
+        torch.manual_seed(0)
+        config = muon_config(stage, dtype, ns_dtype=dtype, ns_method="gram_sym")
+        engine, _, _, _ = deepspeed.initialize(model=TinyTransformer(d=64, layers=2), config=config)
+        zero, rank = engine.optimizer, dist.get_rank()
+        for step in range(3):
+            tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(step))
+            tokens = tokens[rank * 2:(rank + 1) * 2].to(engine.device)
+            engine.backward(engine(tokens, tokens))
+            engine.step()
+            for group in range(len(zero.layouts)):
+                lp, master = zero._lp_partition(group), zero.single_partition_of_fp32_groups[group]
+                assert torch.equal(lp.view(torch.int16), master.to(lp.dtype).view(torch.int16)), (
+                    f"step {step}, group {group}: the lp partition is not the masters cast")
