@@ -138,10 +138,10 @@ MUTATIONS: Tuple[Mutation, ...] = (
             # The form the ZeRO step runs (a group laid out as one run, folded by a kernel of the same signature): the
             # gradients are left holding the Nesterov direction.
             Patch(MUON_EXECUTOR,
-                  "            self.kernels.fold_and_direction(grads, momenta, direction, beta, nesterov, "
-                  "grad_factor=grad_factor)\n",
-                  "            self.kernels.fold_and_direction(grads, momenta, direction, beta, nesterov, "
-                  "grad_factor=grad_factor)\n"
+                  "            self._fold_run(grads, momenta, direction, beta, nesterov, grad_factor, by_key, "
+                  "in_workspace)\n",
+                  "            self._fold_run(grads, momenta, direction, beta, nesterov, grad_factor, by_key, "
+                  "in_workspace)\n"
                   "            if nesterov:\n"
                   "                grads.copy_(direction)\n"),
         ),

@@ -28,6 +28,8 @@ from deepspeed.runtime.zero.muon.executor.ns_workspace import NSWorkspace
 from deepspeed.runtime.zero.muon.executor.step import (BatchKey, FoldedGroup, MuonStepExecutor, _batch_views,
                                                        has_split, orthogonalise_with_splits)
 from deepspeed.runtime.zero.muon.kernels import fused_momentum, fused_update
+from deepspeed.runtime.zero.muon.kernels.fused_momentum import BLOCK
+from deepspeed.runtime.zero.muon.kernels.matrix_norm import partial_sums_fit
 from deepspeed.runtime.zero.muon.math.newton_schulz import NS_FUNCTIONS
 from deepspeed.runtime.zero.muon.math.ns_common import resolve_ns_dtype
 from deepspeed.runtime.zero.muon.math.update import adam_update, flat_view, orthogonalise
@@ -75,12 +77,34 @@ class DeviceStepExecutor(MuonStepExecutor):
         self.fallback_plans: dict[Any, Any] = {}
         # This step's copies not written yet, by param id: (param, copy), in param-group order.
         self._unwritten: dict[int, tuple[Tensor, Tensor]] = {}
+        # The fold's partial sums of squares, by the direction's element count (kept: same address every step).
+        self._partials: dict[int, Tensor] = {}
 
     def copies_by_param(self, fp16_param_groups: Sequence[Sequence[Tensor]] | None) -> dict[int, Tensor]:
         copies = super().copies_by_param(fp16_param_groups)
         self._unwritten = {id(p): (p, copies[id(p)]) for group in self.param_groups for p in group["params"]
                            if id(p) in copies}
         return copies
+
+    def _fold_run(self, grads: Tensor, momenta: Tensor, direction: Tensor, beta: float, nesterov: bool,
+                  grad_factor: Tensor | None, by_key: dict[BatchKey, list[Tensor]], in_workspace: Any) -> None:
+        """The fold in one kernel pass that, for a direction in the workspace whose matrices are whole blocks, also
+        sums each block's squares: Newton-Schulz then takes its norms from them (``kernels/matrix_norm.py``)."""
+        views = _batch_views(direction, by_key)
+        partials = None
+        if in_workspace is not None and all(partial_sums_fit(view[0].numel()) for view in views):
+            partials = self._partials.get(direction.numel())
+            if partials is None or partials.device != direction.device:
+                partials = torch.empty(direction.numel() // BLOCK, dtype=torch.float32, device=direction.device)
+                self._partials[direction.numel()] = partials
+        written = self.kernels.fold_and_direction(grads, momenta, direction, beta, nesterov, grad_factor=grad_factor,
+                                                  partials=partials)
+        if written and partials is not None:
+            start = 0
+            for view in views:
+                blocks = view.numel() // BLOCK
+                self.workspace.remember_partials(view, partials[start:start + blocks])
+                start += blocks
 
     def _copies_in_pass(self, group: dict[str, Any], folded: FoldedGroup, updates: list[Tensor],
                         copies: dict[int, Tensor]) -> list[list[Tensor] | None]:

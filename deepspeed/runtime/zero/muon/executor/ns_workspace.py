@@ -25,6 +25,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from deepspeed.runtime.zero.muon.kernels.matrix_norm import norms_from_partials
+
 # Every carved tensor's address is a multiple of this (bytes): cuBLAS and vectorised kernels want aligned operands.
 ALIGNMENT = 256
 
@@ -56,6 +58,8 @@ class NSWorkspace:
         self.device = devices.pop() if devices else None
         self.capacity = sum(region.numel() for region in self._regions)
         self._fallbacks: list[Tensor] = []
+        # Partial sums of squares the fold wrote for this step's inputs, by the input's address and shape.
+        self._partials: dict[tuple[int, tuple[int, ...]], Tensor] = {}
         self.reset()
 
     @property
@@ -74,9 +78,23 @@ class NSWorkspace:
         return tuple(region.data_ptr() for region in self._regions) + tuple(f.data_ptr() for f in self._fallbacks)
 
     def release(self) -> None:
-        """Free what was allocated beyond the lent buffers (tensors carved from it must be dead by now)."""
+        """Free what was allocated beyond the lent buffers (tensors carved from it must be dead by now), and forget
+        the step's partial sums."""
         self._fallbacks = []
+        self._partials = {}
         self.reset()
+
+    def remember_partials(self, batch: Tensor, partials: Tensor) -> None:
+        """``partials``: the fold's sums of squares of ``batch`` (a carved 3-D input), one per block of its memory
+        (``kernels/matrix_norm.py``), valid until :meth:`release`."""
+        self._partials[(batch.data_ptr(), tuple(batch.shape))] = partials
+
+    def known_norms(self, batch: Tensor) -> Tensor | None:
+        """``batch``'s matrices' fp32 norms, (count, 1, 1), from the partial sums remembered for it (None: none)."""
+        partials = self._partials.get((batch.data_ptr(), tuple(batch.shape)))
+        if partials is None:
+            return None
+        return norms_from_partials(partials, batch.numel() // (batch.size(-2) * batch.size(-1)))
 
     def reset(self) -> None:
         """Forget every tensor handed out: the next requests reuse the same memory, in the same order."""

@@ -103,7 +103,7 @@ class MuonStepExecutor:
         grads = flat_view([p.grad for p in in_batch_order])
         if grads is not None:
             # The new momenta, then the direction straight into the Newton-Schulz input: one pass on a GPU with Triton.
-            self.kernels.fold_and_direction(grads, momenta, direction, beta, nesterov, grad_factor=grad_factor)
+            self._fold_run(grads, momenta, direction, beta, nesterov, grad_factor, by_key, in_workspace)
         else:
             start = 0
             for batch in by_key.values():
@@ -115,6 +115,11 @@ class MuonStepExecutor:
         batches = [(batch, update_scale(*_scaled_shape(batch[0], view), group["adjust_lr_fn"]))
                    for batch, view in zip(by_key.values(), directions)]
         return FoldedGroup(batches, direction, directions, in_workspace)
+
+    def _fold_run(self, grads: Tensor, momenta: Tensor, direction: Tensor, beta: float, nesterov: bool,
+                  grad_factor: Tensor | None, by_key: dict[BatchKey, list[Tensor]], in_workspace: Any) -> None:
+        """The fold of a group whose gradients, momenta and direction are each one run in batch order."""
+        self.kernels.fold_and_direction(grads, momenta, direction, beta, nesterov, grad_factor=grad_factor)
 
     def orthogonalise(self, group: dict[str, Any], folded: FoldedGroup | None) -> list[Tensor]:
         """The orthogonalised update of every batch of ``folded``, one Newton-Schulz call for the group."""

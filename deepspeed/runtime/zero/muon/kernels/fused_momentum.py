@@ -27,8 +27,9 @@ from deepspeed.runtime.zero.muon.math import update
 
 logger = logging.getLogger(__name__)
 
-# Elements per Triton program: large enough to keep every SM streaming, a power of two for tl.arange.
-_BLOCK = 4096
+# Elements per Triton program: large enough to keep every SM streaming, a power of two for tl.arange. Also the
+# block of the direction's partial sums of squares (``matrix_norm``).
+BLOCK = _BLOCK = 4096
 
 
 @functools.cache
@@ -47,17 +48,24 @@ def triton_available() -> bool:
 
 
 def fold_and_direction(grads: Tensor, momenta: Tensor, direction: Tensor, beta: float, nesterov: bool,
-                       grad_factor: Tensor | None = None) -> None:
+                       grad_factor: Tensor | None = None, partials: Tensor | None = None) -> bool:
     """:func:`~deepspeed.runtime.zero.muon.math.update.fold_and_direction`, in one Triton pass where it can.
 
     The kernel takes fp32 ``momenta`` (bf16 ones, ``momentum_dtype``, take the math's torch passes), contiguous
     operands of one element count on one CUDA device, and ``grad_factor`` as a 0-d fp32 tensor on that device (read
-    there: no wait for the host).
+    there: no wait for the host). ``partials`` (fp32, one element per BLOCK elements of the direction): the kernel
+    also writes the sum of squares of each BLOCK of the stored direction into it, the partial sums
+    :func:`~deepspeed.runtime.zero.muon.kernels.matrix_norm.matrix_norms` takes the norms from, so Newton-Schulz
+    need not read the direction for them. Returns whether the kernel ran (and so wrote ``partials``).
     """
+    if partials is not None and (partials.dtype != torch.float32 or partials.numel() != -(-direction.numel() // _BLOCK)
+                                 or partials.device != direction.device):
+        partials = None
     if (_fusable(grads, momenta, direction, grad_factor)
-            and _fused(grads, momenta, direction, beta, nesterov, grad_factor)):
-        return
+            and _fused(grads, momenta, direction, beta, nesterov, grad_factor, partials)):
+        return True
     update.fold_and_direction(grads, momenta, direction, beta, nesterov, grad_factor)
+    return False
 
 
 def _fusable(grads: Tensor, momenta: Tensor, direction: Tensor, grad_factor: Tensor | None) -> bool:
@@ -89,17 +97,18 @@ def launched(failed: list[Exception], launch: Callable[[], None], device: torch.
 
 
 def _fused(grads: Tensor, momenta: Tensor, direction: Tensor, beta: float, nesterov: bool,
-           grad_factor: Tensor | None = None) -> bool:
+           grad_factor: Tensor | None = None, partials: Tensor | None = None) -> bool:
     """Run the kernel; False (and the torch passes from then on) when Triton cannot compile it on this machine."""
     numel = grads.numel()
     fold_weight = 1 - beta
 
     def launch() -> None:
         factor_or_momenta = momenta if grad_factor is None else grad_factor
-        _kernel()[(-(-numel // _BLOCK), )](grads, factor_or_momenta, momenta, direction, numel,
-                                          fold_weight, beta, HAS_FACTOR=grad_factor is not None,
-                                          FOLD_SMALL=abs(fold_weight) < 0.5, DIRECTION_SMALL=abs(beta) < 0.5,
-                                          NESTEROV=nesterov, BLOCK=_BLOCK)
+        _kernel()[(-(-numel // _BLOCK), )](grads, factor_or_momenta, momenta, direction,
+                                          momenta if partials is None else partials, numel, fold_weight, beta,
+                                          HAS_FACTOR=grad_factor is not None, FOLD_SMALL=abs(fold_weight) < 0.5,
+                                          DIRECTION_SMALL=abs(beta) < 0.5, NESTEROV=nesterov,
+                                          SQUARES=partials is not None, BLOCK=_BLOCK)
 
     return launched(_FAILED, launch, grads.device, "fused momentum",
                     "torch's passes (the gradients unscaled into fp32 chunks, then two lerp passes)")

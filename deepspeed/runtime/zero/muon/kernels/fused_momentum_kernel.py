@@ -25,12 +25,22 @@ def _mul_rn(a, b):
 
 
 @triton.jit
-def fold_and_direction_kernel(grads_ptr, factor_ptr, momenta_ptr, direction_ptr, numel, fold_weight,
+def block_square_sum(values, mask):
+    """The sum of squares of one program's ``values`` (fp32, as stored), masked lanes as zeros: each square rounded
+    on its own, then ``tl.sum`` (one order for a block, whichever kernel computes it)."""
+    values = tl.where(mask, values, 0.0)
+    return tl.sum(_mul_rn(values, values), axis=0)
+
+
+@triton.jit
+def fold_and_direction_kernel(grads_ptr, factor_ptr, momenta_ptr, direction_ptr, partials_ptr, numel, fold_weight,
                               direction_weight, HAS_FACTOR: tl.constexpr, FOLD_SMALL: tl.constexpr,
-                              DIRECTION_SMALL: tl.constexpr, NESTEROV: tl.constexpr, BLOCK: tl.constexpr):
+                              DIRECTION_SMALL: tl.constexpr, NESTEROV: tl.constexpr, SQUARES: tl.constexpr,
+                              BLOCK: tl.constexpr):
     """grad <- grad (any float dtype) as fp32, times the 0-d fp32 factor if given (one rounding, as torch's copy to
     fp32 then mul_); momentum <- lerp(momentum, grad, fold_weight); direction <- lerp(grad, momentum,
-    direction_weight) or the momentum, stored in the direction's dtype. One program per BLOCK elements."""
+    direction_weight) or the momentum, stored in the direction's dtype; with SQUARES the sum of squares of the
+    stored direction into partials[program]. One program per BLOCK elements."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
     grad = tl.load(grads_ptr + offsets, mask=mask).to(tl.float32)
@@ -43,4 +53,16 @@ def fold_and_direction_kernel(grads_ptr, factor_ptr, momenta_ptr, direction_ptr,
         result = _lerp(grad, momentum, direction_weight, DIRECTION_SMALL)
     else:
         result = momentum
-    tl.store(direction_ptr + offsets, result.to(direction_ptr.dtype.element_ty), mask=mask)
+    stored = result.to(direction_ptr.dtype.element_ty)
+    tl.store(direction_ptr + offsets, stored, mask=mask)
+    if SQUARES:
+        tl.store(partials_ptr + tl.program_id(0), block_square_sum(stored.to(tl.float32), mask))
+
+
+@triton.jit
+def block_squares_kernel(x_ptr, partials_ptr, numel, BLOCK: tl.constexpr):
+    """partials[program] = the sum of squares of x's BLOCK elements, as the fold's SQUARES computes them."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    values = tl.load(x_ptr + offsets, mask=mask).to(tl.float32)
+    tl.store(partials_ptr + tl.program_id(0), block_square_sum(values, mask))

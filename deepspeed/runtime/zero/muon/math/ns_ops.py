@@ -38,6 +38,17 @@ def gemm_with_addend(out: Tensor, addend: Tensor, A: Tensor, B: Tensor, beta: fl
     return torch.baddbmm(out, A, B, beta=beta, alpha=alpha, out=out)
 
 
+def matrix_norms(X: Tensor) -> Tensor:
+    """Each matrix's Frobenius norm in fp32, (count, 1, 1), for a 3-D batch ``X``."""
+    return torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+
+
+def add_scaled(S: Tensor, T: Tensor, alpha: float, out: Tensor) -> Tensor:
+    """``out = S + alpha * T`` for 3-D batches (blocks of larger matrices); ``out`` may be S's or T's memory. Returns
+    ``out``."""
+    return torch.add(S, T, alpha=alpha, out=out)
+
+
 def copy_transposed(target: Tensor, source: Tensor) -> Tensor:
     """``target[b] = source[b]^T`` for 3-D batches that do not overlap. Returns ``target``."""
     return target.copy_(source.mT)
@@ -52,6 +63,8 @@ class NSOps:
     separate_addend_supported: Callable[[Tensor], bool] = separate_addend_supported
     gemm_with_addend: Callable[..., Tensor] = gemm_with_addend
     copy_transposed: Callable[..., Tensor] = copy_transposed
+    add_scaled: Callable[..., Tensor] = add_scaled
+    matrix_norms: Callable[..., Tensor] = matrix_norms
 
 
 OPS = NSOps()

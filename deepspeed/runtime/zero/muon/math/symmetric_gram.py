@@ -144,8 +144,8 @@ def _add_upper(S: Tensor, T: Tensor, alpha: float, out: Tensor) -> None:
     diagonal block of the 2 x 2 split): the lower block is never read, so it is neither read nor written (a
     quarter of the whole sum's memory traffic)."""
     h = _half(S.size(-1))
-    torch.add(S[:, :h], T[:, :h], alpha=alpha, out=out[:, :h])
-    torch.add(S[:, h:, h:], T[:, h:, h:], alpha=alpha, out=out[:, h:, h:])
+    OPS.add_scaled(S[:, :h], T[:, :h], alpha, out[:, :h])
+    OPS.add_scaled(S[:, h:, h:], T[:, h:, h:], alpha, out[:, h:, h:])
 
 
 def symmetric_gram(X: Tensor, out: Tensor) -> None:
@@ -265,12 +265,17 @@ def _scaled_wide(G: Tensor, dtype: torch.dtype | None, workspace: Workspace | No
                  ) -> tuple[Tensor, bool, torch.dtype]:
     """``G`` as a batch of wide matrices at Frobenius norm sqrt(FP16_SCALE), in :func:`inner_dtype`.
 
-    Returns (X, transposed, compute dtype). The norm is taken in fp32, and X is written in one pass: in place over
+    Returns (X, transposed, compute dtype). The norm is taken in fp32 (``ns_ops.OPS.matrix_norms``, unless the
+    workspace knows it), and X is written in one pass: in place over
     ``G``'s own memory with a workspace (fp16 and bf16 have the same width, so the fp16 values take the bytes
     of the bf16 ones), else into new memory.
     """
     X, transposed, compute_dtype = _wide_view(G, dtype, workspace)
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+    # The fold may have summed the direction's squares as it wrote it (a workspace that knows them says so).
+    known_norms = getattr(workspace, "known_norms", None)
+    norm = known_norms(G) if known_norms is not None else None
+    if norm is None:
+        norm = OPS.matrix_norms(X)
     factor = math.sqrt(FP16_SCALE) / (norm + NS_NORM_EPS)
     target_dtype = inner_dtype(compute_dtype)
     # A new tensor keeps X's layout (a tall matrix's wide view stays the transpose of contiguous memory).
