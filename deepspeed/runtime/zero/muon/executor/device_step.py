@@ -88,11 +88,13 @@ class DeviceStepExecutor(MuonStepExecutor):
 
     def _fold_run(self, grads: Tensor, momenta: Tensor, direction: Tensor, beta: float, nesterov: bool,
                   grad_factor: Tensor | None, by_key: dict[BatchKey, list[Tensor]], in_workspace: Any) -> None:
-        """The fold in one kernel pass that, for a direction in the workspace whose matrices are whole blocks, also
-        sums each block's squares: Newton-Schulz then takes its norms from them (``kernels/matrix_norm.py``)."""
+        """The fold in one kernel pass that, for a 16-bit direction in the workspace whose matrices are whole blocks,
+        also sums each block's squares: Newton-Schulz then takes its norms from them (``kernels/matrix_norm.py``;
+        the sums are those of the norm's own pass for 16-bit values, checked on the GPU)."""
         views = _batch_views(direction, by_key)
         partials = None
-        if in_workspace is not None and all(partial_sums_fit(view[0].numel()) for view in views):
+        sixteen_bit = direction.dtype in (torch.bfloat16, torch.float16)
+        if in_workspace is not None and sixteen_bit and all(partial_sums_fit(view[0].numel()) for view in views):
             partials = self._partials.get(direction.numel())
             if partials is None or partials.device != direction.device:
                 partials = torch.empty(direction.numel() // BLOCK, dtype=torch.float32, device=direction.device)

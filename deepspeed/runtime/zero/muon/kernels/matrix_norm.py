@@ -5,9 +5,10 @@ the direction (about 0.7 ms a step at the 1.11B point). The fold kernel that wri
 (``fused_momentum``) can sum the squares of what it stores, one partial sum per BLOCK elements, in the same pass; a
 matrix whose elements are whole blocks then has its norm from its blocks' partial sums alone. So that a norm is
 the same bits whichever kernel summed its blocks, every norm on a GPU is taken this way: by this module's own
-partial-sum pass where the fold did not write them (``block_squares_kernel``, the fold's sum of each block in
-the same order; checked on the GPU by tests/unit/ops/muon/kernels/test_matrix_norm.py), then the partial sums of
-each matrix summed by torch and the root taken.
+partial-sum pass where the fold did not write them (``block_squares_kernel``, the fold's sum of each block; for
+16-bit values the same bits, checked on the GPU by tests/unit/ops/muon/kernels/test_matrix_norm.py, and the
+executor takes the fold's sums for those only), then the partial sums of each matrix summed by torch and the root
+taken.
 
 Everywhere else (CPU, no Triton, a matrix that is not whole blocks or not one dense run of memory) torch's
 ``vector_norm`` runs.

@@ -1,6 +1,7 @@
 """Newton-Schulz's per-matrix norms: torch's ``vector_norm`` on the CPU; on a GPU the sums of per-block partial sums
-of squares, the same bits whether the fold kernel summed the blocks as it wrote the direction or the norm's own
-pass summed them afterwards, and within fp32 rounding of torch's norm."""
+of squares, for a 16-bit direction the same bits whether the fold kernel summed the blocks as it wrote it or the
+norm's own pass summed them afterwards (the executor takes the fold's sums only for those), and within fp32
+rounding of torch's norm."""
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ def test_norms_are_torchs_within_rounding(device, shape, dtype, transposed):
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and triton_available()), reason="the fold kernel needs Triton")
-@pytest.mark.parametrize("direction_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("direction_dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_the_folds_partial_sums_give_the_norms_bits(direction_dtype, nesterov):
     count, rows, cols = 6, 128, 3 * BLOCK // 128
