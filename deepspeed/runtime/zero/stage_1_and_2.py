@@ -183,10 +183,24 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
 
     def _buffers_dead_during_step(self) -> List[torch.Tensor]:
         """Buffers whose contents nothing needs while the basic optimizer steps (see `_apply`): the lp weights, which
-        `update_lp_params` rewrites from the fp32 masters right after. The basic optimizer may use them as scratch
-        memory (Muon's Newton-Schulz does), so the step needs less of its own. (The reduced gradients are not lent:
-        the step reads them, and they exist only from the backward to the end of the step.)"""
-        return list(self.bit16_groups_flat)
+        are rewritten from the fp32 masters right after, unless the step wrote them. The basic optimizer may use them
+        as scratch memory (Muon's Newton-Schulz does), so the step needs less of its own. (The reduced gradients are
+        not lent: the step reads them, and they exist only from the backward to the end of the step.)
+
+        This rank's partitions come first, then the rest of each flat buffer: Muon carves its directions first, at
+        the start of what it is lent, so a group's directions can lie in this rank's own lp weights, where its step
+        then writes the updated weights in place (`lp_copies`)."""
+        own, rest = [], []
+        for g, flat in enumerate(self.bit16_groups_flat):
+            partition = self._lp_partition(g)
+            start = (partition.data_ptr() - flat.data_ptr()) // flat.element_size()
+            if partition.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr() or not (
+                    0 <= start and start + partition.numel() <= flat.numel()):
+                rest.append(flat)  # not a slice of the flat buffer: lent as it is
+                continue
+            own.append(flat[start:start + partition.numel()])
+            rest += [flat[:start], flat[start + partition.numel():]]
+        return own + [piece for piece in rest if piece.numel()]
 
     def _partition_base(self, group: int) -> int:
         return self.layouts[group].partition_range(self._owner_rank(group))[0]
