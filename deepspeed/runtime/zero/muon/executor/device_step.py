@@ -67,7 +67,6 @@ class DeviceStepExecutor(MuonStepExecutor):
     """
 
     kernels = _DeviceKernels
-    writes_param_copies = True
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(optimizer)

@@ -72,7 +72,6 @@ class HostStepExecutor(MuonStepExecutor):
     """
 
     kernels = cpu_op
-    writes_param_copies = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, ns_device: torch.device | str) -> None:
         super().__init__(optimizer)

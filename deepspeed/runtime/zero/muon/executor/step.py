@@ -60,9 +60,6 @@ class MuonStepExecutor:
 
     #: The module whose ``fold_and_direction`` and ``apply_update`` this executor runs (the math's signatures).
     kernels: Any = None
-    #: Whether ``step(fp16_param_groups=...)`` is taken (the host step writes the model-dtype copies).
-    writes_param_copies = False
-
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
 
@@ -168,8 +165,6 @@ class MuonStepExecutor:
         """``step``'s ``fp16_param_groups`` by ``id`` of the param each belongs to (empty for None)."""
         if fp16_param_groups is None:
             return {}
-        if not self.writes_param_copies:
-            raise ValueError("MuonWithAuxAdam.step: fp16_param_groups is taken only by the host step (run_on_host)")
         if len(fp16_param_groups) != len(self.param_groups):
             raise ValueError(f"MuonWithAuxAdam.step: fp16_param_groups has {len(fp16_param_groups)} entries, the "
                              f"optimizer {len(self.param_groups)} param groups")
