@@ -60,6 +60,7 @@ class MuonStepExecutor:
 
     #: The module whose ``fold_and_direction`` and ``apply_update`` this executor runs (the math's signatures).
     kernels: Any = None
+
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
 
