@@ -150,11 +150,11 @@ def zeropower_via_gram_newtonschulz(G: Tensor | Sequence[Tensor], steps: int = 5
     prepared = [_normalized_wide(one, dtype, workspace) for one in G]
     results: list[Tensor | None] = [None] * len(prepared)
     joint: dict[tuple, list[int]] = {}
-    squares: list[int] = []
-    for index, (X, _) in enumerate(prepared):
+    for index, (X, is_transposed) in enumerate(prepared):
         rows, cols = X.shape[-2:]
         if rows == cols:
-            squares.append(index)
+            results[index] = _restored_layout(_standard_iterations(X, schedule, workspace, tall=is_transposed),
+                                              G[index])
         else:
             joint.setdefault((rows, X.dtype, X.device), []).append(index)
     for indices in joint.values():
@@ -162,11 +162,6 @@ def zeropower_via_gram_newtonschulz(G: Tensor | Sequence[Tensor], steps: int = 5
                                    tall=[prepared[i][1] for i in indices], restarts=coefficients)
         for index, X in zip(indices, outputs):
             results[index] = _restored_layout(X, G[index])
-    # The squares' standard iterations after the Gram batches, so that their short products are issued while the
-    # device works through the long ones (as in ``symmetric_gram.zeropower_via_symmetric_gram``).
-    for index in squares:
-        X, is_transposed = prepared[index]
-        results[index] = _restored_layout(_standard_iterations(X, schedule, workspace, tall=is_transposed), G[index])
     return results
 
 

@@ -317,10 +317,11 @@ def zeropower_via_symmetric_gram(G: Tensor | Sequence[Tensor], steps: int = 5, d
     results: list[Tensor | None] = [None] * len(G)
     joint: dict[tuple, list[int]] = {}
     prepared: dict[int, tuple[Tensor, bool, torch.dtype]] = {}
-    standard: list[int] = []
     for index, one in enumerate(G):
         if min(one.shape[-2:]) < MIN_GRAM_ROWS or one.size(-2) == one.size(-1):
-            standard.append(index)
+            X, transposed = _normalized_wide(one, dtype, workspace)
+            results[index] = _restored_layout(_symmetric_standard_iterations(X, schedule, workspace, tall=transposed),
+                                              one)
             continue
         prepared[index] = _scaled_wide(one, dtype, workspace)
         X = prepared[index][0]
@@ -331,14 +332,6 @@ def zeropower_via_symmetric_gram(G: Tensor | Sequence[Tensor], steps: int = 5, d
                                              result_scale=1 / math.sqrt(FP16_SCALE))
         for index, X in zip(indices, outputs):
             results[index] = _restored_layout(X, G[index])
-    # The standard iterations (squares, small sides) after the Gram batches, for the host's sake: their products are
-    # many and short (a square's bf16 block products take about as long to issue as to run), so issued first, with
-    # nothing queued ahead of them, they kept the device waiting on the host; issued after the Gram batches' long
-    # products, they are queued while the device still works through those. Each result is the same either way.
-    for index in standard:
-        X, transposed = _normalized_wide(G[index], dtype, workspace)
-        results[index] = _restored_layout(_symmetric_standard_iterations(X, schedule, workspace, tall=transposed),
-                                          G[index])
     return results
 
 
