@@ -307,9 +307,15 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
         return outcome
 
     def _prepare(self, grad_factor: torch.Tensor) -> None:
-        """Before the verdict, offloaded: start copying the gradients to the host (only staging buffers are written),
-        so the copy runs while the host waits for the verdict (already done where they went there directly)."""
-        if self._offload is not None and not self.reducer.gradients_sunk:
+        """Before the verdict. Offloaded: start copying the gradients to the host (only staging buffers are written),
+        so the copy runs while the host waits for the verdict (already done where they went there directly). On the
+        accelerator: give the masters their gradient views now, while the device still computes the statistics,
+        so that after the verdict the host goes straight to the optimizer's launches (one view per master: at
+        1.11B with Muon's 80 matrices about 0.3 ms of host time the device otherwise idled through). The views
+        change nothing the step protects; a skipped step releases them as a taken one does."""
+        if self._offload is None:
+            self._masters.set_grads(self._partition_grads())
+        elif not self.reducer.gradients_sunk:
             self._offload.send_grads(self._partition_grads())
 
     def _apply(self, grad_factor: torch.Tensor) -> None:
@@ -322,7 +328,8 @@ class DeepSpeedZeroOptimizer(UpstreamOptimizerAttributes, FullParamAccess, Decla
         is_written = False
         try:
             grads, grad_factor, lp_copies = self._step_inputs(grad_factor)
-            self._masters.set_grads(grads)
+            if self._offload is not None:  # on the accelerator `_prepare` set them
+                self._masters.set_grads(grads)
             is_written = self._contract.step_partitions(grad_factor, lp_copies, self._step_workspace)
         finally:
             # The gradients are dead now: free what was made of them before the publishing all-gather allocates.

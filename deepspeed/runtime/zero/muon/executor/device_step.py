@@ -81,8 +81,11 @@ class DeviceStepExecutor(MuonStepExecutor):
 
     def copies_by_param(self, fp16_param_groups: Sequence[Sequence[Tensor]] | None) -> dict[int, Tensor]:
         copies = super().copies_by_param(fp16_param_groups)
-        self._unwritten = {id(p): (p, copies[id(p)]) for group in self.param_groups for p in group["params"]
-                           if id(p) in copies}
+        pending = self.__dict__.get("_all_unwritten")
+        if pending is None or pending[0] is not copies:
+            pending = self.__dict__["_all_unwritten"] = (copies, {
+                id(p): (p, copies[id(p)]) for group in self.param_groups for p in group["params"] if id(p) in copies})
+        self._unwritten = dict(pending[1])
         return copies
 
     def _fold_run(self, grads: Tensor, momenta: Tensor, direction: Tensor, beta: float, nesterov: bool,

@@ -163,9 +163,27 @@ class MuonStepExecutor:
         raise NotImplementedError
 
     def copies_by_param(self, fp16_param_groups: Sequence[Sequence[Tensor]] | None) -> dict[int, Tensor]:
-        """``step``'s ``fp16_param_groups`` by ``id`` of the param each belongs to (empty for None)."""
+        """``step``'s ``fp16_param_groups`` by ``id`` of the param each belongs to (empty for None; not to be
+        modified).
+
+        The same tensors for the same params as at the last call (ZeRO passes its lp slices, kept while its
+        partitions stay where they are) give the mapping checked then: checking costs host time after the
+        verdict, which the device idles through."""
         if fp16_param_groups is None:
             return {}
+        if any(isinstance(group_copies, Tensor) for group_copies in fp16_param_groups):
+            return self._checked_copies(fp16_param_groups)  # raises
+        params = [p for group in self.param_groups for p in group["params"]]
+        key = (tuple(map(id, params)), tuple(id(copy) for group_copies in fp16_param_groups for copy in group_copies))
+        cached = self.__dict__.get("_copies_cache")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        copies = self._checked_copies(fp16_param_groups)
+        # The tensors are kept with the mapping, so that no id in the key goes to another tensor meanwhile.
+        self.__dict__["_copies_cache"] = (key, copies, params, fp16_param_groups)
+        return copies
+
+    def _checked_copies(self, fp16_param_groups: Sequence[Sequence[Tensor]]) -> dict[int, Tensor]:
         if len(fp16_param_groups) != len(self.param_groups):
             raise ValueError(f"MuonWithAuxAdam.step: fp16_param_groups has {len(fp16_param_groups)} entries, the "
                              f"optimizer {len(self.param_groups)} param groups")

@@ -95,3 +95,26 @@ def test_copies_in_the_workspace_are_the_params_cast(dtype, aligned):
             assert torch.equal(a, b)
             for key, value in written_opt.state[a].items():
                 assert torch.equal(value, plain_opt.state[b][key])
+
+
+def test_other_copies_at_a_later_step_are_the_ones_written():
+    """The copies are looked up again when other tensors come (a new list, or one entry replaced in the same list):
+    each step writes exactly the copies it was given."""
+    masters = masters_of()
+    optimizer = make(masters)
+    first = copies_of(optimizer, torch.bfloat16, aligned=False)
+    second = copies_of(optimizer, torch.bfloat16, aligned=False)
+    for step, copies in enumerate((first, first, second)):
+        set_grads(masters, step)
+        optimizer.step(fp16_param_groups=copies)
+    replaced = second[1][0]
+    second[1][0] = torch.full_like(replaced, float("nan"))
+    set_grads(masters, 3)
+    optimizer.step(fp16_param_groups=second)
+    for group, first_copies, second_copies in zip(optimizer.param_groups, first, second):
+        for p, old, new in zip(group["params"], first_copies, second_copies):
+            cast = p.reshape(-1).to(torch.bfloat16).view(torch.int16)
+            assert torch.equal(new.view(torch.int16), cast), f"shape {tuple(p.shape)}"
+            assert not torch.equal(old.view(torch.int16), cast), f"shape {tuple(p.shape)}: an old copy was written"
+    assert not torch.equal(replaced.view(torch.int16), optimizer.param_groups[1]["params"][0].reshape(-1).to(
+        torch.bfloat16).view(torch.int16)), "the replaced copy was written"
