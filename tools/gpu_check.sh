@@ -10,7 +10,8 @@
 # not a lost one. The full log goes to $OUT/gpu_check.log when OUT is set (the device tool's output folder).
 #
 # A tree not installed as the `deepspeed` distribution is installed in place first (`pip install -e .`, no
-# downloads): the launcher tests start `accelerate launch` and `deepspeed`, which look for it.
+# downloads; its log in gpu_check.log.install): the launcher tests start `accelerate launch` and `deepspeed`,
+# which look for it.
 #
 # On this project's GPU machine, with the wheels staged (../shared/device/stage, carry ".device"):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .device/wheels/*.whl \
@@ -26,9 +27,11 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # `accelerate launch` and transformers look for an installed `deepspeed` distribution (its metadata), not only an
 # importable package, so the launcher tests need this tree installed; on a bare machine install it in place.
 if ! python3 -c "import importlib.metadata as m; m.version('deepspeed')" 2>/dev/null; then
-    echo "installing this tree in place (pip install --no-deps --no-build-isolation -e .) for the launcher tests"
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > "$log" 2>&1 \
-        || { tail -n 20 "$log"; echo "the install failed: the launcher tests in unit/huggingface will fail"; }
+    # --use-pep517: without it a recent pip runs setup.py develop, whose setuptools calls pip again with build
+    # isolation, which needs the network.
+    echo "installing this tree in place (pip install --use-pep517 --no-build-isolation --no-deps -e .)"
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --use-pep517 -e . > "$log.install" 2>&1 \
+        || { tail -n 20 "$log.install"; echo "the install failed: the launcher tests in unit/huggingface will fail"; }
 fi
 (cd tests && DS_UNITTEST_TIMEOUT=${DS_UNITTEST_TIMEOUT:-150} timeout -s INT "$limit" python3 -m pytest "${paths[@]}" \
     -n "${WORKERS:-6}" -q -p no:cacheprovider -rfE > "$log" 2>&1)
