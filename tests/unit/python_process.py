@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import multiprocessing as mp
 import os
+import random
 import runpy
 import socket
 import subprocess
@@ -181,10 +182,36 @@ def run_ranks(script: str, args: Sequence[str], env: dict, world_size: int, time
 
 
 def free_port() -> int:
-    """A port nothing on this machine listens on now, so parallel test runs do not collide on 29500."""
+    """A port nothing on this machine listens on now, so parallel test runs do not collide on 29500.
+
+    Taken below the range the kernel hands out to outgoing connections (Linux's ip_local_port_range): a port from
+    that range, free when checked, can be given to another test's connection before the launcher binds it (seen as
+    EADDRINUSE with ten tests at a time on one machine). Where the range is unknown, the kernel picks one."""
+    low = _ephemeral_ports_start()
+    if low > _LOWEST_PORT:
+        for port in random.Random().sample(range(_LOWEST_PORT, low), 64):
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+# Above the ports services commonly use (databases, web servers below 10000).
+_LOWEST_PORT = 10000
+
+
+def _ephemeral_ports_start() -> int:
+    """The first port the kernel hands out to outgoing connections, or 0 where that is unknown."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def repo_env(**overrides: str) -> dict:

@@ -180,10 +180,11 @@ TRAINER_SCRIPT = textwrap.dedent("""
 
 
 def cpu_env() -> dict:
-    """The launchers' environment: the CPU accelerator, one thread per rank, this tree and the harness importable,
-    no accelerate settings from the calling process."""
+    """The launchers' environment: the CPU accelerator and no GPU (on a GPU machine accelerate would put the batches
+    on one), one thread per rank, this tree and the harness importable, no accelerate settings from the calling
+    process."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("ACCELERATE_")}
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, HERE, env.get("PYTHONPATH")]))
     return env
 
