@@ -174,7 +174,8 @@ class MuonStepExecutor:
         if any(isinstance(group_copies, Tensor) for group_copies in fp16_param_groups):
             return self._checked_copies(fp16_param_groups)  # raises
         params = [p for group in self.param_groups for p in group["params"]]
-        key = (tuple(map(id, params)), tuple(id(copy) for group_copies in fp16_param_groups for copy in group_copies))
+        # Per group, so that the same tensors grouped otherwise are checked (and refused) again.
+        key = (tuple(map(id, params)), tuple(tuple(map(id, group_copies)) for group_copies in fp16_param_groups))
         cached = self.__dict__.get("_copies_cache")
         if cached is not None and cached[0] == key:
             return cached[1]

@@ -118,3 +118,18 @@ def test_other_copies_at_a_later_step_are_the_ones_written():
             assert not torch.equal(old.view(torch.int16), cast), f"shape {tuple(p.shape)}: an old copy was written"
     assert not torch.equal(replaced.view(torch.int16), optimizer.param_groups[1]["params"][0].reshape(-1).to(
         torch.bfloat16).view(torch.int16)), "the replaced copy was written"
+
+
+def test_the_same_copies_grouped_otherwise_are_refused():
+    """A list that holds the tensors of an accepted step, one moved into the next group, is checked again: the
+    mapping kept from that step is not handed back for it."""
+    masters = masters_of()
+    optimizer = make(masters)
+    copies = copies_of(optimizer, torch.bfloat16, aligned=True)
+    set_grads(masters, 0)
+    optimizer.step(fp16_param_groups=copies)
+    regrouped = [list(group_copies) for group_copies in copies]
+    regrouped[1].insert(0, regrouped[0].pop())
+    set_grads(masters, 1)
+    with pytest.raises(ValueError, match=r"fp16_param_groups\[0\] must be a list of one tensor per param"):
+        optimizer.step(fp16_param_groups=regrouped)
