@@ -54,6 +54,33 @@ def copy_transposed(target: Tensor, source: Tensor) -> Tensor:
     return target.copy_(source.mT)
 
 
+def whole_symmetric_supported(like: Tensor) -> bool:
+    """Whether :func:`whole_symmetric_product` computes only the tiles on and above the diagonal (the kernels'
+    triangular product) for m x m results like ``like``: then the symmetric iteration keeps its m x m matrices whole
+    instead of on their upper blocks (torch: never, a whole product costs the whole flops)."""
+    return False
+
+
+def whole_symmetric_product(A: Tensor, B: Tensor, out: Tensor, alpha: float = 1.0, addend: Tensor | None = None,
+                            beta: float = 0.0, addend2: Tensor | None = None, beta2: float = 0.0,
+                            gamma: float = 0.0) -> Tensor:
+    """``out = alpha * A @ B^T + beta * addend + beta2 * addend2 + gamma * I`` for 3-D batches whose product is
+    known symmetric (``B = A``, or ``A`` and ``B`` symmetric and commuting), all of it stored: each matrix of ``A``
+    and ``B`` is (m, K), of ``out`` and the addends (m, m). ``out`` may be ``addend``'s memory, not addend2's, A's
+    or B's. Returns ``out``."""
+    if addend is None:
+        torch.baddbmm(out, A, B.mT, beta=0.0, alpha=alpha, out=out)
+    else:
+        if addend is not out:
+            out.copy_(addend)
+        torch.baddbmm(out, A, B.mT, beta=beta, alpha=alpha, out=out)
+    if addend2 is not None:
+        out.add_(addend2, alpha=beta2)
+    if gamma:
+        out.diagonal(dim1=-2, dim2=-1).add_(gamma)
+    return out
+
+
 @dataclass
 class NSOps:
     """The operations :data:`OPS` holds: torch's by default (this module's functions)."""
@@ -65,6 +92,8 @@ class NSOps:
     copy_transposed: Callable[..., Tensor] = copy_transposed
     add_scaled: Callable[..., Tensor] = add_scaled
     matrix_norms: Callable[..., Tensor] = matrix_norms
+    whole_symmetric_supported: Callable[[Tensor], bool] = whole_symmetric_supported
+    whole_symmetric_product: Callable[..., Tensor] = whole_symmetric_product
 
 
 OPS = NSOps()

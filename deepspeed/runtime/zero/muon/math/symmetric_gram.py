@@ -148,6 +148,12 @@ def _add_upper(S: Tensor, T: Tensor, alpha: float, out: Tensor) -> None:
     OPS.add_scaled(S[:, h:, h:], T[:, h:, h:], alpha, out[:, h:, h:])
 
 
+def whole_gram(X: Tensor, out: Tensor) -> None:
+    """X X^T into ``out`` (count, m, m), stored whole: ``ns_ops.OPS.whole_symmetric_product`` (the kernels'
+    triangular product where it takes X's layout)."""
+    OPS.whole_symmetric_product(X, X, out)
+
+
 def symmetric_gram(X: Tensor, out: Tensor) -> None:
     """The upper blocks of X X^T into ``out`` (count, m, m): each row range of the split (the two halves, or from
     QUARTER_MIN_SIZE the four quarters) times X^T from that range's first row on, then the mirror of
@@ -191,10 +197,10 @@ def symmetric_product(A: Tensor, B: Tensor, out: Tensor, addend: Tensor | None =
 
 
 def symmetric_left_product(S: Tensor, X: Tensor, out: Tensor, beta: float | None = None, tall: bool = False,
-                           scale: float = 1.0) -> Tensor:
+                           scale: float = 1.0, whole: bool = False) -> Tensor:
     """``scale * S X`` (or ``scale * (beta X + S X)``) for an upper-stored symmetric S, one product per row panel of
-    S, into ``out``. ``scale`` rides in the products' alpha and beta (applied to the fp32 accumulator before its one
-    rounding).
+    S, into ``out`` (for a whole-stored S, ``whole``: one product). ``scale`` rides in the products' alpha and beta
+    (applied to the fp32 accumulator before its one rounding).
 
     ``out`` is memory for the (count, m, n) result; with ``tall`` it is the (count, n, m) transposed result, written
     as X^T S^T, so that a matrix transposed into the wide orientation comes back contiguous in its own layout.
@@ -205,14 +211,15 @@ def symmetric_left_product(S: Tensor, X: Tensor, out: Tensor, beta: float | None
     it in place (the bits ``baddbmm`` gives with X's panel as its addend, without a strided copy per panel). Either
     needs X's memory in ``out``'s layout, so a caller whose X is stored transposed asks for ``tall``.
     """
-    h = _half(S.size(-1))
+    m = S.size(-1)
+    panels = ((0, m),) if whole else ((0, _half(m)), (_half(m), m))
     X_out = X.mT if tall else X  # X in the layout of ``out``
     # Read in place only where X's panels have out's layout (a unit last stride); else one whole copy, as below.
     separate = beta is not None and X_out.stride(-1) == 1 and OPS.separate_addend_supported(out)
     if beta is not None and not separate:
         out.copy_(X_out)
-    for start, stop in ((0, h), (h, S.size(-1))):
-        rows, panel = slice(start, stop), _rows(S, start, stop)
+    for start, stop in panels:
+        rows, panel = slice(start, stop), S if whole else _rows(S, start, stop)
         if tall:
             target, left, right, addend = out[:, :, rows], X.mT, panel.mT, X_out[:, :, rows]
         else:
@@ -338,8 +345,9 @@ def zeropower_via_symmetric_gram(G: Tensor | Sequence[Tensor], steps: int = 5, d
 def _symmetric_gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients],
                                workspace: Workspace | None = None,
                                tall: Sequence[bool] | None = None,
-                               sum_pieces: SumPieces | None = None, result_scale: float = 1.0) -> list[Tensor]:
-    """The Gram iteration on upper-stored m x m matrices, for scaled wide batches sharing the small side m.
+                               sum_pieces: SumPieces | None = None, result_scale: float = 1.0,
+                               whole: bool | None = None) -> list[Tensor]:
+    """The Gram iteration on symmetric m x m matrices, for scaled wide batches sharing the small side m.
 
     As ``newton_schulz._gram_iterations``: R, the factors P_k = a I + Z_k (Z_k = b' R + c' R^2, with b and c
     rescaled for R = FP16_SCALE X X^T) and their product Q are stacked over all batches, and Q X is formed at the
@@ -349,25 +357,37 @@ def _symmetric_gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients
       its diagonal nearly constant: rounded to fp16, that diagonal rounds the same way everywhere, which shifted
       every singular value of the result by about 0.1% (measured on random matrices). So Q is held as
       alpha I + W, the scalar alpha = a^k exact and W in fp16; W <- a W + alpha Z + Z W and R <- P (P R) are
-      computed as ``baddbmm`` with the a-terms added in the fp32 accumulator, and X <- alpha X + W X likewise.
-    - After the restart the eigenvalues are spread out, Q's diagonal is not, and P = Z + a I is formed (``a``
-      added to the diagonal, which the upper blocks hold) so that P R, P (P R) and P Q are plain products.
+      computed with the a-terms added in the fp32 accumulator, and X <- alpha X + W X likewise.
+    - After the restart the eigenvalues are spread out, Q's diagonal is not, and P = Z + a I is formed so that
+      P R, P (P R) and P Q are plain products.
+
+    ``whole`` (by default where ``ns_ops.OPS.whole_symmetric_supported`` says so: the kernels' triangular product on
+    a GPU): the m x m matrices are stored whole and every symmetric product computes only the tiles on and above
+    its diagonal, writing each with its mirror, with its addends and P's a I added in its epilogue (no pass of their
+    own). Otherwise they are upper-stored (:func:`symmetric_product`'s blocks), a added to Z's diagonal in place and
+    a W + alpha Z summed in a pass before the product.
 
     Memory is taken once and reused by role, from the workspace when given: R and P R, three m x m buffers that
     the factors and Q (or W) rotate through, and per batch a spare X that ping-pongs with X's own memory.
 
     ``sum_pieces``: each X is a column block of its matrix; R is summed over the blocks (``ns_split``) at every
-    build of R (its lower block, never read, is summed too).
+    build of R (its lower block, never read when upper-stored, is summed too).
 
     ``result_scale``: the results are multiplied by it, in the last product's epilogue (a power of two, such as
     undoing FP16_SCALE, changes no bit of the fp16 result but its exponent, short of fp16's subnormals).
     """
     steps = len(schedule)
     tall, sizes, empty, R, PR, free, spares = _gram_buffers(Xs, tall, workspace)
+    if whole is None:
+        whole = OPS.whole_symmetric_supported(R)
+    product = OPS.whole_symmetric_product
 
     def gram_matrices(Xs: list[Tensor]) -> None:
         for X, R_part in zip(Xs, R.split(sizes)):
-            symmetric_gram(X, R_part)
+            if whole:
+                whole_gram(X, R_part)
+            else:
+                symmetric_gram(X, R_part)
         if sum_pieces is not None:
             sum_pieces(R)
 
@@ -380,16 +400,16 @@ def _symmetric_gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients
             memory = spares[index] if spares[index] is not None else empty(X.shape)
             if last and tall[index]:
                 products.append(symmetric_left_product(Q_part, X, _tall(memory, X.shape), beta=alpha, tall=True,
-                                                       scale=scale))
+                                                       scale=scale, whole=whole))
                 continue
             if alpha is not None and not X.is_contiguous() and X.mT.is_contiguous():
                 # X is stored transposed (a tall matrix's wide view): the product keeps that layout, so that
                 # copying X into it for the alpha X term is a contiguous copy, not a transposition.
-                product = symmetric_left_product(Q_part, X, _tall(memory, X.shape), beta=alpha, tall=True,
-                                                 scale=scale).mT
+                result = symmetric_left_product(Q_part, X, _tall(memory, X.shape), beta=alpha, tall=True,
+                                                scale=scale, whole=whole).mT
             else:
-                product = symmetric_left_product(Q_part, X, memory, beta=alpha, scale=scale)
-            products.append(product)
+                result = symmetric_left_product(Q_part, X, memory, beta=alpha, scale=scale, whole=whole)
+            products.append(result)
             spares[index] = _memory_of(X, memory.shape, empty)
         return products
 
@@ -403,29 +423,49 @@ def _symmetric_gram_iterations(Xs: list[Tensor], schedule: Sequence[Coefficients
             free.append(Q)
             Q, alpha, restarted = None, None, True
         Z = free.pop()
-        symmetric_product(R, R, Z, addend=R, beta=b, alpha=c)
+        if whole:
+            # From the restart on, Z holds P = Z + a I, the a added in the product's epilogue.
+            product(R, R, Z, alpha=c, addend=R, beta=b, gamma=a if restarted else 0.0)
+        else:
+            symmetric_product(R, R, Z, addend=R, beta=b, alpha=c)
+            if restarted:
+                Z.diagonal(dim1=-2, dim2=-1).add_(a)  # Z holds P from here on
         updates_R = not (k + 1 == steps or _restarts_at(k + 1))
         if restarted:
-            Z.diagonal(dim1=-2, dim2=-1).add_(a)  # Z holds P from here on
             if updates_R:
-                symmetric_product(Z, R, PR)
-                symmetric_product(Z, PR, R)
+                if whole:
+                    product(Z, R, PR)
+                    product(Z, PR, R)
+                else:
+                    symmetric_product(Z, R, PR)
+                    symmetric_product(Z, PR, R)
             if Q is None:
                 Q = Z
                 continue
             Q_next = free.pop()
-            symmetric_product(Z, Q, Q_next)
+            if whole:
+                product(Z, Q, Q_next)
+            else:
+                symmetric_product(Z, Q, Q_next)
         else:
             if updates_R:
-                symmetric_product(Z, R, PR, addend=R, beta=a)
-                symmetric_product(Z, PR, R, addend=PR, beta=a)
+                if whole:
+                    product(Z, R, PR, addend=R, beta=a)
+                    product(Z, PR, R, addend=PR, beta=a)
+                else:
+                    symmetric_product(Z, R, PR, addend=R, beta=a)
+                    symmetric_product(Z, PR, R, addend=PR, beta=a)
             if Q is None:
                 Q, alpha = Z, a
                 continue
-            # W <- a W + alpha Z + Z W: the sum of the first two terms, then the product accumulated onto it.
+            # W <- a W + alpha Z + Z W.
             Q_next = free.pop()
-            _add_upper(Q, Z, alpha / a, Q_next)
-            symmetric_product(Z, Q, Q_next, addend=Q_next, beta=a)
+            if whole:
+                product(Z, Q, Q_next, addend=Q, beta=a, addend2=Z, beta2=alpha)
+            else:
+                # The sum of the first two terms, then the product accumulated onto it.
+                _add_upper(Q, Z, alpha / a, Q_next)
+                symmetric_product(Z, Q, Q_next, addend=Q_next, beta=a)
             alpha *= a
         free += [Q, Z]
         Q = Q_next

@@ -14,6 +14,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from unit.ops.muon.math.reference import newton_schulz_fp64
 
+from deepspeed.runtime.zero.muon.math import ns_ops
 from deepspeed.runtime.zero.muon.math import symmetric_gram as symmetric_gram_module
 from deepspeed.runtime.zero.muon.original_muon import NS_FUNCTIONS
 from deepspeed.runtime.zero.muon.math.symmetric_gram import (
@@ -51,6 +52,15 @@ def quarters_from_64(monkeypatch):
     monkeypatch.setattr(symmetric_gram_module, "QUARTER_MIN_SIZE", 64)
 
 
+@pytest.fixture(params=["upper", "whole"])
+def storage(request, monkeypatch):
+    """How the Gram iteration stores its m x m matrices: on their upper blocks (cuBLAS), or whole, as where the
+    kernels' triangular product runs (a GPU); here with ns_ops' torch product in its place."""
+    if request.param == "whole":
+        monkeypatch.setattr(ns_ops.OPS, "whole_symmetric_supported", lambda like: True)
+    return request.param
+
+
 @pytest.mark.parametrize("m,quarters", [(1, False), (2, False), (7, False), (8, False), (33, False), (64, True),
                                         (67, True)])
 def test_block_products_equal_the_whole_products(m, quarters, request):
@@ -84,8 +94,9 @@ def test_block_products_equal_the_whole_products(m, quarters, request):
 
 @pytest.mark.parametrize("shape", [(64, 256), (256, 64), (96, 96), (2, 80, 200), (16, 40), (3, 8, 3, 3)], ids=str)
 @pytest.mark.parametrize("steps", [0, 1, 2, 3, 4, 5, 7, 10])
-def test_equals_the_standard_iteration_to_rounding_in_fp32(shape, steps):
-    """Wide (the Gram path, restarts at 3, 5, 7, 9), tall, square and small-side shapes (the standard path)."""
+def test_equals_the_standard_iteration_to_rounding_in_fp32(shape, steps, storage):
+    """Wide (the Gram path, restarts at 3, 5, 7, 9), tall, square and small-side shapes (the standard path); the
+    Gram path's m x m matrices upper-stored or whole."""
     G = torch.randn(shape, generator=torch.Generator().manual_seed(steps))
     G = G.reshape(G.size(0), -1) if G.ndim == 4 else G
     got = zeropower_via_symmetric_gram(G, steps=steps)
@@ -161,7 +172,7 @@ def test_on_quarter_blocks_in_bf16_closer_to_the_float64_iteration_than_the_stan
 
 
 @pytest.mark.parametrize("steps", [6, 8, 10, 15])
-def test_stays_bounded_in_bf16_for_more_steps(steps):
+def test_stays_bounded_in_bf16_for_more_steps(steps, storage):
     # Re-forming R every second step after the first restart keeps these bounded (R carried through two products
     # reached singular values of 5 to inf here); the standard iteration's bound is the target.
     generator = torch.Generator().manual_seed(steps)

@@ -1,0 +1,95 @@
+"""The triangular symmetric product: ``alpha A B^T + beta D + beta2 E + gamma I`` stored whole.
+
+On a GPU with the kernel (Hopper on, Triton): as close to the fp32 product as cuBLAS's own product is, every tile
+below the diagonal the transpose of the one above it, for X X^T with X's rows or columns contiguous and for commuting
+symmetric factors with both addends and the diagonal; and the symmetric Newton-Schulz call with it equals the call on
+cuBLAS's upper blocks to rounding. Everywhere (the CPU too): the fallbacks give the whole product.
+"""
+
+import pytest
+import torch
+
+import deepspeed.runtime.zero.muon.kernels  # noqa: F401  (installs the kernels into the math, as the engine does)
+from deepspeed.runtime.zero.muon.kernels import symmetric_tiles
+from deepspeed.runtime.zero.muon.kernels.symmetric_tiles import whole_symmetric_product, whole_symmetric_supported
+from deepspeed.runtime.zero.muon.original_muon import NS_FUNCTIONS
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+KERNEL = torch.cuda.is_available() and whole_symmetric_supported(torch.empty(1, 256, 256, device="cuda",
+                                                                             dtype=torch.float16))
+needs_kernel = pytest.mark.skipif(not KERNEL, reason="the triangular kernel needs a Hopper GPU and Triton")
+
+
+def gram_input(count, m, K, layout, device, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    if layout == "rows":
+        X = torch.randn(count, m, K, generator=generator)
+    else:  # the wide view of a tall matrix: each matrix stored as (K, m)
+        X = torch.randn(count, K, m, generator=generator).mT
+    return (X / K**0.5).to(device=device, dtype=dtype)
+
+
+def commuting_symmetric(count, m, device, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    G = torch.randn(count, m, 2 * m, generator=generator) / (2 * m)**0.5
+    S = G @ G.mT
+    return S.to(device=device, dtype=dtype), (S @ S - 0.5 * S).to(device=device, dtype=dtype)
+
+
+def max_relative_error(got, reference):
+    return ((got.float() - reference).abs().max() / reference.abs().max()).item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["rows", "cols"])
+def test_x_xt_is_the_whole_product(device, dtype, layout):
+    X = gram_input(3, 512, 768, layout, device, dtype)
+    out = torch.full((3, 512, 512), float("nan"), device=device, dtype=dtype)
+    assert whole_symmetric_product(X, X, out) is out
+    reference = X.float() @ X.float().mT
+    assert max_relative_error(out, reference) <= 2 * max(max_relative_error(torch.bmm(X, X.mT), reference), 1e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_products_with_addends_and_diagonal(device, dtype):
+    S, P = commuting_symmetric(2, 512, device, dtype)
+    D, E = commuting_symmetric(2, 512, device, dtype, seed=1)
+    out = torch.empty_like(S)
+    whole_symmetric_product(P, S, out, alpha=0.5, addend=D, beta=-1.5, addend2=E, beta2=0.25, gamma=3.0)
+    reference = 0.5 * P.float() @ S.float() - 1.5 * D.float() + 0.25 * E.float() + 3.0 * torch.eye(512, device=device)
+    assert max_relative_error(out, reference) < (5e-3 if dtype == torch.float16 else 2e-2)
+    # The addend's own memory as the result (the Gram iteration's P R into R is not, but W's update may be).
+    in_place = D.clone()
+    whole_symmetric_product(P, S, in_place, alpha=0.5, addend=in_place, beta=-1.5)
+    reference = 0.5 * P.float() @ S.float() - 1.5 * D.float()
+    assert max_relative_error(in_place, reference) < (5e-3 if dtype == torch.float16 else 2e-2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["rows", "cols"])
+def test_the_kernel_runs_for_the_engine_s_operands_and_mirrors_every_tile(dtype, layout):
+    """The operands the symmetric iteration hands it (a batch of 2048-row matrices, rows or columns contiguous);
+    each tile below the diagonal is the transpose of the one above it, bit for bit."""
+    X = gram_input(2, 2048, 1024, layout, "cuda", dtype)
+    out = torch.full((2, 2048, 2048), float("nan"), device="cuda", dtype=dtype)
+    assert symmetric_tiles._launch(X, X, out, 1.0, None, 0.0, None, 0.0, 0.0)
+    assert torch.equal(out.tril(-1), out.triu(1).mT)
+    reference = X.float() @ X.float().mT
+    assert max_relative_error(out, reference) <= 2 * max_relative_error(torch.bmm(X, X.mT), reference)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(4, 512, 2048), (2, 3072, 1024)], ids=str)
+def test_newton_schulz_with_the_kernel_equals_it_on_the_upper_blocks(shape, monkeypatch):
+    """The whole "gram_sym" call (fp16 inside) with the triangular kernel and with cuBLAS's upper blocks
+    (DS_MUON_TRIANGULAR=0): the same result to fp16 rounding, both close to the fp32 iteration."""
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(0)).cuda()
+    with_kernel = NS_FUNCTIONS["gram_sym"](G, dtype=torch.bfloat16).float()
+    monkeypatch.setenv(symmetric_tiles.ENV_SWITCH, "0")
+    on_blocks = NS_FUNCTIONS["gram_sym"](G, dtype=torch.bfloat16).float()
+    fp32 = NS_FUNCTIONS["standard"](G, dtype=torch.float32)
+    assert (with_kernel - on_blocks).norm() / on_blocks.norm() < 5e-3
+    assert (with_kernel - fp32).norm() / fp32.norm() <= 1.05 * (on_blocks - fp32).norm() / fp32.norm() + 1e-4
