@@ -29,8 +29,8 @@ from torch import Tensor
 from deepspeed.runtime.zero.muon.kernels.fused_momentum import launched, triton_available
 from deepspeed.runtime.zero.muon.math import ns_ops
 
-# Tile and pipeline: 128 x 128 output tiles, 64-deep slices of K, eight warps, four stages in shared memory.
-BM, BK, WARPS, STAGES = 128, 64, 8, 4
+# Tile and pipeline: 128 x 128 output tiles, 64-deep slices of K, eight warps, three stages in shared memory.
+BM, BK, WARPS, STAGES = 128, 64, 8, 3
 # Programs per SM in the persistent kernel; 0: one program per tile (a plain grid).
 PROGRAMS_PER_SM = 0
 _FAILED: list[Exception] = []

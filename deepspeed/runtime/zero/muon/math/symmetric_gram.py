@@ -237,25 +237,36 @@ def symmetric_left_product(S: Tensor, X: Tensor, out: Tensor, beta: float | None
 
 
 def _symmetric_standard_iterations(X: Tensor, schedule: Sequence[Coefficients], workspace: Workspace | None = None,
-                                   tall: bool = False, sum_pieces: SumPieces | None = None) -> Tensor:
+                                   tall: bool = False, sum_pieces: SumPieces | None = None,
+                                   whole: bool | None = None) -> Tensor:
     """The standard iteration X <- a X + (b A + c A^2) X, A = X X^T, one step per (a, b, c) of ``schedule``, with A
     and A^2 computed on their upper blocks (both are Gram products, so their halves are those of the whole
-    product). ``sum_pieces``: X is a column block of the matrix; each A is summed over the blocks (``ns_split``)."""
+    product), or on the tiles on and above the diagonal with A and B stored whole (``whole``, by default where
+    ``ns_ops.OPS.whole_symmetric_supported`` says so). ``sum_pieces``: X is a column block of the matrix; each A is
+    summed over the blocks (``ns_split``)."""
     steps = len(schedule)
     if steps == 0:
         return X.mT if tall else X
     empty = _allocator(workspace, X)
     count, rows, _ = X.shape
     A, B = empty((count, rows, rows)), empty((count, rows, rows))
+    if whole is None:
+        whole = OPS.whole_symmetric_supported(A)
     spare = empty(X.shape)
     for step, (a, b, c) in enumerate(schedule):
-        symmetric_gram(X, A)
+        if whole:
+            whole_gram(X, A)
+        else:
+            symmetric_gram(X, A)
         if sum_pieces is not None:
             sum_pieces(A)
-        symmetric_product(A, A, B, addend=A, beta=b, alpha=c)
+        if whole:
+            OPS.whole_symmetric_product(A, A, B, alpha=c, addend=A, beta=b)
+        else:
+            symmetric_product(A, A, B, addend=A, beta=b, alpha=c)
         last = step + 1 == steps
         out = _tall(spare, X.shape) if tall and last else spare
-        result = symmetric_left_product(B, X, out, beta=a, tall=tall and last)
+        result = symmetric_left_product(B, X, out, beta=a, tall=tall and last, whole=whole)
         if last:
             return result
         X, spare = spare, _memory_of(X, spare.shape, empty)
