@@ -47,10 +47,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from ns_timing import ns_flops  # noqa: E402
+from ns_timing import ns_flops, triangular_products  # noqa: E402
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from deepspeed.runtime.zero.muon.kernels import symmetric_tiles  # noqa: E402
 from deepspeed.runtime.zero.muon.math.ns_coefficients import coefficient_schedule  # noqa: E402
 from deepspeed.runtime.zero.muon.math.ns_ops import OPS, install  # noqa: E402
 from deepspeed.runtime.zero.muon.math.symmetric_gram import symmetric_product  # noqa: E402
@@ -281,7 +282,7 @@ def per_shape(model: str, reps: int, generator: torch.Generator) -> list:
         row = {"shape": list(shape), "batch": count}
         for method in METHODS:
             ms = device_ms(functools.partial(NS_FUNCTIONS[method], stack, steps=STEPS, dtype=torch.bfloat16), reps)
-            flops = count * ns_flops(method, shape, STEPS)
+            flops = count * ns_flops(method, shape, STEPS, triangular_products())
             row[method] = {"ms": ms, "gflop": flops / 1e9, "tflops": flops / ms / 1e9}
         row["accuracy"] = gpu_accuracy(shape, generator)
         rows.append(row)
@@ -296,7 +297,8 @@ def engine_call(model: str, reps: int) -> dict:
     result = {}
     for method in METHODS:
         call = functools.partial(NS_FUNCTIONS[method], stacks, steps=STEPS, dtype=torch.bfloat16)
-        flops = sum(count * ns_flops(method, shape, STEPS) for shape, count in MODELS[model].items())
+        flops = sum(count * ns_flops(method, shape, STEPS, triangular_products())
+                    for shape, count in MODELS[model].items())
         eager = device_ms(call, reps)
         graph = graphed(call)
         replayed = device_ms(graph.replay, reps)
@@ -327,8 +329,8 @@ class _GemmRecorder(TorchDispatchMode):
             self.add(name, A, B, functools.partial(func, *args, **kwargs))
         return func(*args, **kwargs)
 
-    def add(self, name, A, B, call) -> None:
-        flops = 2 * A.numel() * B.size(-1)
+    def add(self, name, A, B, call, flops=None) -> None:
+        flops = 2 * A.numel() * B.size(-1) if flops is None else flops
         layout = "".join("T" if t.stride(-1) != 1 else "N" for t in (A, B))
         key = (name, str(A.dtype).replace("torch.", ""), tuple(A.shape[-2:]), tuple(B.shape[-2:]), layout,
                A.shape[0] if A.ndim == 3 else 1)
@@ -338,9 +340,25 @@ class _GemmRecorder(TorchDispatchMode):
 def recorded_gemms(call) -> list:
     """(key, flops, call) for every GEMM ``call`` runs, in order: key = (op, dtype, A's and B's matrix shapes,
     their layouts (N: rows contiguous, T: transposed), batch). ns_ops' GEMM with a separate addend (cuBLASLt) is
-    recorded as "gemm_with_addend", and not again as the torch ops it falls back to."""
+    recorded as "gemm_with_addend", its triangular product (where the kernel takes it) as "triangular" with the
+    flops of its tiles (B as the product reads it, B^T), and neither again as the torch ops they fall back to."""
     recorder = _GemmRecorder()
     original = OPS.gemm_with_addend
+    original_whole = OPS.whole_symmetric_product
+
+    def whole(A, B, out, *args, **kwargs):
+        m, K = out.size(-1), A.size(-1)
+        if triangular_products(out.device):
+            tile = symmetric_tiles.BM
+            tiles = (m // tile) * (m // tile + 1) // 2
+            flops = 2 * out.size(0) * tiles * tile * tile * K
+            recorder.add("triangular", A, B.mT, functools.partial(original_whole, A, B, out, *args, **kwargs),
+                         flops=flops)
+        recorder.paused = True
+        try:
+            return original_whole(A, B, out, *args, **kwargs)
+        finally:
+            recorder.paused = False
 
     def with_addend(out, addend, A, B, beta, alpha=1.0):
         recorder.add("gemm_with_addend", A, B,
@@ -351,12 +369,12 @@ def recorded_gemms(call) -> list:
         finally:
             recorder.paused = False
 
-    install(gemm_with_addend=with_addend)
+    install(gemm_with_addend=with_addend, whole_symmetric_product=whole)
     try:
         with recorder:
             call()
     finally:
-        install(gemm_with_addend=original)
+        install(gemm_with_addend=original, whole_symmetric_product=original_whole)
     return recorder.gemms
 
 

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.zero.muon.kernels import symmetric_tiles
 from deepspeed.runtime.zero.muon.math import symmetric_gram
 from deepspeed.runtime.zero.flat_layout import assign_owners, newton_schulz_cost
 from deepspeed.runtime.zero.muon.math.ns_by_shape import method_for_shape
@@ -73,8 +74,12 @@ def _symmetric_restarts_at(k: int) -> bool:
     return k >= first and (k - first) % period == 0
 
 
-def symmetric_gram_macs(shape, steps: int = 5) -> int:
+def symmetric_gram_macs(shape, steps: int = 5, triangular: bool = False) -> int:
     """Multiply-adds of `zeropower_via_symmetric_gram` ("gram_sym"), counted by replaying its loop structure.
+
+    ``triangular``: the symmetric products run on the kernels' triangular product where it takes them (``m`` from
+    `symmetric_tiles.MIN_SIZE`, a multiple of two tiles): the t (t + 1) / 2 tiles of BM x BM on and above the
+    diagonal, t = m / BM, each over the whole inner dimension (for m = 2048, 136 of 256 tiles).
 
     Below `symmetric_gram.QUARTER_MIN_SIZE`, with h = m // 2 (the first block of the 2 x 2 split): X X^T on its
     upper blocks costs h m n + (m - h)^2 n, an m x m product on its upper blocks m (h^2 + h (m - h) + (m - h)^2)
@@ -93,6 +98,10 @@ def symmetric_gram_macs(shape, steps: int = 5) -> int:
         starts = (0, b1, h, b3, m)
         gram = n * sum((stop - start) * (m - start) for start, stop in zip(starts, starts[1:]))
         product = m * (b1 * h + (h - b1) ** 2 + h * (m - h) + (b3 - h) * (m - h) + (m - b3) ** 2)
+    tile = symmetric_tiles.BM
+    if triangular and m >= symmetric_tiles.MIN_SIZE and m % (2 * tile) == 0:
+        tiles = (m // tile) * (m // tile + 1) // 2
+        gram, product = tiles * tile * tile * n, tiles * tile * tile * m
     left = m * m * n
     if m == n or m < symmetric_gram.MIN_GRAM_ROWS:
         return steps * (gram + product + left)
@@ -137,11 +146,21 @@ def timed_method(method: str, shape) -> str:
     return "standard" if method == "gram" and m == n else method
 
 
-def ns_flops(method: str, shape, steps: int = 5) -> int:
+def triangular_products(device: torch.device | str = "cuda") -> bool:
+    """Whether the symmetric products of "gram_sym" run on the triangular kernel on ``device`` (for m = MIN_SIZE)."""
+    import deepspeed.runtime.zero.muon.kernels  # noqa: F401  (installs the kernels, as the engine does)
+
+    size = symmetric_tiles.MIN_SIZE
+    return torch.device(device).type == "cuda" and torch.cuda.is_available() and \
+        symmetric_tiles.whole_symmetric_supported(torch.empty(1, size, size, device=device, dtype=torch.float16))
+
+
+def ns_flops(method: str, shape, steps: int = 5, triangular: bool = False) -> int:
+    """Flops of one Newton-Schulz call on an m x n matrix; ``triangular``: as :func:`symmetric_gram_macs`."""
     if method == "auto":
         method = method_for_shape(shape)
     if method == "gram_sym":
-        return 2 * symmetric_gram_macs(shape, steps)
+        return 2 * symmetric_gram_macs(shape, steps, triangular)
     algorithm = dispatched_algorithm(method, shape)
     return 2 * (gram_macs(shape, steps) if algorithm == "gram" else standard_macs(shape, steps))
 

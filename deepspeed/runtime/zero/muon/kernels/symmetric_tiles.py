@@ -13,9 +13,10 @@ Results: fp32 accumulation over K in order, alpha applied to the accumulator, th
 output's dtype; each tile below the diagonal is the transpose of the one above it. Compared with cuBLAS's products
 (tests/unit/ops/muon/kernels/test_symmetric_tiles.py on a GPU) they agree to the accumulation order.
 
-Taken where it runs as such (Hopper or later, Triton with tensor descriptors, fp16/bf16, m a multiple of 256, each
-matrix's rows or columns contiguous and the batch dense); everywhere else ``ns_ops``'s torch product runs, and the
-symmetric iteration keeps its matrices upper-stored (``whole_symmetric_supported`` says False).
+Taken where it runs as such (Hopper or later, Triton with tensor descriptors, fp16/bf16, m at least MIN_SIZE and a
+multiple of 256, each matrix's rows or columns contiguous and the batch dense); everywhere else ``ns_ops``'s torch
+product runs, and the symmetric iteration keeps its matrices upper-stored (``whole_symmetric_supported`` says
+False).
 """
 
 from __future__ import annotations
@@ -29,8 +30,13 @@ from torch import Tensor
 from deepspeed.runtime.zero.muon.kernels.fused_momentum import launched, triton_available
 from deepspeed.runtime.zero.muon.math import ns_ops
 
-# Tile and pipeline: 128 x 128 output tiles, 64-deep slices of K, eight warps, three stages in shared memory.
-BM, BK, WARPS, STAGES = 128, 64, 8, 3
+# Tile and pipeline: 128 x 128 output tiles, 64-deep slices of K, four warps, three stages in shared memory (of
+# BK 64/128, 4/8 warps, 3/4 stages and one or two persistent programs per SM, the fastest on an H200 over the 1.11B
+# products: 60 x 2048^2 with one and two addends, X X^T of 20 x 2048 x 8192 by rows and by columns, 20 x 2048 x 6144).
+BM, BK, WARPS, STAGES = 128, 64, 4, 3
+# The kernel is taken for m x m products from this size (where it was measured: the 1.11B GPT's m = 2048, where it
+# beat the upper blocks on every product it replaces); smaller ones stay on cuBLAS's blocks.
+MIN_SIZE = 2048
 # Programs per SM in the persistent kernel; 0: one program per tile (a plain grid).
 PROGRAMS_PER_SM = 0
 _FAILED: list[Exception] = []
@@ -42,7 +48,8 @@ def whole_symmetric_supported(like: Tensor) -> bool:
     """Whether :func:`whole_symmetric_product` runs the kernel for m x m results like ``like`` (count, m, m)."""
     return (like.is_cuda and os.environ.get(ENV_SWITCH, "1") != "0" and like.ndim == 3
             and like.dtype in (torch.float16, torch.bfloat16) and like.size(-1) == like.size(-2)
-            and like.size(-1) % (2 * BM) == 0 and not _FAILED and _tensor_descriptors(like.device.index))
+            and like.size(-1) >= MIN_SIZE and like.size(-1) % (2 * BM) == 0 and not _FAILED
+            and _tensor_descriptors(like.device.index))
 
 
 def whole_symmetric_product(A: Tensor, B: Tensor, out: Tensor, alpha: float = 1.0, addend: Tensor | None = None,

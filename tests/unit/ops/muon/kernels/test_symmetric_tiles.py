@@ -1,9 +1,10 @@
 """The triangular symmetric product: ``alpha A B^T + beta D + beta2 E + gamma I`` stored whole.
 
-On a GPU with the kernel (Hopper on, Triton): as close to the fp32 product as cuBLAS's own product is, every tile
-below the diagonal the transpose of the one above it, for X X^T with X's rows or columns contiguous and for commuting
-symmetric factors with both addends and the diagonal; and the symmetric Newton-Schulz call with it equals the call on
-cuBLAS's upper blocks to rounding. Everywhere (the CPU too): the fallbacks give the whole product.
+On a GPU with the kernel (Hopper on, Triton; m = 2048): as close to the fp32 product as cuBLAS's own product is,
+every tile below the diagonal the transpose of the one above it, for X X^T with X's rows or columns contiguous and
+for commuting symmetric factors with both addends and the diagonal; and the symmetric Newton-Schulz call with it
+equals the call on cuBLAS's upper blocks to rounding. Everywhere (the CPU too): the fallbacks give the whole
+product.
 """
 
 import pytest
@@ -15,7 +16,7 @@ from deepspeed.runtime.zero.muon.kernels.symmetric_tiles import whole_symmetric_
 from deepspeed.runtime.zero.muon.original_muon import NS_FUNCTIONS
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-KERNEL = torch.cuda.is_available() and whole_symmetric_supported(torch.empty(1, 256, 256, device="cuda",
+KERNEL = torch.cuda.is_available() and whole_symmetric_supported(torch.empty(1, 2048, 2048, device="cuda",
                                                                              dtype=torch.float16))
 needs_kernel = pytest.mark.skipif(not KERNEL, reason="the triangular kernel needs a Hopper GPU and Triton")
 
@@ -36,6 +37,11 @@ def commuting_symmetric(count, m, device, dtype, seed=0):
     return S.to(device=device, dtype=dtype), (S @ S - 0.5 * S).to(device=device, dtype=dtype)
 
 
+def size(device):
+    """m: the kernel's (from MIN_SIZE) on a GPU, the fallbacks' at a size a CPU affords."""
+    return symmetric_tiles.MIN_SIZE if device == "cuda" else 512
+
+
 def max_relative_error(got, reference):
     return ((got.float() - reference).abs().max() / reference.abs().max()).item()
 
@@ -44,8 +50,9 @@ def max_relative_error(got, reference):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["rows", "cols"])
 def test_x_xt_is_the_whole_product(device, dtype, layout):
-    X = gram_input(3, 512, 768, layout, device, dtype)
-    out = torch.full((3, 512, 512), float("nan"), device=device, dtype=dtype)
+    m = size(device)
+    X = gram_input(3, m, m + 256, layout, device, dtype)
+    out = torch.full((3, m, m), float("nan"), device=device, dtype=dtype)
     assert whole_symmetric_product(X, X, out) is out
     reference = X.float() @ X.float().mT
     assert max_relative_error(out, reference) <= 2 * max(max_relative_error(torch.bmm(X, X.mT), reference), 1e-3)
@@ -54,11 +61,12 @@ def test_x_xt_is_the_whole_product(device, dtype, layout):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_products_with_addends_and_diagonal(device, dtype):
-    S, P = commuting_symmetric(2, 512, device, dtype)
-    D, E = commuting_symmetric(2, 512, device, dtype, seed=1)
+    m = size(device)
+    S, P = commuting_symmetric(2, m, device, dtype)
+    D, E = commuting_symmetric(2, m, device, dtype, seed=1)
     out = torch.empty_like(S)
     whole_symmetric_product(P, S, out, alpha=0.5, addend=D, beta=-1.5, addend2=E, beta2=0.25, gamma=3.0)
-    reference = 0.5 * P.float() @ S.float() - 1.5 * D.float() + 0.25 * E.float() + 3.0 * torch.eye(512, device=device)
+    reference = 0.5 * P.float() @ S.float() - 1.5 * D.float() + 0.25 * E.float() + 3.0 * torch.eye(m, device=device)
     assert max_relative_error(out, reference) < (5e-3 if dtype == torch.float16 else 2e-2)
     # The addend's own memory as the result (the Gram iteration's P R into R is not, but W's update may be).
     in_place = D.clone()
@@ -82,7 +90,7 @@ def test_the_kernel_runs_for_the_engine_s_operands_and_mirrors_every_tile(dtype,
 
 
 @needs_kernel
-@pytest.mark.parametrize("shape", [(4, 512, 2048), (2, 3072, 1024)], ids=str)
+@pytest.mark.parametrize("shape", [(4, 2048, 4096), (2, 6144, 2048)], ids=str)
 def test_newton_schulz_with_the_kernel_equals_it_on_the_upper_blocks(shape, monkeypatch):
     """The whole "gram_sym" call (fp16 inside) with the triangular kernel and with cuBLAS's upper blocks
     (DS_MUON_TRIANGULAR=0): the same result to fp16 rounding, both close to the fp32 iteration."""
