@@ -30,15 +30,13 @@ from torch import Tensor
 from deepspeed.runtime.zero.muon.kernels.fused_momentum import launched, triton_available
 from deepspeed.runtime.zero.muon.math import ns_ops
 
-# Tile and pipeline: 128 x 128 output tiles, 64-deep slices of K, four warps, three stages in shared memory (of
-# BK 64/128, 4/8 warps, 3/4 stages and one or two persistent programs per SM, the fastest on an H200 over the 1.11B
-# products: 60 x 2048^2 with one and two addends, X X^T of 20 x 2048 x 8192 by rows and by columns, 20 x 2048 x 6144).
-BM, BK, WARPS, STAGES = 128, 64, 4, 3
+# Tile and pipeline: 128 x 128 output tiles, 64-deep slices of K, eight warps, three stages in shared memory, one
+# program per tile (the shape the 1.11B training step was timed with; 128-deep slices, four stages, and persistent
+# programs, one or two per SM, were slower on its products on an H200).
+BM, BK, WARPS, STAGES = 128, 64, 8, 3
 # The kernel is taken for m x m products from this size (where it was measured: the 1.11B GPT's m = 2048, where it
 # beat the upper blocks on every product it replaces); smaller ones stay on cuBLAS's blocks.
 MIN_SIZE = 2048
-# Programs per SM in the persistent kernel; 0: one program per tile (a plain grid).
-PROGRAMS_PER_SM = 0
 _FAILED: list[Exception] = []
 # Set to "0" to keep the symmetric iteration on cuBLAS's upper blocks (benchmarks compare the two).
 ENV_SWITCH = "DS_MUON_TRIANGULAR"
@@ -102,8 +100,7 @@ def _launch(A: Tensor, B: Tensor, out: Tensor, alpha: float, addend: Tensor | No
         return False
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from deepspeed.runtime.zero.muon.kernels.symmetric_tiles_kernel import (symmetric_tiles_kernel,
-                                                                            symmetric_tiles_persistent_kernel)
+    from deepspeed.runtime.zero.muon.kernels.symmetric_tiles_kernel import symmetric_tiles_kernel
 
     def descriptor(T: Tensor, block: list[int]) -> TensorDescriptor:
         flat = T.mT.reshape(count * K, m) if layout == "cols" else T.reshape(count * m, K)
@@ -120,21 +117,10 @@ def _launch(A: Tensor, B: Tensor, out: Tensor, alpha: float, addend: Tensor | No
         tiles = (m // BM) * (m // BM + 1) // 2
         flags = dict(BM=BM, BK=BK, TRANSPOSED=layout == "cols", HAS_ADDEND=addend is not None,
                      HAS_ADDEND2=addend2 is not None, HAS_GAMMA=gamma != 0.0, num_warps=WARPS, num_stages=STAGES)
-        if PROGRAMS_PER_SM:
-            programs = PROGRAMS_PER_SM * _sm_count(out.device.index)
-            symmetric_tiles_persistent_kernel[(programs, )](a_desc, b_desc, c_desc, d_desc, e_desc, tiles,
-                                                            tiles * count, m, K, alpha, beta, beta2, gamma,
-                                                            PROGRAMS=programs, **flags)
-        else:
-            symmetric_tiles_kernel[(tiles, count)](a_desc, b_desc, c_desc, d_desc, e_desc, tiles, m, K, alpha, beta,
-                                                   beta2, gamma, **flags)
+        symmetric_tiles_kernel[(tiles, count)](a_desc, b_desc, c_desc, d_desc, e_desc, m, K, alpha, beta, beta2, gamma,
+                                               **flags)
 
     return launched(_FAILED, launch, out.device, "triangular product", "torch's products")
-
-
-@functools.cache
-def _sm_count(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @functools.cache

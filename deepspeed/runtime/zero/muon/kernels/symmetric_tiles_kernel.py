@@ -1,4 +1,4 @@
-"""The Triton kernels behind :mod:`deepspeed.runtime.zero.muon.kernels.symmetric_tiles` (a module of its own because it
+"""The Triton kernel behind :mod:`deepspeed.runtime.zero.muon.kernels.symmetric_tiles` (a module of its own because it
 imports Triton at the top; ``symmetric_tiles`` imports it only on a CUDA machine with Triton and tensor memory
 access)."""
 
@@ -7,18 +7,18 @@ import triton.language as tl
 
 
 @triton.jit
-def _tile(a_desc, b_desc, c_desc, d_desc, e_desc, t, n_tiles, m: tl.constexpr, K: tl.constexpr, alpha, beta, beta2,
-          gamma, BM: tl.constexpr, BK: tl.constexpr, TRANSPOSED: tl.constexpr, HAS_ADDEND: tl.constexpr,
-          HAS_ADDEND2: tl.constexpr, HAS_GAMMA: tl.constexpr):
-    """One BM x BM tile on or above the diagonal of C = alpha A B^T + beta D + beta2 E + gamma I, stored with its
-    mirror below the diagonal.
+def symmetric_tiles_kernel(a_desc, b_desc, c_desc, d_desc, e_desc, m: tl.constexpr, K: tl.constexpr, alpha, beta,
+                           beta2, gamma, BM: tl.constexpr, BK: tl.constexpr, TRANSPOSED: tl.constexpr,
+                           HAS_ADDEND: tl.constexpr, HAS_ADDEND2: tl.constexpr, HAS_GAMMA: tl.constexpr):
+    """One BM x BM tile on or above the diagonal of C = alpha A B^T + beta D + beta2 E + gamma I per program, stored
+    with its mirror below the diagonal; grid (tiles per matrix, matrices).
 
     The T x T tiles on and above the diagonal (T = m / BM, even) are numbered as T / 2 rows of T + 1 tiles: row r
-    holds the triangle's row r and its row T - 1 - r, so every row of programs has the same work.
+    holds the triangle's row r and its row T - 1 - r, so consecutive programs have the same work and share operands.
     ``TRANSPOSED``: A and B are stored as (K, m) per matrix (the wide view of a tall matrix), read as columns.
     """
-    bid = t // n_tiles
-    pid = t % n_tiles
+    pid = tl.program_id(0)
+    bid = tl.program_id(1)
     T = m // BM
     r = pid // (T + 1)
     col = pid % (T + 1)
@@ -49,25 +49,3 @@ def _tile(a_desc, b_desc, c_desc, d_desc, e_desc, t, n_tiles, m: tl.constexpr, K
     c_desc.store([row, tj * BM], out)
     if ti != tj:
         c_desc.store([bid * m + tj * BM, ti * BM], out.T)
-
-
-@triton.jit
-def symmetric_tiles_kernel(a_desc, b_desc, c_desc, d_desc, e_desc, n_tiles, m: tl.constexpr, K: tl.constexpr, alpha,
-                           beta, beta2, gamma, BM: tl.constexpr, BK: tl.constexpr, TRANSPOSED: tl.constexpr,
-                           HAS_ADDEND: tl.constexpr, HAS_ADDEND2: tl.constexpr, HAS_GAMMA: tl.constexpr):
-    """Grid (tiles per matrix, matrices): one tile per program."""
-    t = tl.program_id(1) * n_tiles + tl.program_id(0)
-    _tile(a_desc, b_desc, c_desc, d_desc, e_desc, t, n_tiles, m, K, alpha, beta, beta2, gamma, BM, BK, TRANSPOSED,
-          HAS_ADDEND, HAS_ADDEND2, HAS_GAMMA)
-
-
-@triton.jit
-def symmetric_tiles_persistent_kernel(a_desc, b_desc, c_desc, d_desc, e_desc, n_tiles, total, m: tl.constexpr,
-                                      K: tl.constexpr, alpha, beta, beta2, gamma, BM: tl.constexpr,
-                                      BK: tl.constexpr, TRANSPOSED: tl.constexpr, HAS_ADDEND: tl.constexpr,
-                                      HAS_ADDEND2: tl.constexpr, HAS_GAMMA: tl.constexpr,
-                                      PROGRAMS: tl.constexpr):
-    """PROGRAMS programs (one per SM or two), each taking every PROGRAMS-th tile of all matrices in order."""
-    for t in tl.range(tl.program_id(0), total, PROGRAMS):
-        _tile(a_desc, b_desc, c_desc, d_desc, e_desc, t, n_tiles, m, K, alpha, beta, beta2, gamma, BM, BK,
-              TRANSPOSED, HAS_ADDEND, HAS_ADDEND2, HAS_GAMMA)

@@ -90,14 +90,15 @@ def test_the_kernel_runs_for_the_engine_s_operands_and_mirrors_every_tile(dtype,
 
 
 @needs_kernel
-@pytest.mark.parametrize("shape", [(4, 2048, 4096), (2, 6144, 2048)], ids=str)
+@pytest.mark.parametrize("shape", [(4, 2048, 4096), (2, 6144, 2048), (2, 2048, 2048)], ids=str)
 def test_newton_schulz_with_the_kernel_equals_it_on_the_upper_blocks(shape, monkeypatch):
-    """The whole "gram_sym" call (fp16 inside) with the triangular kernel and with cuBLAS's upper blocks
-    (DS_MUON_TRIANGULAR=0): the same result to fp16 rounding, both close to the fp32 iteration."""
+    """The whole "gram_sym" call with the triangular kernel and with cuBLAS's upper blocks (DS_MUON_TRIANGULAR=0):
+    wide matrices (the Gram iteration in fp16, one of them tall) and a square (the standard iteration in bf16) agree
+    to rounding, and the kernel's result is as close to the fp32 iteration."""
     G = torch.randn(shape, generator=torch.Generator().manual_seed(0)).cuda()
     with_kernel = NS_FUNCTIONS["gram_sym"](G, dtype=torch.bfloat16).float()
     monkeypatch.setenv(symmetric_tiles.ENV_SWITCH, "0")
     on_blocks = NS_FUNCTIONS["gram_sym"](G, dtype=torch.bfloat16).float()
     fp32 = NS_FUNCTIONS["standard"](G, dtype=torch.float32)
-    assert (with_kernel - on_blocks).norm() / on_blocks.norm() < 5e-3
+    assert (with_kernel - on_blocks).norm() / on_blocks.norm() < (5e-3 if shape[1] != shape[2] else 2e-2)
     assert (with_kernel - fp32).norm() / fp32.norm() <= 1.05 * (on_blocks - fp32).norm() / fp32.norm() + 1e-4
