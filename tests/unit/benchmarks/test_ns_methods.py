@@ -56,3 +56,27 @@ def test_the_recorded_gemms_are_the_flops_the_counter_counts(separate_addend, mo
     assert ("gemm_with_addend" in ops) == separate_addend
     assert ops <= {"bmm", "baddbmm", "baddbmm_", "gemm_with_addend"}
     assert all(torch.equal(got, expected) for got, expected in zip(results[0], call()))
+
+
+def test_with_the_triangular_product_the_recorded_flops_are_its_tiles(monkeypatch):
+    """Where the kernels' triangular product runs (a Hopper GPU; here its place taken by the torch fallbacks, from
+    m = 512), the recording counts each of its products as its tiles on and above the diagonal, and the call's
+    recorded flops are what ns_timing counts for that path, which the GPU table reports."""
+    import torch
+    from ns_timing import ns_flops
+
+    from deepspeed.runtime.zero.muon.kernels import symmetric_tiles
+    from deepspeed.runtime.zero.muon.math.ns_ops import OPS
+
+    monkeypatch.setattr(symmetric_tiles, "MIN_SIZE", 512)
+    monkeypatch.setattr(OPS, "whole_symmetric_supported", lambda like: like.size(-1) >= 512)
+    monkeypatch.setattr(ns_methods, "triangular_products", lambda device="cuda": True)
+    shapes = {(512, 1024): 1, (1536, 512): 1, (512, 512): 1}
+    stacks = [torch.randn(count, *shape, dtype=torch.float32) for shape, count in shapes.items()]
+    gemms = ns_methods.recorded_gemms(lambda: ns_methods.NS_FUNCTIONS["gram_sym"](stacks, steps=5,
+                                                                                 dtype=torch.bfloat16))
+    assert "triangular" in {key[0] for key, _, _ in gemms}
+    expected = sum(count * ns_flops("gram_sym", shape, 5, triangular=True) for shape, count in shapes.items())
+    assert sum(flops for _, flops, _ in gemms) == expected
+    # Ten of the sixteen 128 x 128 tiles of each m x m product at m = 512, against three of the four 2 x 2 blocks.
+    assert expected < sum(count * ns_flops("gram_sym", shape, 5) for shape, count in shapes.items())
