@@ -12,6 +12,7 @@ import deepspeed.comm as dist
 from deepspeed.runtime.zero.muon.executor import split_ns
 from deepspeed.runtime.zero.muon.executor.split_ns import column_widths, split_rows_zeropower
 from deepspeed.runtime.zero.muon.math.newton_schulz import NS_FUNCTIONS
+from deepspeed.runtime.zero.muon.math.ns_ops import OPS
 from deepspeed.runtime.zero.muon.math.ns_split import split_zeropower
 from deepspeed.runtime.zero.muon.math.ns_split_square import SQUARE_SPLIT_FROM, SquareRows, row_bounds
 from unit.common import DistributedTest
@@ -171,11 +172,15 @@ def test_column_widths():
     assert sum(widths) == 96 and widths == [4, 8, 84]
 
 
+@pytest.mark.parametrize("storage", ["upper", "whole"])
 @pytest.mark.parametrize("divided", [False, True])
-def test_one_holder_in_bf16_scales_as_the_whole(divided):
+def test_one_holder_in_bf16_scales_as_the_whole(divided, storage, monkeypatch):
     """One holder (nothing to sum) in bf16: "gram_sym" scales X to fp16 as the single-matrix form does (in fp32, one
     rounding), so the split equals it bit for bit, and with the m x m products on its rows within bf16 rounding of
-    the product order (a decaying spectrum, where scaling X in bf16 first was 7% off)."""
+    the product order (a decaying spectrum, where scaling X in bf16 first was 7% off). ``storage`` "whole": the m x m
+    matrices stored whole, as where the kernels' triangular product runs (here with ns_ops' torch product)."""
+    if storage == "whole":
+        monkeypatch.setattr(OPS, "whole_symmetric_supported", lambda like: True)
     rows, cols = 96, 160
     generator = torch.Generator().manual_seed(0)
     spectrum = torch.diag(torch.logspace(0, -4, rows))
