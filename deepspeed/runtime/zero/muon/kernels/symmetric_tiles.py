@@ -125,8 +125,9 @@ def _launch(A: Tensor, B: Tensor, out: Tensor, alpha: float, addend: Tensor | No
 
 @functools.cache
 def _tensor_descriptors(index: int | None) -> bool:
-    """Triton runs here and offers host tensor descriptors, and the GPU has tensor memory access (Hopper on)."""
-    if not triton_available() or torch.cuda.get_device_capability(index)[0] < 9:
+    """Triton runs here and offers host tensor descriptors, and the GPU has tensor memory access (NVIDIA, Hopper on;
+    the kernel was not built for ROCm's)."""
+    if not triton_available() or torch.version.hip or torch.cuda.get_device_capability(index)[0] < 9:
         return False
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
