@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from deepspeed.runtime.zero.muon.kernels.fused_momentum import switched_on
+
 logger = logging.getLogger(__name__)
 
 # Set to "0" to always take the copy-then-baddbmm path (benchmarks compare the two).
@@ -112,11 +114,7 @@ class _CublasLt:
 
 
 def _switched_on() -> bool:
-    value = os.environ.get(ENV_SWITCH, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV_SWITCH}={value!r}: expected 1 (products read their addend in place, the default) or "
-                         f"0 (the addend is copied into the output first)")
-    return value == "1"
+    return switched_on(ENV_SWITCH, "products read their addend in place", "the addend is copied into the output first")
 
 
 @functools.cache

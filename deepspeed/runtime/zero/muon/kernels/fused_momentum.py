@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -76,6 +77,15 @@ def _fusable(grads: Tensor, momenta: Tensor, direction: Tensor, grad_factor: Ten
             and direction.is_contiguous() and grads.numel() == momenta.numel() == direction.numel()
             and (grad_factor is None or (grad_factor.device == grads.device and grad_factor.dtype == torch.float32
                                     and grad_factor.numel() == 1)))
+
+
+def switched_on(variable: str, on: str, off: str) -> bool:
+    """The kernels' environment switch ``variable``: "1" (the default, ``on`` says what that means) or "0"
+    (``off``); anything else is refused by name rather than read as one of them."""
+    value = os.environ.get(variable, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{variable}={value!r}: expected 1 ({on}, the default) or 0 ({off})")
+    return value == "1"
 
 
 def launched(failed: list[Exception], launch: Callable[[], None], device: torch.device, kernel: str,

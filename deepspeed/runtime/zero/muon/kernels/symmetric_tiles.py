@@ -22,12 +22,11 @@ False).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import Tensor
 
-from deepspeed.runtime.zero.muon.kernels.fused_momentum import launched, triton_available
+from deepspeed.runtime.zero.muon.kernels.fused_momentum import launched, switched_on, triton_available
 from deepspeed.runtime.zero.muon.math import ns_ops
 
 # Tile and pipeline: 128 x 128 output tiles, 64-deep slices of K, eight warps, three stages in shared memory, one
@@ -38,13 +37,16 @@ BM, BK, WARPS, STAGES = 128, 64, 8, 3
 # beat the upper blocks on every product it replaces); smaller ones stay on cuBLAS's blocks.
 MIN_SIZE = 2048
 _FAILED: list[Exception] = []
-# Set to "0" to keep the symmetric iteration on cuBLAS's upper blocks (benchmarks compare the two).
+# "0" keeps the symmetric iteration on cuBLAS's upper blocks (benchmarks compare the two); "1", the default, or unset:
+# the kernel where it runs.
 ENV_SWITCH = "DS_MUON_TRIANGULAR"
 
 
 def whole_symmetric_supported(like: Tensor) -> bool:
     """Whether :func:`whole_symmetric_product` runs the kernel for m x m results like ``like`` (count, m, m)."""
-    return (like.is_cuda and os.environ.get(ENV_SWITCH, "1") != "0" and like.ndim == 3
+    # The switch first, so that a value it refuses is refused on every machine.
+    return (switched_on(ENV_SWITCH, "the triangular product where it runs", "cuBLAS's upper blocks")
+            and like.is_cuda and like.ndim == 3
             and like.dtype in (torch.float16, torch.bfloat16) and like.size(-1) == like.size(-2)
             and like.size(-1) >= MIN_SIZE and like.size(-1) % (2 * BM) == 0 and not _FAILED
             and _tensor_descriptors(like.device.index))
@@ -59,12 +61,10 @@ def whole_symmetric_product(A: Tensor, B: Tensor, out: Tensor, alpha: float = 1.
     if _launch(A, B, out, alpha, addend, beta, addend2, beta2, gamma):
         return out
     if A is B and addend is None and addend2 is None and not gamma and alpha == 1.0:
-        from deepspeed.runtime.zero.muon.math.symmetric_gram import symmetric_gram
+        from deepspeed.runtime.zero.muon.math.symmetric_gram import completed, symmetric_gram
 
         symmetric_gram(A, out)
-        h = out.size(-1) // 2
-        ns_ops.OPS.copy_transposed(out[:, h:, :h], out[:, :h, h:])
-        return out
+        return completed(out)
     return ns_ops.whole_symmetric_product(A, B, out, alpha, addend, beta, addend2, beta2, gamma)
 
 

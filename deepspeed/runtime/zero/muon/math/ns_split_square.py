@@ -35,7 +35,7 @@ from torch import Tensor
 
 from deepspeed.runtime.zero.muon.math.ns_coefficients import Coefficients
 from deepspeed.runtime.zero.muon.math.ns_common import SumPieces
-from deepspeed.runtime.zero.muon.math.symmetric_gram import FP16_SCALE, symmetric_gram
+from deepspeed.runtime.zero.muon.math.symmetric_gram import FP16_SCALE, completed, symmetric_gram
 
 # The smallest m (the matrix's smaller side) whose m x m products the holders divide between them. A holder with a
 # share f of the rows computes (1 - f) m^3 fewer multiply-adds a standard step and receives (1 - f) m^2 more elements
@@ -79,14 +79,6 @@ def row_bounds(shares: Sequence[int], m: int) -> list[int]:
     return bounds
 
 
-def _completed(S: Tensor) -> Tensor:
-    """An upper-stored symmetric matrix (``symmetric_gram``'s) made whole: its lower block is the upper one's
-    transpose."""
-    h = S.size(-1) // 2
-    S[:, h:, :h] = S[:, :h, h:].mT
-    return S
-
-
 def _summed_gram(X: Tensor, sum_pieces: SumPieces, symmetric: bool) -> Tensor:
     """The whole matrix's X X^T from this holder's columns: halved (then completed) for the symmetric methods."""
     count, m, _ = X.shape
@@ -96,7 +88,7 @@ def _summed_gram(X: Tensor, sum_pieces: SumPieces, symmetric: bool) -> Tensor:
     else:
         torch.bmm(X, X.mT, out=R)
     sum_pieces(R)
-    return _completed(R) if symmetric else R
+    return completed(R) if symmetric else R
 
 
 def square_split_standard(X: Tensor, schedule: Sequence[Coefficients], sum_pieces: SumPieces, rows: SquareRows,

@@ -148,6 +148,14 @@ def _add_upper(S: Tensor, T: Tensor, alpha: float, out: Tensor) -> None:
     OPS.add_scaled(S[:, h:, h:], T[:, h:, h:], alpha, out[:, h:, h:])
 
 
+def completed(S: Tensor) -> Tensor:
+    """An upper-stored symmetric matrix (``symmetric_gram``'s) made whole: its block below the diagonal of the 2 x 2
+    split written as the transpose of the block above it. Returns ``S``."""
+    h = _half(S.size(-1))
+    OPS.copy_transposed(S[:, h:, :h], S[:, :h, h:])
+    return S
+
+
 def whole_gram(X: Tensor, out: Tensor) -> None:
     """X X^T into ``out`` (count, m, m), stored whole: ``ns_ops.OPS.whole_symmetric_product`` (the kernels'
     triangular product where it takes X's layout)."""

@@ -102,3 +102,11 @@ def test_newton_schulz_with_the_kernel_equals_it_on_the_upper_blocks(shape, monk
     fp32 = NS_FUNCTIONS["standard"](G, dtype=torch.float32)
     assert (with_kernel - on_blocks).norm() / on_blocks.norm() < (5e-3 if shape[1] != shape[2] else 2e-2)
     assert (with_kernel - fp32).norm() / fp32.norm() <= 1.05 * (on_blocks - fp32).norm() / fp32.norm() + 1e-4
+
+
+@pytest.mark.parametrize("value", ["false", "off", " 0"])
+def test_an_unknown_switch_value_is_refused_by_name(monkeypatch, value):
+    """On every machine, before any Newton-Schulz work: the switch is read as 1 or 0 only."""
+    monkeypatch.setenv(symmetric_tiles.ENV_SWITCH, value)
+    with pytest.raises(ValueError, match=f"{symmetric_tiles.ENV_SWITCH}=.*expected 1 .* or 0"):
+        NS_FUNCTIONS["gram_sym"](torch.randn(64, 128), dtype=torch.float32)
