@@ -14,7 +14,10 @@ one rank (every matrix of that shape), and per model once as the engine calls it
 per-shape stacks, eagerly and replayed from a CUDA graph, as the optimizer replays it). A few product rates beside
 them say where the time goes: a large bf16 GEMM, and the m x m products as the iterations issue them; and the
 engine's call ("auto") is taken apart into its GEMMs, each kind timed on its own operands (count, time, TFLOP/s),
-whose sum beside the call's time is the part of the call that is GEMM time.
+whose sum beside the call's time is the part of the call that is GEMM time. Where the kernels' triangular product
+runs (deepspeed/runtime/zero/muon/kernels/symmetric_tiles.py), "gram_sym" and "auto" also run on cuBLAS's upper
+blocks ("gram_sym on blocks", "auto on blocks", as with DS_MUON_TRIANGULAR=0) in every table: what the kernel
+changes, in time and in accuracy, from one run.
 Prints tables and writes ns_methods_gpu.json to --out (default $OUT, else the working directory). About a minute
 on one H200. Accuracy: a Gaussian, a nearly low-rank and a decaying-spectrum matrix per shape, the relative
 Frobenius error of each method (bf16 compute, as on the GPU in training) against the float64 polar factor U V^T
@@ -59,6 +62,9 @@ from deepspeed.runtime.zero.muon.original_muon import NS_FUNCTIONS  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 METHODS = ("standard", "gram", "gram_sym", "auto")
+# Where the kernels' triangular product runs, "gram_sym" and "auto" run a second time on cuBLAS's upper blocks
+# (DS_MUON_TRIANGULAR=0) in the same call, so that the table shows what the kernel changes, in time and in accuracy.
+UPPER_BLOCKS = " on blocks"
 # Muon matrices per model (gpt_model.hidden_matrix_shapes on the benchmark's presets): shape -> count.
 MODELS = {
     "gpt2-small": {(2304, 768): 12, (768, 768): 12, (3072, 768): 12, (768, 3072): 12},
@@ -260,14 +266,48 @@ def largest_singular_value(X: torch.Tensor) -> float:
     return torch.linalg.eigvalsh(X @ X.mT).max().sqrt().item()
 
 
-def gpu_accuracy(shape: tuple, generator: torch.Generator) -> dict:
+def gpu_methods(triangular: bool) -> tuple:
+    """The methods of the GPU table: every one of METHODS, and with the triangular product also "gram_sym" and
+    "auto" on the upper blocks."""
+    return METHODS + (tuple(method + UPPER_BLOCKS for method in ("gram_sym", "auto")) if triangular else ())
+
+
+def ns_function(method: str):
+    """The Newton-Schulz function of a GPU table's ``method``: NS_FUNCTIONS', for a name ending in UPPER_BLOCKS run
+    with the triangular product switched off as DS_MUON_TRIANGULAR=0 switches it off."""
+    base = method.removesuffix(UPPER_BLOCKS)
+    if base == method:
+        return NS_FUNCTIONS[method]
+
+    def on_upper_blocks(*args, **kwargs):
+        before = os.environ.get(symmetric_tiles.ENV_SWITCH)
+        os.environ[symmetric_tiles.ENV_SWITCH] = "0"
+        try:
+            return NS_FUNCTIONS[base](*args, **kwargs)
+        finally:
+            if before is None:
+                del os.environ[symmetric_tiles.ENV_SWITCH]
+            else:
+                os.environ[symmetric_tiles.ENV_SWITCH] = before
+
+    return on_upper_blocks
+
+
+def method_flops(method: str, shape: tuple, triangular: bool) -> int:
+    """Flops of one call of the GPU table's ``method`` on one ``shape`` matrix (the triangular product's tiles where
+    it runs)."""
+    base = method.removesuffix(UPPER_BLOCKS)
+    return ns_flops(base, shape, STEPS, triangular and base == method)
+
+
+def gpu_accuracy(shape: tuple, generator: torch.Generator, methods: tuple) -> dict:
     """Per input and method: error vs the float64 polar factor, vs the float64 iteration, largest singular value."""
     result = {}
     for name, G in sample_inputs(shape, generator).items():
         polar, exact = polar_fp64(G), newton_schulz_fp64(G, STEPS)
         entry = {"float64_iteration_vs_polar": ((exact - polar).norm() / polar.norm()).item()}
-        for method in METHODS:
-            out = NS_FUNCTIONS[method](G.float(), steps=STEPS, dtype=torch.bfloat16).double()
+        for method in methods:
+            out = ns_function(method)(G.float(), steps=STEPS, dtype=torch.bfloat16).double()
             entry[method] = {"vs_polar": ((out - polar).norm() / polar.norm()).item(),
                              "vs_float64_iteration": ((out - exact).norm() / exact.norm()).item(),
                              "max_singular_value": largest_singular_value(out)}
@@ -275,30 +315,29 @@ def gpu_accuracy(shape: tuple, generator: torch.Generator) -> dict:
     return result
 
 
-def per_shape(model: str, reps: int, generator: torch.Generator) -> list:
+def per_shape(model: str, reps: int, generator: torch.Generator, methods: tuple, triangular: bool) -> list:
     rows = []
     for shape, count in MODELS[model].items():
         stack = torch.randn(count, *shape, device=DEVICE, dtype=torch.bfloat16)
         row = {"shape": list(shape), "batch": count}
-        for method in METHODS:
-            ms = device_ms(functools.partial(NS_FUNCTIONS[method], stack, steps=STEPS, dtype=torch.bfloat16), reps)
-            flops = count * ns_flops(method, shape, STEPS, triangular_products())
+        for method in methods:
+            ms = device_ms(functools.partial(ns_function(method), stack, steps=STEPS, dtype=torch.bfloat16), reps)
+            flops = count * method_flops(method, shape, triangular)
             row[method] = {"ms": ms, "gflop": flops / 1e9, "tflops": flops / ms / 1e9}
-        row["accuracy"] = gpu_accuracy(shape, generator)
+        row["accuracy"] = gpu_accuracy(shape, generator, methods)
         rows.append(row)
         del stack
     return rows
 
 
-def engine_call(model: str, reps: int) -> dict:
+def engine_call(model: str, reps: int, methods: tuple, triangular: bool) -> dict:
     """Every method on all of the model's matrices in one call (the list of per-shape stacks), eager and graphed."""
     stacks = [torch.randn(count, *shape, device=DEVICE, dtype=torch.bfloat16)
               for shape, count in MODELS[model].items()]
     result = {}
-    for method in METHODS:
-        call = functools.partial(NS_FUNCTIONS[method], stacks, steps=STEPS, dtype=torch.bfloat16)
-        flops = sum(count * ns_flops(method, shape, STEPS, triangular_products())
-                    for shape, count in MODELS[model].items())
+    for method in methods:
+        call = functools.partial(ns_function(method), stacks, steps=STEPS, dtype=torch.bfloat16)
+        flops = sum(count * method_flops(method, shape, triangular) for shape, count in MODELS[model].items())
         eager = device_ms(call, reps)
         graph = graphed(call)
         replayed = device_ms(graph.replay, reps)
@@ -404,7 +443,9 @@ def gemm_breakdown(model: str, reps: int) -> dict:
 
 
 def print_tables(results: dict) -> None:
-    print(f"\n{results['device']}, torch {results['torch']}; product rates (TFLOP/s):")
+    methods = results["methods"]
+    print(f"\n{results['device']}, torch {results['torch']}; triangular product: {results['triangular_product']}; "
+          "product rates (TFLOP/s):")
     for name, rate in results["product_rates"].items():
         print(f"  {name:55s} {rate:8.1f}")
     for model, entry in results["models"].items():
@@ -425,11 +466,11 @@ def print_tables(results: dict) -> None:
         for row in entry["per_shape"]:
             shape = f"{row['batch']} x {row['shape'][0]}x{row['shape'][1]}"
             print(f"  {shape:16s} " + "  ".join(
-                f"{m} {row[m]['ms']:7.2f} ms {row[m]['tflops']:6.1f}" for m in METHODS))
+                f"{m} {row[m]['ms']:7.2f} ms {row[m]['tflops']:6.1f}" for m in methods))
             for name, acc in row["accuracy"].items():
                 print(f"    {name:12s} (float64 iteration {acc['float64_iteration_vs_polar']:.4f}) " + "  ".join(
                     f"{m} {acc[m]['vs_polar']:.4f} / {acc[m]['vs_float64_iteration']:.4f}, "
-                    f"{acc[m]['max_singular_value']:.3f}" for m in METHODS))
+                    f"{acc[m]['max_singular_value']:.3f}" for m in methods))
 
 
 def cpu_accuracy(args) -> None:
@@ -477,16 +518,19 @@ def cpu_accuracy(args) -> None:
 def gpu_tables(args) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     generator = torch.Generator().manual_seed(0)
+    triangular = triangular_products()
+    methods = gpu_methods(triangular)
     results = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "steps": STEPS, "reps": args.reps,
+        "triangular_product": triangular, "methods": list(methods),
         "bf16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
         "fp16_reduced_precision_reduction": torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
         "product_rates": product_rates(args.reps), "models": {},
     }
     for model in args.models.split(","):
-        results["models"][model] = {"engine_call": engine_call(model, args.reps),
+        results["models"][model] = {"engine_call": engine_call(model, args.reps, methods, triangular),
                                     "gemm_breakdown": gemm_breakdown(model, args.reps),
-                                    "per_shape": per_shape(model, args.reps, generator)}
+                                    "per_shape": per_shape(model, args.reps, generator, methods, triangular)}
     print_tables(results)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "ns_methods_gpu.json")

@@ -2,6 +2,7 @@
 `NS_FUNCTIONS` is measured against the float64 references and the summary table names each one."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -80,3 +81,51 @@ def test_with_the_triangular_product_the_recorded_flops_are_its_tiles(monkeypatc
     assert sum(flops for _, flops, _ in gemms) == expected
     # Ten of the sixteen 128 x 128 tiles of each m x m product at m = 512, against three of the four 2 x 2 blocks.
     assert expected < sum(count * ns_flops("gram_sym", shape, 5) for shape, count in shapes.items())
+
+
+def test_the_rows_on_blocks_run_without_the_triangular_product_in_the_same_call(monkeypatch):
+    """Where the triangular product runs, the GPU table also runs "gram_sym" and "auto" on cuBLAS's upper blocks, so
+    the kernel's change in time and accuracy is measured in one run: those rows must switch the product off for their
+    call alone (as DS_MUON_TRIANGULAR=0 does), count the blocks' flops, and leave the switch as it was."""
+    import torch
+    from ns_timing import ns_flops
+
+    from deepspeed.runtime.zero.muon.kernels import symmetric_tiles
+    from deepspeed.runtime.zero.muon.kernels.fused_momentum import switched_on
+    from deepspeed.runtime.zero.muon.math import ns_by_shape
+    from deepspeed.runtime.zero.muon.math.ns_ops import OPS
+
+    # The kernel's place taken by the torch product from m = 512, behind the same switch.
+    monkeypatch.setattr(symmetric_tiles, "MIN_SIZE", 512)
+    monkeypatch.setattr(ns_by_shape, "SYMMETRIC_FROM_SIDE", 512)
+    monkeypatch.delenv(symmetric_tiles.ENV_SWITCH, raising=False)
+    monkeypatch.setattr(OPS, "whole_symmetric_supported",
+                        lambda like: switched_on(symmetric_tiles.ENV_SWITCH, "", "") and like.size(-1) >= 512)
+    whole_products = []
+    product = OPS.whole_symmetric_product
+    monkeypatch.setattr(OPS, "whole_symmetric_product",
+                        lambda *args, **kwargs: whole_products.append(1) or product(*args, **kwargs))
+
+    methods = ns_methods.gpu_methods(True)
+    assert methods == ns_methods.METHODS + ("gram_sym on blocks", "auto on blocks")
+    assert ns_methods.gpu_methods(False) == ns_methods.METHODS
+    G = torch.randn(512, 768, dtype=torch.float64)
+    results = {}
+    for method in methods:
+        whole_products.clear()
+        results[method] = ns_methods.ns_function(method)(G.float(), steps=5, dtype=torch.float32)
+        assert bool(whole_products) == (method in ("gram_sym", "auto")), method
+        assert symmetric_tiles.ENV_SWITCH not in os.environ, method
+        triangular = ns_methods.method_flops(method, (512, 768), triangular=True)
+        base = method.removesuffix(ns_methods.UPPER_BLOCKS)
+        assert triangular == ns_flops(base, (512, 768), 5, triangular=base == method), method
+    assert ns_methods.method_flops("gram_sym", (512, 768), True) < ns_methods.method_flops("gram_sym on blocks",
+                                                                                          (512, 768), True)
+    # The same quintic on both storages: equal to fp32 rounding.
+    for base in ("gram_sym", "auto"):
+        on_blocks = results[base + ns_methods.UPPER_BLOCKS]
+        assert (results[base] - on_blocks).abs().max() < 1e-4 * on_blocks.abs().max(), base
+
+    monkeypatch.setenv(symmetric_tiles.ENV_SWITCH, "1")
+    ns_methods.ns_function("auto on blocks")(G.float(), steps=5, dtype=torch.float32)
+    assert os.environ[symmetric_tiles.ENV_SWITCH] == "1"
