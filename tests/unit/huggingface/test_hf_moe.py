@@ -1,16 +1,18 @@
 """Mixture-of-experts models of the installed transformers train under the Trainer and accelerate, routing unevenly.
 
-Two tiny architectures, one of each kind transformers 5 has: Mixtral, whose experts are fused 3-D parameters
+Three tiny architectures, of each kind transformers 5 has: Mixtral, whose experts are fused 3-D parameters
 ([experts, 2 * intermediate, hidden] and [experts, hidden, intermediate], one module that runs only the experts its
-tokens chose), and Switch Transformers, whose experts are one module each (called only when a token chose them).
+tokens chose), GPT-OSS, whose fused experts have fused biases ([experts, 2 * intermediate]: one bias vector per
+expert, Adam's under the default split), and Switch Transformers, whose experts are one module each (called only
+when a token chose them).
 Rank 0's sequences repeat one token, so every position of them has the same hidden state and the router sends them
 all to the same experts: the other experts get no token there while rank 1's random tokens reach them. The MoE
 blocks are ZeRO-3 leaf modules the way users mark them: accelerate's `ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES`
 under the Trainer, `DeepSpeedPlugin(transformer_moe_cls_names=...)` in a raw accelerate loop (both call
 `deepspeed.utils.set_z3_leaf_modules`). Each run must finish and equal a single-process torch reference on the same
 batches: torch's AdamW (hf_harness.py), or for Muon a float64 Muon written out here, with the default split's groups
-(routers and experts to Muon, a fused 3-D expert tensor orthogonalised expert by expert; embeddings, head and
-vectors to Adam).
+(routers and experts to Muon, a fused 3-D expert tensor orthogonalised expert by expert; embeddings, head,
+vectors and fused expert biases to Adam).
 """
 
 import os
@@ -56,8 +58,20 @@ def switch_config():
                                                  router_jitter_noise=0.0, decoder_start_token_id=0, pad_token_id=0)
 
 
+def gpt_oss_config():
+    """Fused experts stored [experts, in, out] with fused biases [experts, out]: 4 experts, top-2, full attention
+    with sinks, plain RoPE (YaRN's scaling is for long contexts); no auxiliary loss."""
+    return transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                     max_position_embeddings=SEQ, num_local_experts=4, num_experts_per_tok=2,
+                                     output_router_logits=False, layer_types=["full_attention"] * 2,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                     tie_word_embeddings=False)
+
+
 # name: (config, auto class, MoE block class accelerate marks as a leaf, router class whose choices are recorded)
 ARCHITECTURES = {
+    "gpt_oss": (gpt_oss_config, "AutoModelForCausalLM", "GptOssMLP", "GptOssTopKRouter"),
     "mixtral": (mixtral_config, "AutoModelForCausalLM", "MixtralSparseMoeBlock", "MixtralTopKRouter"),
     "switch": (switch_config, "AutoModelForSeq2SeqLM", "SwitchTransformersSparseMLP",
                "SwitchTransformersTop1Router"),
@@ -103,12 +117,14 @@ class RoutingRecorder:
 
 
 def adam_names(model) -> set:
-    """The default split's ("hidden") Adam group, as docs/muon.md states it: embeddings, the output head and every
-    parameter of fewer than two dims. Everything else, routers and experts included, is Muon's."""
+    """The default split's ("hidden") Adam group, as docs/muon.md states it: embeddings, the output head, every
+    parameter of fewer than two dims and every bias (GPT-OSS's fused expert biases [experts, out]). Everything
+    else, routers and experts included, is Muon's."""
     modules = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)] + [model.get_output_embeddings()]
     ids = {id(p) for module in modules for p in module.parameters()}
     # A ZeRO-3 parameter's own shape is its placeholder's; ds_shape is the parameter's.
-    return {name for name, p in model.named_parameters() if len(getattr(p, "ds_shape", p.shape)) < 2 or id(p) in ids}
+    return {name for name, p in model.named_parameters()
+            if len(getattr(p, "ds_shape", p.shape)) < 2 or id(p) in ids or name.endswith(("_bias", ".bias"))}
 
 
 def muon_reference_training(model_dir: str, auto_class: str, batches, lrs):
@@ -220,7 +236,7 @@ class TestTrainerMoE(DistributedTest):
         # over the items) scales its mean loss by the accumulation steps and the processes: a transformers
         # behaviour, the same with upstream DeepSpeed. The gradients are that many times larger; clipping (active
         # at every step here) makes the updates the reference's all the same.
-        scale = 1 if arch == "mixtral" else GAS * dist.get_world_size()
+        scale = GAS * dist.get_world_size() if arch == "switch" else 1
         logged = [entry["loss"] / scale for entry in trainer.state.log_history if "loss" in entry]
         assert logged == pytest.approx(expected_losses, rel=1e-5)
 

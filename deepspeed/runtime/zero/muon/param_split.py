@@ -5,9 +5,10 @@ Two rules, chosen by `optimizer.params.param_split`:
 - "hidden" (the default): Muon takes the hidden matrices, the convention of the Muon reference and its peers;
   the Adam group takes embeddings (weights of `torch.nn.Embedding` / `EmbeddingBag` modules), the output head
   (`model.get_output_embeddings()` where the model has it, as Hugging Face models do, and any module named
-  `lm_head`), a head tied to an embedding (it is the embedding's weight), and every parameter with fewer than 2
-  dims (norms, biases, scalars). A head of another name in a model without `get_output_embeddings` is a matrix
-  like any other: tag it `use_muon = False`.
+  `lm_head`), a head tied to an embedding (it is the embedding's weight), every parameter with fewer than 2
+  dims (norms, biases, scalars), and biases of more dims (a parameter its module names "bias" or "..._bias": a
+  stack of bias vectors, one per expert or head, which Newton-Schulz would mix). A head of another name in a model
+  without `get_output_embeddings` is a matrix like any other: tag it `use_muon = False`.
 - "upstream": upstream DeepSpeed's rule: Muon for every parameter with 2 or more dims whose name contains neither
   "embed" nor "lm_head".
 
@@ -15,7 +16,8 @@ A parameter that already has a `use_muon` attribute keeps it: the user's choice 
 
 Mixture-of-experts models need no rule of their own: a router's weight (a matrix [experts, hidden]) is a hidden
 matrix, so Muon takes it under both rules, and its bias, where it has one, is a vector for Adam; a fused expert
-tensor [experts, out, in] goes to Muon whole, which orthogonalises it as `experts` matrices (`matrix_blocks`). The
+tensor [experts, out, in] goes to Muon whole, which orthogonalises it as `experts` matrices (`matrix_blocks`), and
+its fused biases [experts, out] (GPT-OSS's) go to Adam under "hidden", being one bias vector per expert. The
 log line counts both: Muon's tensors as the matrices Newton-Schulz sees, and the router weights among them.
 """
 
@@ -94,15 +96,23 @@ def _router_params(model: torch.nn.Module) -> set:
             for param in module.parameters()}
 
 
+def _is_bias(attribute: str) -> bool:
+    """A parameter its module calls "bias" or "..._bias": bias vectors, one per row where it has two dims or more
+    (GPT-OSS's experts.gate_up_proj_bias [experts, 2 * intermediate], XLNet's r_w_bias [heads, head_dim])."""
+    return attribute == "bias" or attribute.endswith("_bias")
+
+
 def _hidden_rule(model: torch.nn.Module) -> dict:
     """id(param) -> None (Muon) or the reason it goes to Adam, for every parameter of `model`."""
     heads = _head_modules(model)
     reasons = {}
     for module in model.modules():
         reason = "embedding" if isinstance(module, _EMBEDDINGS) else "head" if id(module) in heads else None
-        for param in module.parameters(recurse=False):
+        for attribute, param in module.named_parameters(recurse=False):
             if len(_shape(param)) < 2:
                 reasons.setdefault(id(param), "vector")
+            elif _is_bias(attribute):
+                reasons.setdefault(id(param), "stacked bias")
             elif reason is not None:
                 # An embedding's verdict wins over a head's for a tied weight (both say Adam).
                 reasons[id(param)] = reasons.get(id(param)) or reason

@@ -97,6 +97,41 @@ def test_moe_router_and_experts_go_to_muon_and_the_log_line_counts_their_matrice
                                    f"experts 2 tensors = 8 matrices, routers 1), Adam 4 tensors (812 params): {adam}")
 
 
+class FusedExpertsWithBiases(FusedExperts):
+    """GPT-OSS's fused experts: a bias vector per expert, stored as one [experts, out] parameter each."""
+
+    def __init__(self, experts, dim, intermediate):
+        super().__init__(experts, dim, intermediate)
+        self.gate_up_proj_bias = torch.nn.Parameter(torch.zeros(experts, 2 * intermediate))
+        self.down_proj_bias = torch.nn.Parameter(torch.zeros(experts, dim))
+
+
+class PerHeadBias(torch.nn.Module):
+    """A per-head bias [heads, head_dim] named "bias" (XLNet and Funnel keep theirs so)."""
+
+    def __init__(self, heads=2, head_dim=4):
+        super().__init__()
+        self.proj = torch.nn.Linear(heads * head_dim, heads * head_dim, bias=False)
+        self.bias = torch.nn.Parameter(torch.zeros(heads, head_dim))
+
+
+@pytest.mark.parametrize("rule", ["hidden", "upstream"])
+def test_biases_of_two_dims_are_a_bias_per_expert_or_head(rule):
+    """Orthogonalising [experts, out] as one matrix would tie each expert's bias update to the others' gradients:
+    the default rule gives every bias to Adam whatever its dims; upstream's rule goes by dims and names only."""
+    model = TinyMoE()
+    model.experts = FusedExpertsWithBiases(4, 8, 6)
+    model.heads = PerHeadBias()
+    split = deepspeed.tag_muon_params(model, rule)
+    biases = ["experts.down_proj_bias", "experts.gate_up_proj_bias", "heads.bias"]
+    matrices = ["attn.weight", "experts.down_proj", "experts.gate_up_proj", "gate.weight", "heads.proj.weight"]
+    assert muon_names(model) == (matrices if rule == "hidden" else sorted(matrices + biases))
+    if rule == "hidden":
+        assert {name: reason for name, _, reason in split.adam if name in biases} == dict.fromkeys(biases,
+                                                                                                   "stacked bias")
+        assert "stacked bias 3 (88)" in split.summary(rule)
+
+
 def test_a_router_tagged_for_adam_is_not_counted_among_muons_routers():
     model = TinyMoE()
     model.gate.weight.use_muon = False
