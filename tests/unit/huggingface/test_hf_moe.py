@@ -69,8 +69,23 @@ def gpt_oss_config():
                                      tie_word_embeddings=False)
 
 
+def dbrx_config():
+    """Experts stacked by rows in one matrix each ([experts * ffn, hidden]: w1, v1, w2): 4 experts, top-2; no router
+    jitter."""
+    return transformers.DbrxConfig(d_model=32, n_heads=4, n_layers=2, max_seq_len=SEQ, vocab_size=VOCAB,
+                                   attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                                   ffn_config={"ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2,
+                                               "moe_jitter_eps": None},
+                                   output_router_logits=False, tie_word_embeddings=False)
+
+
+# Parameters whose rows stack the experts (DBRX's, by name): orthogonalised as 4 matrices of rows / 4 rows each.
+ROW_STACKED_EXPERTS = (".experts.mlp.w1", ".experts.mlp.v1", ".experts.mlp.w2")
+EXPERTS = 4
+
 # name: (config, auto class, MoE block class accelerate marks as a leaf, router class whose choices are recorded)
 ARCHITECTURES = {
+    "dbrx": (dbrx_config, "AutoModelForCausalLM", "DbrxFFN", "DbrxRouter"),
     "gpt_oss": (gpt_oss_config, "AutoModelForCausalLM", "GptOssMLP", "GptOssTopKRouter"),
     "mixtral": (mixtral_config, "AutoModelForCausalLM", "MixtralSparseMoeBlock", "MixtralTopKRouter"),
     "switch": (switch_config, "AutoModelForSeq2SeqLM", "SwitchTransformersSparseMLP",
@@ -101,6 +116,9 @@ class RoutingRecorder:
     def _hook(self, name):
 
         def record(_module, _inputs, output):
+            if isinstance(output, torch.Tensor):  # DBRX: the router's logits, of which its block takes the top 2
+                self.chosen[name].update(output.topk(2, dim=-1).indices.reshape(-1).tolist())
+                return
             choice = output[2] if isinstance(output[2], torch.Tensor) and not output[2].is_floating_point() else None
             if choice is None:  # Switch: a one-hot mask of the chosen expert first
                 choice = output[0].reshape(-1, output[0].shape[-1]).nonzero()[:, 1]
@@ -131,7 +149,8 @@ def muon_reference_training(model_dir: str, auto_class: str, batches, lrs):
     """float64, one process: the mean token loss of each step's batch, torch's clip_grad_norm_, then Muon (momentum
     0.95, Nesterov, decoupled decay, its lr the schedule's times MUON_LR / LR) on the default split's Muon group,
     every matrix of it orthogonalised on its own (a 3-D tensor [experts, out, in] one expert at a time), and torch's
-    AdamW on the rest. Returns the final parameters (fp32) and each step's loss."""
+    AdamW on the rest; DBRX's row-stacked experts one expert (rows / 4 rows) at a time. Returns the final parameters
+    (fp32) and each step's loss."""
     # Mixtral: the eager loop over experts (the default grouped matmul has no float64 kernel).
     options = {"experts_implementation": "eager"} if auto_class == "AutoModelForCausalLM" else {}
     model = getattr(transformers, auto_class).from_pretrained(model_dir, dtype=torch.float64, **options)
@@ -161,6 +180,8 @@ def muon_reference_training(model_dir: str, auto_class: str, batches, lrs):
                 momenta[name].lerp_(param.grad, 1 - MUON_MOMENTUM)
                 direction = param.grad.lerp(momenta[name], MUON_MOMENTUM)
                 rows, cols = param.shape[-2:]
+                if name.endswith(ROW_STACKED_EXPERTS):
+                    rows //= EXPERTS
                 update = torch.stack([newton_schulz_fp64(matrix) for matrix in direction.reshape(-1, rows, cols)])
                 param.mul_(1 - muon_lr * WEIGHT_DECAY)
                 param.add_(update.reshape(param.shape) * max(1.0, rows / cols)**0.5, alpha=-muon_lr)

@@ -17,11 +17,12 @@ A parameter that already has a `use_muon` attribute keeps it: the user's choice 
 Mixture-of-experts models need no rule of their own: a router's weight (a matrix [experts, hidden]) is a hidden
 matrix, so Muon takes it under both rules, and its bias, where it has one, is a vector for Adam; a fused expert
 tensor [experts, out, in] goes to Muon whole, which orthogonalises it as `experts` matrices (`matrix_blocks`), and
-its fused biases [experts, out] (GPT-OSS's) go to Adam under "hidden", being one bias vector per expert. The
+its fused biases [experts, out] (GPT-OSS's) go to Adam under "hidden", being one bias vector per expert. Experts
+stacked by rows in a 2-D parameter (DBRX's [experts * ffn, hidden]) get a head count of one block per expert, under
+both rules, so that each expert is orthogonalised on its own (`muon_num_heads`, read by muon/per_head.py). The
 log line counts both: Muon's tensors as the matrices Newton-Schulz sees, and the router weights among them.
 """
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,15 @@ from deepspeed.runtime.zero.muon.math.update import matrix_blocks
 
 DEFAULT_PARAM_SPLIT = "hidden"
 _EMBEDDINGS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+# Attributes by which a module says how many experts it holds (transformers' experts modules; DBRX's DbrxExpertGLU
+# says moe_num_experts).
+EXPERT_COUNT_ATTRIBUTES = ("num_experts", "moe_num_experts", "num_local_experts")
+# The per-head attributes (muon/per_head.py reads them): a matrix's rows split into that many blocks, or blocks of
+# that many rows.
+NUM_HEADS_ATTRIBUTE, HEAD_DIM_ATTRIBUTE = "muon_num_heads", "muon_head_dim"
+# Marks a muon_num_heads that tag_muon_params set from an expert count (not the user's), so that the next tagging
+# sets it again from the model as it is then.
+_EXPERTS_DERIVED_ATTRIBUTE = "_muon_num_heads_experts"
 
 
 def _shape(param: torch.Tensor) -> torch.Size:
@@ -121,6 +131,53 @@ def _hidden_rule(model: torch.nn.Module) -> dict:
     return reasons
 
 
+def _expert_count(module: torch.nn.Module) -> int | None:
+    for attribute in EXPERT_COUNT_ATTRIBUTES:
+        count = getattr(module, attribute, None)
+        if isinstance(count, int) and not isinstance(count, bool):
+            return count
+    return None
+
+
+def _row_stacked_experts(model: torch.nn.Module) -> dict:
+    """id(param) -> E for the experts stacked by rows in one matrix: a 2-D parameter of a module that holds E > 1
+    experts (one of EXPERT_COUNT_ATTRIBUTES), whose rows are E equal blocks of more than one row (DBRX's w1, v1, w2
+    [experts * ffn, hidden], expert e's matrix its rows e * ffn to (e + 1) * ffn). A router's weight [experts, hidden]
+    has one row per expert: a matrix."""
+    counts = {}
+    for module in model.modules():
+        count = _expert_count(module)
+        if count is None or count < 2:
+            continue
+        for param in module.parameters(recurse=False):
+            shape = _shape(param)
+            if len(shape) == 2 and shape[0] > count and shape[0] % count == 0:
+                counts[id(param)] = count
+    return counts
+
+
+def _tag_row_stacked_experts(model: torch.nn.Module) -> None:
+    """Orthogonalise each expert of a row-stacked expert matrix on its own: ``muon_num_heads`` = the expert count
+    (the per-head path splits the rows into that many blocks), unless the user set a head count or size."""
+    for param in model.parameters():
+        if getattr(param, _EXPERTS_DERIVED_ATTRIBUTE, False):
+            delattr(param, NUM_HEADS_ATTRIBUTE)
+            delattr(param, _EXPERTS_DERIVED_ATTRIBUTE)
+    counts = _row_stacked_experts(model)
+    for param in model.parameters():
+        count = counts.get(id(param))
+        if (count is None or not getattr(param, "use_muon", False) or hasattr(param, NUM_HEADS_ATTRIBUTE)
+                or hasattr(param, HEAD_DIM_ATTRIBUTE)):
+            continue
+        setattr(param, NUM_HEADS_ATTRIBUTE, count)
+        setattr(param, _EXPERTS_DERIVED_ATTRIBUTE, True)
+
+
+def row_stacked_experts(param: torch.Tensor) -> bool:
+    """Whether ``param``'s head count is the expert count :func:`tag_muon_params` gave a row-stacked expert matrix."""
+    return bool(getattr(param, _EXPERTS_DERIVED_ATTRIBUTE, False))
+
+
 def _upstream_reason(name: str, param: torch.Tensor):
     lowered = name.lower()
     if len(_shape(param)) < 2:
@@ -142,24 +199,28 @@ def tag_muon_params(model: torch.nn.Module, param_split: str = DEFAULT_PARAM_SPL
     if param_split not in PARAM_SPLITS:
         raise ValueError(f"param_split must be one of {list(PARAM_SPLITS)}, got {param_split!r}")
     reasons = _hidden_rule(model) if param_split == "hidden" else None
-    routers = _router_params(model)
-    split = ParamSplit()
-    named: Iterable = model.named_parameters()
-    for name, param in named:
+    adam_reasons = {}
+    for name, param in model.named_parameters():
         if not hasattr(param, "use_muon"):
             reason = reasons.get(id(param)) if reasons is not None else _upstream_reason(name, param)
             param.use_muon = reason is None
         else:
             reason = None if param.use_muon else "tagged use_muon=False"
+        adam_reasons[name] = reason or "tagged use_muon=False"
+    _tag_row_stacked_experts(model)
+    routers = _router_params(model)
+    split = ParamSplit()
+    for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         numel = _shape(param).numel()
         if param.use_muon:
             split.muon.append((name, numel))
             if len(_shape(param)) >= 2:
-                split.matrices[name] = matrix_blocks(_shape(param))[0]
+                experts = param.muon_num_heads if row_stacked_experts(param) else 1
+                split.matrices[name] = matrix_blocks(_shape(param), experts)[0]
             if id(param) in routers:
                 split.routers.append(name)
         else:
-            split.adam.append((name, numel, reason or "tagged use_muon=False"))
+            split.adam.append((name, numel, adam_reasons[name]))
     return split

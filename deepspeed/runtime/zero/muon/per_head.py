@@ -25,10 +25,9 @@ from typing import Any
 import torch
 
 from deepspeed.runtime.zero.muon.math.update import head_rows, matrix_rows
+from deepspeed.runtime.zero.muon.param_split import HEAD_DIM_ATTRIBUTE, NUM_HEADS_ATTRIBUTE, row_stacked_experts
 from deepspeed.utils.logging import log_dist
 
-NUM_HEADS_ATTRIBUTE = "muon_num_heads"
-HEAD_DIM_ATTRIBUTE = "muon_head_dim"
 # Marks a count that tag_attention_heads derived (not the user's), so the next tagging derives it again from its
 # own config instead of keeping it as if a user had set it.
 _DERIVED_ATTRIBUTE = "_muon_num_heads_derived"
@@ -43,6 +42,11 @@ KEY_VALUE_HEAD_COUNT_KEY = "num_key_value_heads"
 HEAD_DIM_KEY = "head_dim"
 # Without head_dim, the hidden size over the query head count gives it (the rows of one k/v head under GQA).
 HIDDEN_SIZE_KEYS = ("hidden_size", "d_model", "n_embd", "dim")
+
+
+def param_shape(param: torch.Tensor) -> torch.Size:
+    """A parameter's shape (a ZeRO stage-3 placeholder's is ``ds_shape``)."""
+    return getattr(param, "ds_shape", param.shape)
 
 
 def head_count(param: torch.Tensor, name: str | None = None) -> int:
@@ -60,7 +64,7 @@ def head_count(param: torch.Tensor, name: str | None = None) -> int:
     head_dim = getattr(param, HEAD_DIM_ATTRIBUTE, None)
     if num_heads is None and head_dim is None:
         return 1
-    shape = getattr(param, "ds_shape", param.shape)  # a ZeRO stage-3 placeholder's shape is ds_shape
+    shape = param_shape(param)
     rows = matrix_rows(shape)
     what = f"parameter {name}" if name else "a parameter"
     what += f" of shape {tuple(shape)}"
@@ -206,15 +210,17 @@ def tag_attention_heads(model: torch.nn.Module, per_head_muon: bool = False) -> 
             delattr(param, _DERIVED_ATTRIBUTE)
     if per_head_muon:
         _tag_projections(model, matrices)
-    tagged = {}
+    tagged, experts = {}, {}
     for name, param in matrices:
         count = head_count(param, name)
         if count > 1:
-            tagged[name] = count
-    if tagged:
-        described = ", ".join(f"{name} ({count} heads of {param.shape[0] // count} rows)"
-                              for name, param in matrices if (count := tagged.get(name)))
-        log_dist(f"Muon orthogonalises {len(tagged)} matrices per head: {described}", ranks=[0], level=logging.INFO)
+            (experts if row_stacked_experts(param) else tagged)[name] = count
+    for split, unit in ((tagged, "head"), (experts, "expert")):
+        if split:
+            described = ", ".join(f"{name} ({count} {unit}s of {matrix_rows(param_shape(param)) // count} rows)"
+                                  for name, param in matrices if (count := split.get(name)))
+            log_dist(f"Muon orthogonalises {len(split)} matrices per {unit}: {described}", ranks=[0],
+                     level=logging.INFO)
     return tagged
 
 
@@ -232,7 +238,7 @@ def _tag_projections(model: torch.nn.Module, matrices: list[tuple[str, torch.Ten
             setattr(param, NUM_HEADS_ATTRIBUTE, count)
             setattr(param, _DERIVED_ATTRIBUTE, True)
             derived += 1
-    if derived or any(head_count(param, name) > 1 for name, param in matrices):
+    if derived or any(head_count(param, name) > 1 for name, param in matrices if not row_stacked_experts(param)):
         return
     names = ", ".join((*QUERY_PROJECTIONS, *KEY_VALUE_PROJECTIONS, *MLA_UP_PROJECTIONS))
     if not candidates:

@@ -7,6 +7,7 @@ import torch
 
 import deepspeed
 from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+from deepspeed.runtime.zero.muon.per_head import head_count, tag_attention_heads
 
 
 class GPT2Like(torch.nn.Module):
@@ -130,6 +131,64 @@ def test_biases_of_two_dims_are_a_bias_per_expert_or_head(rule):
         assert {name: reason for name, _, reason in split.adam if name in biases} == dict.fromkeys(biases,
                                                                                                    "stacked bias")
         assert "stacked bias 3 (88)" in split.summary(rule)
+
+
+class RowStackedExperts(torch.nn.Module):
+    """DBRX's experts: each weight is [experts * ffn, dim], expert e's matrix its rows e * ffn to (e + 1) * ffn."""
+
+    def __init__(self, experts=4, dim=8, ffn=6):
+        super().__init__()
+        self.moe_num_experts = experts
+        self.w1 = torch.nn.Parameter(torch.zeros(experts * ffn, dim))
+        self.w2 = torch.nn.Parameter(torch.zeros(experts * ffn, dim))
+
+
+class RouterWithCount(torch.nn.Module):
+    """A router that says its expert count: its weight [experts, dim] has one row per expert, a matrix of its own."""
+
+    def __init__(self, experts=4, dim=8):
+        super().__init__()
+        self.num_experts = experts
+        self.weight = torch.nn.Parameter(torch.zeros(experts, dim))
+
+
+@pytest.mark.parametrize("rule", ["hidden", "upstream"])
+def test_experts_stacked_by_rows_are_orthogonalised_one_by_one(rule):
+    """Orthogonalised whole, DBRX's [experts * ffn, dim] would tie each expert's update to the others' gradients:
+    the split gives it a head count of one block per expert, under both rules; a router keeps its weight whole."""
+    model = TinyMoE()
+    model.experts = RowStackedExperts()
+    model.router = RouterWithCount()
+    split = deepspeed.tag_muon_params(model, rule)
+    heads = {name: getattr(p, "muon_num_heads", None) for name, p in model.named_parameters() if p.use_muon}
+    assert heads == {"attn.weight": None, "gate.weight": None, "experts.w1": 4, "experts.w2": 4,
+                     "router.weight": None}
+    assert split.matrices["experts.w1"] == split.matrices["experts.w2"] == 4
+    assert "fused experts 2 tensors = 8 matrices" in split.summary(rule)
+    assert {name: head_count(p, name) for name, p in model.named_parameters() if p.use_muon}["experts.w1"] == 4
+    # Tagged again (a second initialize), the count is derived again, not kept as if a user had set it.
+    model.experts.moe_num_experts = 2
+    deepspeed.tag_muon_params(model, rule)
+    assert model.experts.w1.muon_num_heads == 2
+
+
+def test_a_head_count_the_user_set_on_stacked_experts_wins(caplog):
+    model = TinyMoE()
+    model.experts = RowStackedExperts()
+    model.experts.w2.muon_num_heads = 1  # keep it whole
+    deepspeed.tag_muon_params(model)
+    assert model.experts.w1.muon_num_heads == 4 and model.experts.w2.muon_num_heads == 1
+    # The per-head tagging reports them apart from attention heads, and per_head_muon finds no head in them.
+    logger = logging.getLogger("DeepSpeed")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="DeepSpeed"):
+            assert tag_attention_heads(model) == {}
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "Muon orthogonalises 1 matrices per expert: experts.w1 (4 experts of 6 rows)" in caplog.text
+    with pytest.raises(ValueError, match="per_head_muon is true, but no Muon matrix can be orthogonalised per head"):
+        tag_attention_heads(model, per_head_muon=True)
 
 
 def test_a_router_tagged_for_adam_is_not_counted_among_muons_routers():
