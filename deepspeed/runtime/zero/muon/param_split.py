@@ -6,8 +6,9 @@ Two rules, chosen by `optimizer.params.param_split`:
   the Adam group takes embeddings (weights of `torch.nn.Embedding` / `EmbeddingBag` modules), the output head
   (`model.get_output_embeddings()` where the model has it, as Hugging Face models do, and any module named
   `lm_head`), a head tied to an embedding (it is the embedding's weight), every parameter with fewer than 2
-  dims (norms, biases, scalars), and biases of more dims (a parameter its module names "bias" or "..._bias": a
-  stack of bias vectors, one per expert or head, which Newton-Schulz would mix). A head of another name in a model
+  dims (norms, biases, scalars), and biases and norm scales of more dims (a parameter its module names "bias" or
+  "..._bias", or of a module whose class name ends in "Norm": a stack of vectors, one per expert or head, which
+  Newton-Schulz would mix). A head of another name in a model
   without `get_output_embeddings` is a matrix like any other: tag it `use_muon = False`.
 - "upstream": upstream DeepSpeed's rule: Muon for every parameter with 2 or more dims whose name contains neither
   "embed" nor "lm_head".
@@ -112,6 +113,12 @@ def _is_bias(attribute: str) -> bool:
     return attribute == "bias" or attribute.endswith("_bias")
 
 
+def _is_norm(module: torch.nn.Module) -> bool:
+    """A normalisation layer (torch's and transformers' classes are all named ...Norm): its parameters are
+    element-wise scales and shifts, one per row where they have two dims (Ergo's ErgoExpertNorm [experts, hidden])."""
+    return type(module).__name__.endswith("Norm")
+
+
 def _hidden_rule(model: torch.nn.Module) -> dict:
     """id(param) -> None (Muon) or the reason it goes to Adam, for every parameter of `model`."""
     heads = _head_modules(model)
@@ -123,6 +130,8 @@ def _hidden_rule(model: torch.nn.Module) -> dict:
                 reasons.setdefault(id(param), "vector")
             elif _is_bias(attribute):
                 reasons.setdefault(id(param), "stacked bias")
+            elif _is_norm(module):
+                reasons.setdefault(id(param), "stacked norm")
             elif reason is not None:
                 # An embedding's verdict wins over a head's for a tied weight (both say Adam).
                 reasons[id(param)] = reasons.get(id(param)) or reason

@@ -116,6 +116,22 @@ class PerHeadBias(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.zeros(heads, head_dim))
 
 
+class ExpertNorm(torch.nn.Module):
+    """One RMS norm scale per expert, [experts, dim] (Ergo's ErgoExpertNorm)."""
+
+    def __init__(self, experts=4, dim=8):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(experts, dim))
+
+
+def test_norm_scales_of_two_dims_go_to_adam():
+    model = TinyMoE()
+    model.expert_norm = ExpertNorm()
+    split = deepspeed.tag_muon_params(model)
+    assert not model.expert_norm.weight.use_muon
+    assert ("expert_norm.weight", 32, "stacked norm") in split.adam
+
+
 @pytest.mark.parametrize("rule", ["hidden", "upstream"])
 def test_biases_of_two_dims_are_a_bias_per_expert_or_head(rule):
     """Orthogonalising [experts, out] as one matrix would tie each expert's bias update to the others' gradients:
