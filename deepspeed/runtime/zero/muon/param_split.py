@@ -8,7 +8,8 @@ Two rules, chosen by `optimizer.params.param_split`:
   `lm_head`), a head tied to an embedding (it is the embedding's weight), every parameter with fewer than 2
   dims (norms, biases, scalars), and biases and norm scales of more dims (a parameter its module names "bias" or
   "..._bias", or of a module whose class name ends in "Norm": a stack of vectors, one per expert or head, which
-  Newton-Schulz would mix). A head of another name in a model
+  Newton-Schulz would mix), and a state-space mixer's `A_log` and `D` (element-wise decay rates and skip scales of a
+  module that has an `A_log`). A head of another name in a model
   without `get_output_embeddings` is a matrix like any other: tag it `use_muon = False`.
 - "upstream": upstream DeepSpeed's rule: Muon for every parameter with 2 or more dims whose name contains neither
   "embed" nor "lm_head".
@@ -113,6 +114,12 @@ def _is_bias(attribute: str) -> bool:
     return attribute == "bias" or attribute.endswith("_bias")
 
 
+# A state-space (Mamba) mixer's element-wise parameters, by the names every such mixer in transformers gives them: the
+# log decay rates A_log ([channels, state] in Mamba, Falcon-Mamba and Jamba; more dims in Zamba and Kimi-Linear) and
+# the skip scales D. Each entry is a rate or a scale of its own, not a linear map.
+_STATE_SPACE_PARAMETERS = ("A_log", "D")
+
+
 def _is_norm(module: torch.nn.Module) -> bool:
     """A normalisation layer (torch's and transformers' classes are all named ...Norm): its parameters are
     element-wise scales and shifts, one per row where they have two dims (Ergo's ErgoExpertNorm [experts, hidden])."""
@@ -125,6 +132,7 @@ def _hidden_rule(model: torch.nn.Module) -> dict:
     reasons = {}
     for module in model.modules():
         reason = "embedding" if isinstance(module, _EMBEDDINGS) else "head" if id(module) in heads else None
+        state_space = hasattr(module, _STATE_SPACE_PARAMETERS[0])
         for attribute, param in module.named_parameters(recurse=False):
             if len(_shape(param)) < 2:
                 reasons.setdefault(id(param), "vector")
@@ -132,6 +140,8 @@ def _hidden_rule(model: torch.nn.Module) -> dict:
                 reasons.setdefault(id(param), "stacked bias")
             elif _is_norm(module):
                 reasons.setdefault(id(param), "stacked norm")
+            elif state_space and attribute in _STATE_SPACE_PARAMETERS:
+                reasons.setdefault(id(param), "state-space decay")
             elif reason is not None:
                 # An embedding's verdict wins over a head's for a tied weight (both say Adam).
                 reasons[id(param)] = reasons.get(id(param)) or reason

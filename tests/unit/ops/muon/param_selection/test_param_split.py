@@ -132,6 +132,26 @@ def test_norm_scales_of_two_dims_go_to_adam():
     assert ("expert_norm.weight", 32, "stacked norm") in split.adam
 
 
+def test_a_state_space_mixers_decay_rates_and_skip_scales_go_to_adam():
+    """Jamba's Mamba mixer (transformers 5.25): A_log [channels, state] and D are element-wise; its projections are
+    matrices; its depthwise conv kernel [channels, 1, width] is a batch of matrices as any 3-D tensor."""
+    import transformers
+
+    config = transformers.JambaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                      num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1,
+                                      attn_layer_period=2, attn_layer_offset=1, mamba_d_state=4, mamba_d_conv=4,
+                                      mamba_expand=2, mamba_dt_rank=4)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    split = deepspeed.tag_muon_params(model)
+    mixer = {name.removeprefix("model.layers.0.mamba."): p.use_muon for name, p in model.named_parameters()
+             if name.startswith("model.layers.0.mamba.") and p.ndim >= 2}
+    assert mixer == {"A_log": False, "conv1d.weight": True, "in_proj.weight": True, "x_proj.weight": True,
+                     "dt_proj.weight": True, "out_proj.weight": True}
+    assert ("model.layers.0.mamba.A_log", 256, "state-space decay") in split.adam
+    assert model.model.layers[1].feed_forward.experts.gate_up_proj.use_muon
+
+
 @pytest.mark.parametrize("rule", ["hidden", "upstream"])
 def test_biases_of_two_dims_are_a_bias_per_expert_or_head(rule):
     """Orthogonalising [experts, out] as one matrix would tie each expert's bias update to the others' gradients:
