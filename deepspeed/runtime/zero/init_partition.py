@@ -24,7 +24,7 @@ import contextlib
 import json
 import math
 import os
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -208,7 +208,8 @@ class Init(contextlib.ContextDecorator):
         self.shard_device = torch.device("cpu") if remote_device == "cpu" else self.device
         self.pin_memory = bool(pin_memory) and self.shard_device.type == "cpu" and self.device.type != "cpu"
         self._depth: Dict[int, int] = {}
-        self._originals: Dict[type, Callable] = {}
+        # class -> (its __init__ before the context, our wrapper of it)
+        self._originals: Dict[type, Tuple[Callable, Callable]] = {}
         self._next_id = 0
         # dtype -> a flat buffer rank 0's values are broadcast in (see _rank0_value).
         self._staging: Dict[torch.dtype, torch.Tensor] = {}
@@ -243,8 +244,14 @@ class Init(contextlib.ContextDecorator):
         return None
 
     def _restore(self) -> None:
-        for cls, original in self._originals.items():
-            cls.__init__ = original
+        for cls, (original, init) in self._originals.items():
+            # A class defined inside the context is wrapped as it is created, before its class decorators run; one
+            # that replaces __init__ with a function calling the one it found (the kernels library's
+            # use_kernelized_func on transformers' attention classes) keeps our wrapper inside its own. Putting the
+            # class's first __init__ back would drop that decorator for every later instance, so its __init__ stays,
+            # and our wrapper in it passes through once the context is left.
+            if cls.__dict__.get("__init__") is init:
+                cls.__init__ = original
         self._originals = {}
         if self._prior_init_subclass is None:
             del torch.nn.Module.__init_subclass__
@@ -258,10 +265,12 @@ class Init(contextlib.ContextDecorator):
         original = cls.__dict__.get("__init__")
         if original is None or cls in self._originals:
             return
-        self._originals[cls] = original
         depth = self._depth
 
         def init(module, *args, **kwargs):
+            if not self._entered:
+                # Kept past the context by a class decorator that wrapped it (see _restore): build whole.
+                return original(module, *args, **kwargs)
             key = id(module)
             depth[key] = depth.get(key, 0) + 1
             try:
@@ -275,6 +284,7 @@ class Init(contextlib.ContextDecorator):
                 self.partition_module(module)
 
         init.__wrapped__ = original
+        self._originals[cls] = (original, init)
         cls.__init__ = init
 
     # ------------------------------------------------------------------ partitioning

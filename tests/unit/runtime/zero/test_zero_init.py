@@ -164,6 +164,40 @@ class TestInitUsage(DistributedTest):
         # Outside the context, modules are built whole again.
         assert torch.nn.Linear(2, 2).weight.numel() == 4
 
+    def test_a_class_defined_inside_keeps_its_decorators_init(self):
+        """A class created inside the context (transformers imports a model's module when the model is first built)
+        whose class decorator replaces __init__ with a function that calls the one it found, as the kernels
+        library's use_kernelized_func does on transformers' attention classes: the context must not put the
+        undecorated __init__ back on leaving, or every later instance misses what the decorator sets; built outside,
+        instances are whole."""
+
+        def sets_a_marker(cls):
+            found = cls.__init__
+
+            def init(self, *args, **kwargs):
+                found(self, *args, **kwargs)
+                self.__dict__["marker"] = True
+
+            cls.__init__ = init
+            return cls
+
+        with deepspeed.zero.Init(config_dict_or_path=make_config(3, "fp32")):
+
+            @sets_a_marker
+            class Decorated(torch.nn.Module):
+
+                def __init__(self):
+                    super().__init__()
+                    self.fc = torch.nn.Linear(4, 4)
+
+            inside = Decorated()
+        assert inside.marker and inside.fc.weight.numel() == 0 and inside.fc.weight.ds_shape == (4, 4)
+        outside = Decorated()
+        assert outside.marker and outside.fc.weight.numel() == 16 and not hasattr(outside.fc.weight, "ds_shape")
+        with deepspeed.zero.Init(config_dict_or_path=make_config(3, "fp32")):
+            again = Decorated()
+        assert again.marker and again.fc.weight.numel() == 0
+
     def test_needs_stage_3(self):
         with deepspeed.zero.Init():
             model = SimpleModel(HIDDEN)
