@@ -45,7 +45,7 @@ NUM_HEADS_ATTRIBUTE, HEAD_DIM_ATTRIBUTE = "muon_num_heads", "muon_head_dim"
 _EXPERTS_DERIVED_ATTRIBUTE = "_muon_num_heads_experts"
 
 
-def _shape(param: torch.Tensor) -> torch.Size:
+def param_shape(param: torch.Tensor) -> torch.Size:
     # A zero.Init parameter's data is an empty placeholder: its shape is `ds_shape`.
     return getattr(param, "ds_shape", param.shape)
 
@@ -134,7 +134,7 @@ def _hidden_rule(model: torch.nn.Module) -> dict:
         reason = "embedding" if isinstance(module, _EMBEDDINGS) else "head" if id(module) in heads else None
         state_space = hasattr(module, _STATE_SPACE_PARAMETERS[0])
         for attribute, param in module.named_parameters(recurse=False):
-            if len(_shape(param)) < 2:
+            if len(param_shape(param)) < 2:
                 reasons.setdefault(id(param), "vector")
             elif _is_bias(attribute):
                 reasons.setdefault(id(param), "stacked bias")
@@ -169,7 +169,7 @@ def _row_stacked_experts(model: torch.nn.Module) -> dict:
         if count is None or count < 2:
             continue
         for param in module.parameters(recurse=False):
-            shape = _shape(param)
+            shape = param_shape(param)
             if len(shape) == 2 and shape[0] > count and shape[0] % count == 0:
                 counts[id(param)] = count
     return counts
@@ -199,7 +199,7 @@ def row_stacked_experts(param: torch.Tensor) -> bool:
 
 def _upstream_reason(name: str, param: torch.Tensor):
     lowered = name.lower()
-    if len(_shape(param)) < 2:
+    if len(param_shape(param)) < 2:
         return "vector"
     if "embed" in lowered or "lm_head" in lowered:
         return "named embed or lm_head"
@@ -232,12 +232,12 @@ def tag_muon_params(model: torch.nn.Module, param_split: str = DEFAULT_PARAM_SPL
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        numel = _shape(param).numel()
+        numel = param_shape(param).numel()
         if param.use_muon:
             split.muon.append((name, numel))
-            if len(_shape(param)) >= 2:
+            if len(param_shape(param)) >= 2:
                 experts = param.muon_num_heads if row_stacked_experts(param) else 1
-                split.matrices[name] = matrix_blocks(_shape(param), experts)[0]
+                split.matrices[name] = matrix_blocks(param_shape(param), experts)[0]
             if id(param) in routers:
                 split.routers.append(name)
         else:

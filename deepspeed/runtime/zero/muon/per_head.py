@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from deepspeed.runtime.zero.muon.math.update import head_rows, matrix_rows
-from deepspeed.runtime.zero.muon.param_split import HEAD_DIM_ATTRIBUTE, NUM_HEADS_ATTRIBUTE, row_stacked_experts
+from deepspeed.runtime.zero.muon.param_split import (HEAD_DIM_ATTRIBUTE, NUM_HEADS_ATTRIBUTE, param_shape,
+                                                      row_stacked_experts)
 from deepspeed.utils.logging import log_dist
 
 # Marks a count that tag_attention_heads derived (not the user's), so the next tagging derives it again from its
@@ -42,11 +43,6 @@ KEY_VALUE_HEAD_COUNT_KEY = "num_key_value_heads"
 HEAD_DIM_KEY = "head_dim"
 # Without head_dim, the hidden size over the query head count gives it (the rows of one k/v head under GQA).
 HIDDEN_SIZE_KEYS = ("hidden_size", "d_model", "n_embd", "dim")
-
-
-def param_shape(param: torch.Tensor) -> torch.Size:
-    """A parameter's shape (a ZeRO stage-3 placeholder's is ``ds_shape``)."""
-    return getattr(param, "ds_shape", param.shape)
 
 
 def head_count(param: torch.Tensor, name: str | None = None) -> int:
