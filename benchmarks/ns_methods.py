@@ -462,11 +462,13 @@ def print_tables(results: dict) -> None:
             print(f"  {row['count']:4d} x {row['ms_each']:7.3f} {row['tflops']:8.1f}  {row['op']:17s} "
                   f"{row['dtype']:9s} {'x'.join(map(str, row['A'])):12s} {'x'.join(map(str, row['B'])):12s} "
                   f"{row['layout']:6s} {row['batch']}")
-        print(f"{model}: per shape, batched (ms, TFLOP/s; error vs float64 polar / vs float64 iteration, max sv)")
+        print(f"{model}: per shape, batched (TFLOP, ms, TFLOP/s; error vs float64 polar / vs float64 iteration, "
+              "max sv)")
         for row in entry["per_shape"]:
             shape = f"{row['batch']} x {row['shape'][0]}x{row['shape'][1]}"
             print(f"  {shape:16s} " + "  ".join(
-                f"{m} {row[m]['ms']:7.2f} ms {row[m]['tflops']:6.1f}" for m in methods))
+                f"{m} {row[m]['gflop'] / 1e3:.3f} TFLOP {row[m]['ms']:7.2f} ms {row[m]['tflops']:6.1f}"
+                for m in methods))
             for name, acc in row["accuracy"].items():
                 print(f"    {name:12s} (float64 iteration {acc['float64_iteration_vs_polar']:.4f}) " + "  ".join(
                     f"{m} {acc[m]['vs_polar']:.4f} / {acc[m]['vs_float64_iteration']:.4f}, "

@@ -30,6 +30,19 @@ def test_accuracy_table_covers_every_method_and_schedule(tmp_path, monkeypatch):
     assert "| 16x32 | fp32 |" in out.with_suffix(".md").read_text()
 
 
+def test_the_gpu_tables_give_each_shapes_flop_count(capsys):
+    # A committed GPU result printed again: each shape's row gives every method's TFLOP beside its time and rate.
+    results = json.loads((BENCHMARKS / "results" / "ns-methods-1.1b-h100-triangular" / "ns_methods_gpu.json")
+                         .read_text())
+    ns_methods.print_tables(results)
+    lines = capsys.readouterr().out.splitlines()
+    for row in results["models"]["gpt-1.1b"]["per_shape"]:
+        shape = f"{row['batch']} x {row['shape'][0]}x{row['shape'][1]}"
+        printed = next(line for line in lines if line.strip().startswith(shape))
+        for method in results["methods"]:
+            assert f"{method} {row[method]['gflop'] / 1e3:.3f} TFLOP" in printed, (method, printed)
+
+
 @pytest.mark.parametrize("separate_addend", [False, True], ids=["torch's products", "with the addend GEMM"])
 def test_the_recorded_gemms_are_the_flops_the_counter_counts(separate_addend, monkeypatch):
     """The GPU table times the engine call's GEMMs, each kind on its own; the recording must hold every product of
